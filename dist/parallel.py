@@ -1,0 +1,130 @@
+"""Process group and collectives for tensor parallelism: NCCL on GPU, gloo on CPU, one API.
+
+Every rank of a torchrun job is one tensor-parallel rank. Without torchrun (or with world size 1) every collective
+is a no-op, so the same model code runs on one device with no process group at all.
+
+Two groups exist when running on GPUs: the default NCCL group for tensor collectives inside the forward, and a
+gloo group on the CPU for the small per-step metadata broadcast (so that rank 0's Python objects never need a
+device round trip).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+
+import torch
+import torch.distributed as torch_dist
+
+_WORLD = 1
+_RANK = 0
+_CPU_GROUP = None
+
+
+def init_distributed(device_type: str = "cuda", timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Join the torchrun job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+    Returns (rank, world_size). Safe to call when not launched by torchrun: then it is TP=1 with no group.
+    """
+    global _WORLD, _RANK, _CPU_GROUP
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world == 1:
+        _WORLD, _RANK = 1, 0
+        return 0, 1
+    if not torch_dist.is_initialized():
+        # never NVLink multicast (NVLS): on shared hosts it can take the GPUs out of service
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        kwargs = {}
+        if device_type == "cuda":
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+            torch.cuda.set_device(local_rank)
+            kwargs["device_id"] = torch.device("cuda", local_rank)
+        torch_dist.init_process_group(backend, rank=rank, world_size=world,
+                                      timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    _WORLD, _RANK = world, rank
+    if device_type == "cuda":
+        _CPU_GROUP = torch_dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    else:
+        _CPU_GROUP = None  # the default group is already gloo
+    return rank, world
+
+
+def destroy() -> None:
+    global _WORLD, _RANK, _CPU_GROUP
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+    _WORLD, _RANK, _CPU_GROUP = 1, 0, None
+
+
+def tp_rank() -> int:
+    return _RANK
+
+
+def tp_size() -> int:
+    return _WORLD
+
+
+def is_driver() -> bool:
+    """Rank 0 owns the scheduler, the sampler and the HTTP server."""
+    return _RANK == 0
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over all ranks in place (the one collective after each mixer and each MoE/MLP)."""
+    if _WORLD > 1:
+        torch_dist.all_reduce(x)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's `x` along the last dim, in rank order (vocab-parallel logits)."""
+    if _WORLD == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_WORLD)]
+    torch_dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def gather_last_dim_to_driver(x: torch.Tensor) -> torch.Tensor | None:
+    """Like all_gather_last_dim but only rank 0 receives the result (others get None)."""
+    if _WORLD == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_WORLD)] if _RANK == 0 else None
+    torch_dist.gather(x, parts, dst=0)
+    return torch.cat(parts, dim=-1) if _RANK == 0 else None
+
+
+def broadcast_object(obj=None, src: int = 0):
+    """Send a picklable object from `src` to every rank over the CPU group; returns it on every rank."""
+    if _WORLD == 1:
+        return obj
+    if _RANK == src:
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        header = torch.tensor([len(payload)], dtype=torch.int64)
+    else:
+        header = torch.zeros(1, dtype=torch.int64)
+    torch_dist.broadcast(header, src=src, group=_CPU_GROUP)
+    if _RANK == src:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        buf = torch.empty(int(header.item()), dtype=torch.uint8)
+    torch_dist.broadcast(buf, src=src, group=_CPU_GROUP)
+    return obj if _RANK == src else pickle.loads(buf.numpy().tobytes())
+
+
+def barrier() -> None:
+    if _WORLD > 1:
+        torch_dist.barrier(group=_CPU_GROUP)
+
+
+def all_reduce_min_int(value: int) -> int:
+    """The smallest of every rank's `value` (e.g. how many KV blocks fit on every GPU)."""
+    if _WORLD == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MIN, group=_CPU_GROUP)
+    return int(t.item())

@@ -1,0 +1,78 @@
+"""Gated full attention (spec §4) with a paged KV cache.
+
+TP split: each rank takes a contiguous block of query heads (each head's q_proj rows are [q | gate], so a head
+block is a contiguous row block) and the matching o_proj columns. KV heads: split when there are at least as many
+as ranks, else each rank keeps (a replica of) the one KV head its query heads use.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist import parallel
+from layers.forward_batch import ForwardBatch
+from layers.linear import Linear, even_split
+from layers.norm import RMSNorm
+from layers.rotary import RotaryEmbedding
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg, rotary: RotaryEmbedding, dtype=None, device=None):
+        super().__init__()
+        rank, tp = parallel.tp_rank(), parallel.tp_size()
+        H, KV, D, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        h_start, self.num_heads = even_split(H, rank, tp)
+        if KV >= tp:
+            kv_start, self.num_kv_heads = even_split(KV, rank, tp)
+        else:  # replicate: all of this rank's query heads share one KV head
+            kv_start, self.num_kv_heads = h_start // (H // KV), 1
+        self.head_dim = D
+        self.scale = D ** -0.5
+        self.rotary = rotary
+        self.q_proj = Linear(hidden, H * 2 * D, rows=[(h_start * 2 * D, self.num_heads * 2 * D)], dtype=dtype, device=device)
+        self.k_proj = Linear(hidden, KV * D, rows=[(kv_start * D, self.num_kv_heads * D)], dtype=dtype, device=device)
+        self.v_proj = Linear(hidden, KV * D, rows=[(kv_start * D, self.num_kv_heads * D)], dtype=dtype, device=device)
+        self.o_proj = Linear(H * D, hidden, cols=[(h_start * D, self.num_heads * D)], dtype=dtype, device=device)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device)
+        # [num_blocks, block_size, num_kv_heads, head_dim], allocated by the runner
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * D).split(D, dim=-1)
+        gate = gate.reshape(T, self.num_heads * D)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, D))
+        v = self.v_proj(x).view(T, self.num_kv_heads, D)
+        q, k = self.rotary(batch.positions, q, k)
+        # cache post-norm, post-RoPE K and V
+        self.k_cache.view(-1, self.num_kv_heads, D)[batch.slot_mapping] = k
+        self.v_cache.view(-1, self.num_kv_heads, D)[batch.slot_mapping] = v
+        o = paged_attention_ref(q, self.k_cache, self.v_cache, batch, self.scale)
+        return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate))
+
+
+def paged_attention_ref(q, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached keys, one sequence at a time."""
+    block_size, n_kv, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    n_heads = q.shape[1]
+    out = torch.empty_like(q)
+    offset = 0
+    for i, (n, start) in enumerate(zip(batch.seq_lens_cpu, batch.start_pos_cpu)):
+        ctx = start + n
+        blocks = batch.block_tables[i, : (ctx + block_size - 1) // block_size]
+        k = k_cache[blocks].reshape(-1, n_kv, D)[:ctx].transpose(0, 1)  # [kv, ctx, D]
+        v = v_cache[blocks].reshape(-1, n_kv, D)[:ctx].transpose(0, 1)
+        k = k.repeat_interleave(n_heads // n_kv, dim=0)
+        v = v.repeat_interleave(n_heads // n_kv, dim=0)
+        qi = q[offset: offset + n].transpose(0, 1)  # [h, n, D]
+        # query t (absolute position start + t) sees keys 0..start + t
+        mask = torch.arange(ctx, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                           attn_mask=mask, scale=scale)[0]
+        out[offset: offset + n] = o.transpose(0, 1)
+        offset += n
+    return out

@@ -1,0 +1,142 @@
+"""Gated DeltaNet (spec §3): projections, causal depthwise conv with a cached tail, and the gated delta rule with
+an fp32 recurrent state per sequence, addressed by state slot.
+
+TP split: each rank takes a contiguous block of key heads and the value heads that use them (v-head j reads
+qk-head j // (Hv/Hk), so a block of Hv/tp value heads maps onto a block of Hk/tp key heads). The q, k and v row
+blocks of in_proj_qkv (and the conv channels, which follow them one to one) are each split that way; z, b, a,
+A_log and dt_bias follow the value heads; out_proj is split by input columns and all-reduced by the caller.
+
+Two algorithms, as in the reference: a chunked (UT transform) form for any call that feeds several tokens, and the
+token-by-token recurrence for single-token decode on an existing state. Both compute the same function.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist import parallel
+from layers.forward_batch import ForwardBatch
+from layers.linear import Linear, even_split, make_param
+from layers.norm import GatedRMSNorm
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """q, k: [n, H, dk]; v: [n, H, dv]; g, beta: [n, H]; state: [H, dk, dv]; all fp32. Returns (o [n, H, dv], state)."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        predicted = torch.einsum("hkv,hk->hv", state, k[t])
+        delta = (v[t] - predicted) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+    return out, state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
+    """Same contract as recurrent_gated_delta_rule, computed chunk by chunk.
+
+    Within a chunk, the delta-rule updates form a unit lower-triangular system (I + tril(diag(beta) K K^T * decay))
+    whose solution gives the chunk's effective values; between chunks only the [dk, dv] state is carried.
+    """
+    n, H, dk = k.shape
+    pad = (-n) % chunk
+    # [H, n, d], padded with inert steps (k = v = beta = 0, g = 0 leaves the state unchanged)
+    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x.transpose(0, 1), (0, pad)) for x in (g, beta))
+    nc = (n + pad) // chunk
+    q, k, v = (x.reshape(H, nc, chunk, -1) for x in (q, k, v))
+    g, beta = g.reshape(H, nc, chunk), beta.reshape(H, nc, chunk)
+
+    gcum = g.cumsum(-1)                                          # log decay from chunk start to each step
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (gcum[..., :, None] - gcum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H,nc,C,C]
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * gcum.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay                    # within-chunk attention, decay applied
+    q_decayed = q * gcum.exp()[..., None]
+    k_to_end = k * (gcum[..., -1:] - gcum).exp()[..., None]
+    chunk_decay = gcum[..., -1].exp()                            # [H, nc]
+
+    out = torch.empty_like(v)
+    for c in range(nc):
+        v_new = u[:, c] - w[:, c] @ state                         # the part of the values the state does not predict
+        out[:, c] = q_decayed[:, c] @ state + intra[:, c] @ v_new
+        state = state * chunk_decay[:, c, None, None] + k_to_end[:, c].transpose(-1, -2) @ v_new
+    out = out.reshape(H, nc * chunk, -1)[:, :n].transpose(0, 1)
+    return out, state
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg, dtype=None, device=None):
+        super().__init__()
+        rank, tp = parallel.tp_rank(), parallel.tp_size()
+        Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, hidden = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.hidden_size
+        k_start, self.num_k_heads = even_split(Hk, rank, tp)
+        v_start, self.num_v_heads = even_split(Hv, rank, tp)
+        self.dk, self.dv, self.kernel = dk, dv, cfg.linear_conv_kernel_dim
+        kd, vd = Hk * dk, Hv * dv
+        qkv_rows = [(k_start * dk, self.num_k_heads * dk), (kd + k_start * dk, self.num_k_heads * dk),
+                    (2 * kd + v_start * dv, self.num_v_heads * dv)]
+        self.conv_dim = sum(size for _, size in qkv_rows)
+        v_heads = [(v_start, self.num_v_heads)]
+        self.in_proj_qkv = Linear(hidden, 2 * kd + vd, rows=qkv_rows, dtype=dtype, device=device)
+        self.in_proj_z = Linear(hidden, vd, rows=[(v_start * dv, self.num_v_heads * dv)], dtype=dtype, device=device)
+        self.in_proj_b = Linear(hidden, Hv, rows=v_heads, dtype=dtype, device=device)
+        self.in_proj_a = Linear(hidden, Hv, rows=v_heads, dtype=dtype, device=device)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = make_param((2 * kd + vd, 1, self.kernel), [qkv_rows, None, None], dtype, device)
+        # A_log is released in fp32 and kept so (as vLLM/SGLang do); the decay is computed in fp32
+        self.A_log = make_param((Hv,), [v_heads], torch.float32, device)
+        self.dt_bias = make_param((Hv,), [v_heads], dtype, device)
+        self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps, device=device)
+        self.out_proj = Linear(vd, hidden, cols=[(v_start * dv, self.num_v_heads * dv)], dtype=dtype, device=device)
+        # per-slot caches, allocated by the runner:
+        # conv_state [slots, conv_dim, kernel-1] (raw pre-conv inputs), ssm_state [slots, Hv_local, dk, dv] fp32
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T = x.shape[0]
+        u = self.in_proj_qkv(x)                                   # [T, conv_dim]
+        z = self.in_proj_z(x).view(T, self.num_v_heads, self.dv)
+        beta = self.in_proj_b(x).sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        out = torch.empty(T, self.num_v_heads, self.dv, dtype=x.dtype, device=x.device)
+        offset = 0
+        for i, (n, start) in enumerate(zip(batch.seq_lens_cpu, batch.start_pos_cpu)):
+            sl = slice(offset, offset + n)
+            slot = batch.state_slots_cpu[i]
+            c = self._conv(u[sl], slot, fresh=start == 0)
+            q, k, v = c.split([self.num_k_heads * self.dk, self.num_k_heads * self.dk, self.num_v_heads * self.dv], -1)
+            rep = self.num_v_heads // self.num_k_heads
+            q = (l2norm(q.float().view(n, -1, self.dk)) * self.dk ** -0.5).repeat_interleave(rep, dim=1)
+            k = l2norm(k.float().view(n, -1, self.dk)).repeat_interleave(rep, dim=1)
+            v = v.float().view(n, -1, self.dv)
+            if start == 0:
+                state = torch.zeros(self.num_v_heads, self.dk, self.dv, dtype=torch.float32, device=x.device)
+            else:
+                state = self.ssm_state[slot]
+            rule = recurrent_gated_delta_rule if (n == 1 and start > 0) else chunk_gated_delta_rule
+            o, state = rule(q, k, v, g[sl], beta[sl], state)
+            self.ssm_state[slot] = state
+            out[sl] = o.to(x.dtype)
+            offset += n
+        y = self.norm(out, z).reshape(T, -1)
+        return self.out_proj(y)
+
+    def _conv(self, u: torch.Tensor, slot, fresh: bool) -> torch.Tensor:
+        """Causal depthwise conv of one sequence's new inputs u [n, C] after its cached tail; updates the tail."""
+        tail_len = self.kernel - 1
+        prev = torch.zeros(self.conv_dim, tail_len, dtype=u.dtype, device=u.device) if fresh else self.conv_state[slot]
+        seq = torch.cat([prev, u.t()], dim=1)                     # [C, tail + n]
+        self.conv_state[slot] = seq[:, -tail_len:]
+        y = F.conv1d(seq.unsqueeze(0), self.conv1d.weight, groups=self.conv_dim)[0]  # valid conv: [C, n]
+        return F.silu(y).t()

@@ -1,0 +1,40 @@
+"""Vocabulary-parallel embedding and LM head: rank r holds rows [r*V/tp, (r+1)*V/tp) of the [V, H] tables.
+
+Embedding: each rank looks up the ids it owns (zeros elsewhere) and an all-reduce completes the rows.
+LM head: each rank computes its slice of the logits; the slices are gathered only for the tokens that need them.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist import parallel
+from layers.linear import even_split, make_param
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=None, device=None):
+        super().__init__()
+        self.start, self.size = even_split(vocab_size, parallel.tp_rank(), parallel.tp_size())
+        self.weight = make_param((vocab_size, hidden_size), [[(self.start, self.size)], None], dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if parallel.tp_size() == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.size)
+        out = F.embedding(local.clamp(0, self.size - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return parallel.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=None, device=None):
+        super().__init__()
+        start, size = even_split(vocab_size, parallel.tp_rank(), parallel.tp_size())
+        self.weight = make_param((vocab_size, hidden_size), [[(start, size)], None], dtype, device)
+
+    def forward(self, hidden: torch.Tensor, gather_to_all: bool = False) -> torch.Tensor | None:
+        """Logits [n, V] (float32) on rank 0, or on every rank when gather_to_all; None on other ranks."""
+        local = F.linear(hidden, self.weight).float()
+        if gather_to_all:
+            return parallel.all_gather_last_dim(local)
+        return parallel.gather_last_dim_to_driver(local)

@@ -1,0 +1,171 @@
+"""Load a Hugging Face Qwen3.5 safetensors checkpoint into a (tensor-parallel shard of the) model.
+
+Each rank opens the files lazily (`safe_open` + `get_slice`) and reads only the ranges of each tensor that its
+parameters keep (see layers/linear.py), straight to its device, so host memory holds one tensor slice at a time.
+Checkpoint names `model.language_model.X` (multimodal release) and `model.X` (text-only save) both map to module
+`X`; `lm_head.weight` stays; `model.visual.*` and `mtp.*` are skipped. Experts load fused (`experts.gate_up_proj`)
+or per expert (`experts.{e}.gate_proj.weight`, ...).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from safetensors import safe_open
+
+from layers.linear import default_weight_loader
+from layers.moe import Experts
+
+SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.")
+TEXT_PREFIXES = ("model.language_model.", "model.")
+PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
+
+
+class TensorSource:
+    """A lazily read checkpoint tensor: `.shape`, `.read(index)` -> tensor of just that slice."""
+
+    def __init__(self, handle, name: str, file: str, device):
+        self._slice = handle.get_slice(name)
+        self.name, self.file, self.device = name, file, device
+        self.shape = tuple(self._slice.get_shape())
+        self.dtype = self._slice.get_dtype()
+
+    def read(self, index) -> torch.Tensor:
+        return self._slice[index].to(self.device)
+
+
+class InMemorySource:
+    """The same interface over a tensor already in memory (tests, tied weights)."""
+
+    def __init__(self, tensor: torch.Tensor, name: str, file: str = "<memory>"):
+        self.tensor, self.name, self.file, self.shape = tensor, name, file, tuple(tensor.shape)
+
+    def read(self, index) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def checkpoint_files(model_dir: str) -> dict[str, str]:
+    """Map tensor name -> file path, from the index when there is one, else from every *.safetensors file."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    mapping = {}
+    for file in files:
+        path = os.path.join(model_dir, file)
+        with safe_open(path, framework="pt") as handle:
+            mapping.update({name: path for name in handle.keys()})
+    return mapping
+
+
+def module_name(ckpt_name: str) -> str | None:
+    """Our parameter name for a checkpoint tensor name, or None for tensors the text model does not use."""
+    if ckpt_name.startswith(SKIP_PREFIXES):
+        return None
+    if ckpt_name == "lm_head.weight":
+        return ckpt_name
+    for prefix in TEXT_PREFIXES:
+        if ckpt_name.startswith(prefix):
+            return ckpt_name[len(prefix):]
+    return None
+
+
+class _Tracker:
+    """Which parameters have been filled, so that a missing tensor is an error naming it."""
+
+    def __init__(self, model):
+        self.params = dict(model.named_parameters())
+        self.done: set[str] = set()
+        self.expert_parts: dict[str, set] = {}
+
+    def missing(self, model) -> list[str]:
+        missing = []
+        for name in self.params:
+            if name in self.done:
+                continue
+            owner = model.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(owner, Experts):
+                parts = self.expert_parts.get(name.rsplit(".", 1)[0], set())
+                per = 2 if name.endswith("gate_up_proj") else 1
+                kinds = {"gate_proj", "up_proj"} if per == 2 else {"down_proj"}
+                if sum(1 for _, k in parts if k in kinds) == owner.num_local * per:
+                    continue
+            missing.append(name)
+        return missing
+
+
+def load_checkpoint(model, model_dir: str, device, progress: bool = False) -> None:
+    files = checkpoint_files(model_dir)
+    tracker = _Tracker(model)
+    by_file: dict[str, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(files), desc="loading weights", unit="tensor")
+    for path, names in sorted(by_file.items()):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"checkpoint file {path} (listed in the index) does not exist")
+        with safe_open(path, framework="pt") as handle:
+            for name in names:
+                _load_one(model, tracker, TensorSource(handle, name, path, device))
+                if bar:
+                    bar.update(1)
+    if bar:
+        bar.close()
+    _tie_lm_head(model, tracker)
+    missing = tracker.missing(model)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}"
+                         + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+
+
+def load_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load from in-memory tensors named as in a checkpoint (tests; same rules and checks as files)."""
+    tracker = _Tracker(model)
+    for name, tensor in state_dict.items():
+        _load_one(model, tracker, InMemorySource(tensor, name))
+    _tie_lm_head(model, tracker)
+    missing = tracker.missing(model)
+    if missing:
+        raise ValueError(f"state dict lacks tensors for: {', '.join(missing[:8])}")
+
+
+def _load_one(model, tracker: _Tracker, src) -> None:
+    name = module_name(src.name)
+    if name is None:
+        return
+    dtype = getattr(src, "dtype", None)
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise ValueError(f"tensor {src.name!r} in {src.file} has dtype {dtype}; only floating-point (BF16/F16/F32) "
+                         "checkpoints are supported")
+    m = PER_EXPERT.match(name)
+    if m:
+        experts = model.get_submodule(m.group(1))
+        if experts.load_expert(src, int(m.group(2)), m.group(3)):
+            tracker.expert_parts.setdefault(m.group(1), set()).add((int(m.group(2)), m.group(3)))
+        return
+    param = tracker.params.get(name)
+    if param is None:
+        raise ValueError(f"tensor {src.name!r} in {src.file} matches no parameter of the model "
+                         "(is the config right for this checkpoint?)")
+    default_weight_loader(param, src)
+    tracker.done.add(name)
+
+
+def _tie_lm_head(model, tracker: _Tracker) -> None:
+    if "lm_head.weight" in tracker.done or not model.config.tie_word_embeddings:
+        return
+    emb = tracker.params["embed_tokens.weight"]
+    if "embed_tokens.weight" in tracker.done:
+        # the vocab shards of embedding and head are the same rows, so the head copies the embedding shard
+        tracker.params["lm_head.weight"].data.copy_(emb.data)
+        tracker.done.add("lm_head.weight")

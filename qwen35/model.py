@@ -1,0 +1,65 @@
+"""The Qwen3.5 text model (spec §2): embedding, decoder layers (Gated DeltaNet or gated attention mixer, then MoE or
+dense MLP), final norm and LM head. Module names mirror the checkpoint's (minus its prefix), so that the loader maps
+names one to one.
+
+Each decoder layer does exactly two all-reduces under TP: after the mixer and after the feed-forward (both produce
+partial sums of row-parallel projections / local experts).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dist import parallel
+from layers.attention import GatedAttention
+from layers.deltanet import GatedDeltaNet
+from layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from layers.forward_batch import ForwardBatch
+from layers.mlp import MLP
+from layers.moe import SparseMoE
+from layers.norm import RMSNorm
+from layers.rotary import RotaryEmbedding
+from qwen35.config import LINEAR_ATTENTION, ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, rotary: RotaryEmbedding, dtype=None, device=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.is_linear = layer_type == LINEAR_ATTENTION
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, device=device)
+        else:
+            self.self_attn = GatedAttention(cfg, rotary, dtype=dtype, device=device)
+        if cfg.is_moe:
+            self.mlp = SparseMoE(cfg, dtype=dtype, device=device)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x + parallel.all_reduce(mixer(self.input_layernorm(x), batch))
+        return h + parallel.all_reduce(self.mlp(self.post_attention_layernorm(h)))
+
+
+class Qwen35Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype=None, device=None, max_positions: int = 8192):
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, max_positions, device=device)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t, self.rotary, dtype=dtype, device=device)
+                                    for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final-norm hidden states [N, H] of every token of the batch."""
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, gather_to_all: bool = False) -> torch.Tensor | None:
+        return self.lm_head(hidden, gather_to_all=gather_to_all)

@@ -1,0 +1,45 @@
+"""Per-request generation settings (the offline API's and the server's common currency)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 = no top-k
+    max_tokens: int = 256
+    min_tokens: int = 0               # suppress stop tokens before this many completion tokens
+    stop: list[str] = field(default_factory=list)        # stop strings, matched on detokenized text, removed
+    stop_token_ids: list[int] | None = None              # None = the model's EOS ids (generation_config.json)
+    ignore_eos: bool = False          # benchmarks: never stop on EOS / stop tokens
+    seed: int | None = None           # same seed, same output
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+        self.top_k = int(self.top_k or 0)
+        self.max_tokens = int(self.max_tokens)
+        self.min_tokens = int(self.min_tokens or 0)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field (the server turns it into an HTTP 400)."""
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if self.seed is not None:
+            self.seed = int(self.seed)

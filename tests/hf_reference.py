@@ -1,0 +1,56 @@
+"""Tiny transformers reference models (test-only dependency) and helpers shared by the model tests."""
+from __future__ import annotations
+
+import socket
+
+import torch
+
+TINY_TEXT = dict(
+    vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+)
+TINY_MOE = dict(TINY_TEXT, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32)
+TINY_DENSE = dict(TINY_TEXT, intermediate_size=128)
+
+
+def build_hf_model(kind: str = "moe", seed: int = 0):
+    """A random fp32 transformers model; norm weights perturbed so that a (1 + w) vs w mix-up cannot pass."""
+    from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
+                              Qwen3_5TextConfig)
+    torch.manual_seed(seed)
+    if kind == "moe":
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY_MOE))
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY_DENSE))
+    model = model.float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("dt_bias"):
+                p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+def hf_decode_logits(model, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
+    """Logits of the prompt's last token, then of each fed token, through transformers' own cache."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    out = []
+    with torch.no_grad():
+        r = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        out.append(r.logits[0, -1])
+        for t in steps:
+            r = model(torch.tensor([[t]]), past_key_values=r.past_key_values, use_cache=True)
+            out.append(r.logits[0, -1])
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
