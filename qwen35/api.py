@@ -1,0 +1,89 @@
+"""The logits-level interface that correctness harnesses drive: create_engine(...).prefill/decode/remove.
+
+No scheduler and no sampling: each call is one forward over the listed requests, returning their next-token logits.
+Request state (a DeltaNet state slot and paged-KV blocks) is held per request id between calls.
+"""
+from __future__ import annotations
+
+import torch
+
+from dist import parallel
+from qwen35.config import ModelConfig
+from qwen35.runner import ModelRunner
+from scheduler.plan import StepPlan
+from scheduler.pools import BlockPool, StateSlotPool
+
+
+class LogitsEngine:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.blocks = BlockPool(runner.num_kv_blocks, runner.block_size)
+        self.slots = StateSlotPool(runner.num_state_slots)
+        self._state: dict = {}  # request id -> {"slot", "blocks", "len"}
+
+    def prefill(self, request_ids: list, input_ids: list[torch.Tensor]) -> torch.Tensor:
+        """Start (or restart) each listed request from its prompt; logits [B, vocab] of each prompt's last token."""
+        if len(request_ids) != len(input_ids) or len(set(request_ids)) != len(request_ids):
+            raise ValueError("prefill needs one prompt per request and distinct request ids")
+        prompts = [torch.as_tensor(t).reshape(-1).tolist() for t in input_ids]
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("prefill: every prompt needs at least one token")
+        self.remove([r for r in request_ids if r in self._state])
+        try:
+            for rid, prompt in zip(request_ids, prompts):
+                self._state[rid] = {"slot": self.slots.allocate()[0], "blocks": [], "len": 0}
+                self._grow(rid, len(prompt))
+        except Exception:
+            self.remove(request_ids)  # all or nothing: no half-admitted request keeps capacity
+            raise
+        return self._run(request_ids, prompts)
+
+    def decode(self, request_ids: list, token_ids) -> torch.Tensor:
+        """Feed one token to each listed (live) request; logits [B, vocab] of the next token."""
+        tokens = torch.as_tensor(token_ids).reshape(-1).tolist()
+        if len(tokens) != len(request_ids) or len(set(request_ids)) != len(request_ids):
+            raise ValueError("decode needs exactly one token per request and distinct request ids")
+        unknown = [r for r in request_ids if r not in self._state]
+        if unknown:
+            raise KeyError(f"decode: no live request {unknown[0]!r} (prefill it first)")
+        for rid in request_ids:
+            self._grow(rid, 1)
+        return self._run(request_ids, [[t] for t in tokens])
+
+    def remove(self, request_ids: list) -> None:
+        for rid in request_ids:
+            st = self._state.pop(rid, None)
+            if st is not None:
+                self.slots.free([st["slot"]])
+                self.blocks.free(st["blocks"])
+
+    def _grow(self, rid, n: int) -> None:
+        st = self._state[rid]
+        if st["len"] + n > self.runner.max_model_len:
+            raise ValueError(f"request {rid!r} would reach {st['len'] + n} tokens, past max_model_len "
+                             f"{self.runner.max_model_len}")
+        need = self.blocks.blocks_for(st["len"] + n) - len(st["blocks"])
+        if need > 0:
+            st["blocks"] += self.blocks.allocate(need)
+
+    def _run(self, request_ids: list, tokens: list[list[int]]) -> torch.Tensor:
+        states = [self._state[r] for r in request_ids]
+        plan = StepPlan(state_slots=[s["slot"] for s in states], token_ids=tokens,
+                        start_pos=[s["len"] for s in states], block_tables=[list(s["blocks"]) for s in states],
+                        want_logits=[True] * len(tokens))
+        logits = self.runner.execute(plan, gather_to_all=True)
+        for s, t in zip(states, tokens):
+            s["len"] += len(t)
+        return logits
+
+
+def create_engine(model_config: dict, weight_dir: str, device: str = "cuda", dtype=None, *,
+                  max_num_seqs: int = 64, max_model_len: int | None = None, **runner_kwargs) -> LogitsEngine:
+    """A LogitsEngine over the checkpoint in `weight_dir`; sizes come only from `model_config` (a config.json dict).
+
+    Defaults: fp32 on CPU, bf16 on GPU. Under torchrun every rank must make the same calls (tensor parallel)."""
+    parallel.init_distributed("cuda" if device.startswith("cuda") else "cpu")
+    config = ModelConfig.from_dict(model_config)
+    runner = ModelRunner(config, model_dir=weight_dir, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                         max_model_len=max_model_len or min(config.max_position_embeddings, 8192), **runner_kwargs)
+    return LogitsEngine(runner)
