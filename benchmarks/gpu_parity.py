@@ -46,6 +46,7 @@ def build_reference(preset: str, layers: int, seed: int, device: str):
 def errors(x: torch.Tensor, ref: torch.Tensor) -> dict:
     d = (x.float() - ref).abs()
     return {"max_abs": d.max().item(), "mean_abs": d.mean().item(),
+            "rel_l2": ((x.float() - ref).norm() / ref.norm()).item(), "ref_mean_abs": ref.abs().mean().item(),
             "argmax_agree": (x.float().argmax(-1) == ref.argmax(-1)).float().mean().item()}
 
 
@@ -122,7 +123,9 @@ def main():
         print(f"{'ours':10s} {summary['ours_max_abs']:10.4f} {summary['ours_mean_abs']:10.5f}")
         print(f"{'hf bf16':10s} {summary['hf_bf16_max_abs']:10.4f} {summary['hf_bf16_mean_abs']:10.5f}")
         print(f"ratio mean {summary['ratio_mean']:.3f} max {summary['ratio_max']:.3f} -> {'PASS' if summary['pass'] else 'FAIL'}"
-              f"; argmax agreement ours {min(r['ours']['argmax_agree'] for r in rows):.4f}")
+              f"; argmax agreement ours {min(r['ours']['argmax_agree'] for r in rows):.4f}"
+              f" hf-bf16 {min(r['transformers_bf16']['argmax_agree'] for r in rows):.4f}"
+              f"; |ref| mean {rows[0]['ours']['ref_mean_abs']:.3f}")
     parallel.barrier()
     parallel.destroy()
 
