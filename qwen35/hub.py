@@ -21,12 +21,14 @@ def cache_root(cache_dir: str | None = None) -> str:
     return cache_dir or os.environ.get("QWEN35_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qwen35")
 
 
-def resolve_model(name_or_path: str, cache_dir: str | None = None) -> str:
+def resolve_model(name_or_path: str, cache_dir: str | None = None, load_format: str = "safetensors") -> str:
     """Local directory holding config.json for `name_or_path`.
 
     * a directory with config.json -> itself
     * a tiny preset (`tiny`, `tiny-dense`) -> synthesized once under `<cache>/synth/<preset>`
       (cache = `cache_dir`, else `$QWEN35_CACHE`, else `~/.cache/qwen35`)
+    * a full-size preset with load_format "dummy" -> its config and tokenizer only (the weights are made on
+      the GPU), under `<cache>/synth/<preset>-config`
     * a hub id (`Qwen/Qwen3.5-35B-A3B`) -> the Hugging Face cache snapshot, else a download
     """
     path = os.path.expanduser(name_or_path)
@@ -36,6 +38,8 @@ def resolve_model(name_or_path: str, cache_dir: str | None = None) -> str:
         return os.path.abspath(path)
     if name_or_path in synth.TINY_PRESETS:
         return _synthesized(name_or_path, os.path.join(cache_root(cache_dir), "synth"))
+    if name_or_path in synth.PRESETS and load_format == "dummy":
+        return _synthesized(name_or_path, os.path.join(cache_root(cache_dir), "synth"), weights=False)
     if name_or_path in synth.PRESETS:
         raise ValueError(
             f"{name_or_path!r} is a full-size synthetic preset, too big to synthesize implicitly. Use "
@@ -50,10 +54,10 @@ def resolve_model(name_or_path: str, cache_dir: str | None = None) -> str:
     )
 
 
-def _synthesized(preset: str, root: str) -> str:
+def _synthesized(preset: str, root: str, weights: bool = True) -> str:
     """Synthesize `preset` once: built in a temp dir and renamed into place, under a file lock, so that
     concurrent ranks/processes never see half a checkpoint and only one of them does the work."""
-    final = os.path.join(root, preset)
+    final = os.path.join(root, preset if weights else f"{preset}-config")
     if _fresh(final):
         return final
     os.makedirs(root, exist_ok=True)
@@ -64,7 +68,7 @@ def _synthesized(preset: str, root: str) -> str:
         tmp = tempfile.mkdtemp(prefix=f".{preset}.tmp-", dir=root)
         try:
             with_tokenizer = _tokenizer_available()
-            synth.write_checkpoint(tmp, preset, tokenizer=with_tokenizer)
+            synth.write_checkpoint(tmp, preset, tokenizer=with_tokenizer, weights=weights)
             with open(os.path.join(tmp, _STAMP), "w") as f:
                 json.dump({"preset": preset, "seed": 0, "synth_version": SYNTH_VERSION,
                            "tokenizer": with_tokenizer}, f)

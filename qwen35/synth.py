@@ -307,16 +307,33 @@ def _plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpe
 
 
 def write_checkpoint(out_dir: str, preset: str | dict, seed: int = 0, per_expert: bool = False,
-                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype=None, tokenizer: bool = True) -> str:
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype=None, tokenizer: bool = True,
+                     weights: bool = True) -> str:
     """Write a full checkpoint (config, weights, generation config, tokenizer) to `out_dir`; return it.
 
     `preset`: a PRESETS name or a config dict. `dtype` overrides the config's dtype (A_log and
-    linear_attn.norm.weight stay FP32). `tokenizer=False` skips the tokenizer files.
+    linear_attn.norm.weight stay FP32). `tokenizer=False` skips the tokenizer files; `weights=False` writes
+    everything but the weights (what `--load-format dummy` needs of a full-size preset).
     """
     raw = _resolve_config(preset, dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    if weights:
+        _write_weights(out_dir, raw, seed, per_expert, max_shard_bytes)
+    _write_json(os.path.join(out_dir, "generation_config.json"), GENERATION_CONFIG)
+    if tokenizer:
+        try:
+            from qwen35.tokenizer import write_tokenizer_files
+        except ImportError as e:
+            raise RuntimeError("qwen35.tokenizer.write_tokenizer_files is unavailable, cannot write the tokenizer "
+                               f"files ({e}); pass tokenizer=False to write the weights only") from e
+        write_tokenizer_files(out_dir)
+    _write_json(os.path.join(out_dir, "config.json"), raw)  # last: a directory with config.json is complete
+    return out_dir
+
+
+def _write_weights(out_dir: str, raw: dict, seed: int, per_expert: bool, max_shard_bytes: int) -> None:
     specs = checkpoint_layout(raw, per_expert)
     shards = _plan_shards(specs, max_shard_bytes)
-    os.makedirs(out_dir, exist_ok=True)
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
@@ -338,16 +355,6 @@ def write_checkpoint(out_dir: str, preset: str | dict, seed: int = 0, per_expert
     if n > 1:
         index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}
         _write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
-    _write_json(os.path.join(out_dir, "generation_config.json"), GENERATION_CONFIG)
-    if tokenizer:
-        try:
-            from qwen35.tokenizer import write_tokenizer_files
-        except ImportError as e:
-            raise RuntimeError("qwen35.tokenizer.write_tokenizer_files is unavailable, cannot write the tokenizer "
-                               f"files ({e}); pass tokenizer=False to write the weights only") from e
-        write_tokenizer_files(out_dir)
-    _write_json(os.path.join(out_dir, "config.json"), raw)  # last: a directory with config.json is complete
-    return out_dir
 
 
 def _write_json(path: str, obj) -> None:

@@ -231,3 +231,15 @@ def test_resolve_hub_id_from_cache_or_clear_error(tmp_path, monkeypatch):
     assert hub.resolve_model("Qwen/Qwen3.5-35B-A3B") == str(snap)
     with pytest.raises(RuntimeError, match="unreachable.*pass its path"):
         hub.resolve_model("Qwen/Qwen3.5-4B")
+
+
+def test_full_size_preset_for_dummy_weights_is_config_only(tmp_path):
+    from qwen35.hub import resolve_model
+    path = resolve_model("qwen3.5-35b-a3b", cache_dir=str(tmp_path), load_format="dummy")
+    files = set(os.listdir(path))
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= files
+    assert not any(f.endswith(".safetensors") for f in files)
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["text_config"]["num_experts"] == 256
+    with pytest.raises(ValueError, match="load-format dummy"):
+        resolve_model("qwen3.5-35b-a3b", cache_dir=str(tmp_path))
