@@ -1,0 +1,230 @@
+"""In-engine benchmarks (no HTTP): a static-batch table and a replay of the serving workload.
+
+    torchrun --nproc-per-node N -m qwen35.bench [--model qwen3.5-35b-a3b --load-format dummy]
+        [--mode static|trace|both] [--batch-sizes 1,2,4,...,64] [--input-len 1024] [--output-len 256]
+        [--levels 1,2,4,8,16,32,64] [--num-requests 64] [--output-len-dist fixed:N|uniform:A-B|normal:M,S]
+        [--out results.json]
+
+static: for each batch size B, B requests of `--input-len` random tokens generating exactly `--output-len` tokens
+  (ignore_eos), all added at once: latency, prefill (input) tok/s, decode (output) tok/s, inter-token latency. Also a
+  per-step profile at the smallest and largest batch: step wall time, forward wall time, GPU time of the forward
+  (CUDA events) and CPU time outside the forward.
+trace: the closed-loop workload of the serving contract (per level 2 warm-up then `--num-requests` requests, exactly
+  c in flight; 1024-token random-text prompts through the chat template, the same prompts at every level), with
+  fixed or distributed output lengths (synthetic weights never stop on their own); weighted score as the contract's.
+Rank 0 drives the engine and prints; the other ranks run the worker loop.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+from dist import parallel
+from qwen35.engine import EngineArgs, LLMEngine
+from qwen35.sampling_params import SamplingParams
+
+WEIGHTS = {1: 1, 2: 1, 4: 2, 8: 2, 16: 4, 32: 4, 64: 8}
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+class StepTimer:
+    """Wraps runner.execute to split each step into forward wall time, forward GPU time and everything else."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine, self.cuda = engine, engine.runner.device.type == "cuda"
+        self.forward_wall, self.forward_gpu = [], []
+        inner = engine.runner.execute
+
+        def timed(plan, **kw):
+            if self.cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            out = inner(plan, **kw)
+            if self.cuda:
+                end.record()
+                torch.cuda.synchronize()
+                self.forward_gpu.append(start.elapsed_time(end) / 1e3)
+            self.forward_wall.append(time.perf_counter() - t0)
+            return out
+
+        engine.runner.execute = timed
+        self._inner = inner
+
+    def restore(self):
+        self.engine.runner.execute = self._inner
+
+
+def run_to_completion(engine: LLMEngine, step_times: list | None = None) -> dict[str, dict]:
+    """Step until every request finished; per request: first-token time and finish time (perf_counter)."""
+    seen: dict[str, dict] = {}
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        now = time.perf_counter()
+        if step_times is not None:
+            step_times.append(now - t0)
+        for o in outs:
+            rec = seen.setdefault(o.request_id, {"first": now, "tokens": 0})
+            rec["tokens"] = o.num_completion_tokens
+            if o.finished:
+                rec["done"] = now
+    return seen
+
+
+def static_batch(engine: LLMEngine, batch: int, input_len: int, output_len: int, rng: random.Random) -> dict:
+    vocab = engine.tokenizer.num_real_tokens - 33  # ordinary tokens only
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"static-{batch}-{i}", [rng.randrange(vocab) for _ in range(input_len)], params)
+    t0 = time.perf_counter()
+    seen = run_to_completion(engine)
+    end = max(r["done"] for r in seen.values())
+    first = max(r["first"] for r in seen.values())  # every prompt prefilled and its first token out
+    decode_s = end - first
+    return {
+        "batch": batch, "input_len": input_len, "output_len": output_len, "latency_s": end - t0,
+        "input_tok_s": batch * input_len / (first - t0),
+        "output_tok_s": batch * (output_len - 1) / decode_s if decode_s > 0 else 0.0,
+        "itl_ms": 1e3 * decode_s / max(1, output_len - 1),
+    }
+
+
+def profile_steps(engine: LLMEngine, batch: int, input_len: int, decode_steps: int, rng: random.Random) -> dict:
+    """Mean per decode step at `batch`: step wall, forward wall, forward GPU, CPU outside the forward."""
+    vocab = engine.tokenizer.num_real_tokens - 33
+    params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"profile-{batch}-{i}", [rng.randrange(vocab) for _ in range(input_len)], params)
+    while any(not r.output_ids for r in _running(engine)):  # prefill first, untimed
+        engine.step()
+    timer, steps = StepTimer(engine), []
+    try:
+        run_to_completion(engine, steps)
+    finally:
+        timer.restore()
+    n = len(steps)
+    gpu = statistics.mean(timer.forward_gpu) if timer.forward_gpu else float("nan")
+    fwd = statistics.mean(timer.forward_wall)
+    return {"batch": batch, "steps": n, "step_ms": 1e3 * statistics.mean(steps), "forward_wall_ms": 1e3 * fwd,
+            "forward_gpu_ms": 1e3 * gpu, "cpu_outside_forward_ms": 1e3 * (statistics.mean(steps) - fwd)}
+
+
+def _running(engine: LLMEngine):
+    return [t.request for t in engine._tracked.values()]
+
+
+def trace(engine: LLMEngine, args, rng: random.Random) -> dict:
+    from benchmarks.throughput import NUM_WARMUP, output_lengths, random_prompt
+    counter = SimpleNamespace(tok=engine.tokenizer)
+    n_prompts = min(62, args.num_requests)
+    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": random_prompt(counter, args.input_len, rng)}])
+               for _ in range(n_prompts)]
+    lengths = output_lengths(args.output_len_dist, args.num_requests, args.output_len, rng)
+    levels = []
+    for c in _ints(args.levels):
+        warm = [(prompts[i % n_prompts], args.output_len) for i in range(NUM_WARMUP)]
+        timed = [(prompts[i % n_prompts], lengths[i]) for i in range(args.num_requests)]
+        closed_loop(engine, warm, c, f"warm{c}")
+        wall, tokens = closed_loop(engine, timed, c, f"c{c}")
+        levels.append({"concurrency": c, "requests": len(timed), "wall_s": wall, "tokens": tokens,
+                       "tok_s": tokens / wall})
+        print(f"  c={c:<3d} {tokens / wall:10.1f} tok/s  ({wall:.1f} s)", flush=True)
+    score = sum(WEIGHTS.get(lv["concurrency"], 0) * lv["tok_s"] for lv in levels)
+    return {"levels": levels, "weighted_score": score, "output_lengths": lengths}
+
+
+def closed_loop(engine: LLMEngine, work: list[tuple[list[int], int]], concurrency: int, tag: str):
+    """Keep exactly `concurrency` requests in the engine until `work` is done; (wall s, prompt+completion tokens)."""
+    queue, tokens, live, k = list(work), 0, set(), 0
+    t0 = time.perf_counter()
+    while queue or live:
+        while queue and len(live) < concurrency:
+            ids, n = queue.pop(0)
+            rid = f"{tag}-{k}"
+            k += 1
+            engine.add_request(rid, ids, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=k))
+            live.add(rid)
+            tokens += len(ids)
+        for o in engine.step():
+            if o.finished:
+                live.discard(o.request_id)
+                tokens += o.num_completion_tokens
+    return time.perf_counter() - t0, tokens
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    EngineArgs.add_cli_args(ap)
+    ap.set_defaults(model="qwen3.5-35b-a3b", load_format="dummy", max_num_seqs=64)
+    ap.add_argument("--mode", default="both", choices=["static", "trace", "both"])
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--profile-steps", type=int, default=16, help="decode steps timed per profiled batch size")
+    ap.add_argument("--levels", default="1,2,4,8,16,32,64")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--output-len-dist", default=None, help="fixed:N | uniform:A-B | normal:MEAN,STD")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    for a in ap._actions:  # --model has a default here
+        if a.dest == "model":
+            a.required = False
+    args = ap.parse_args(argv)
+    eargs = EngineArgs.from_cli(args)
+    parallel.init_distributed(eargs.device_type)
+    engine = LLMEngine(eargs)
+    if not parallel.is_driver():
+        engine.run_worker_loop()
+        parallel.destroy()
+        return
+    rng = random.Random(0)
+    dev = torch.cuda.get_device_name() if engine.runner.device.type == "cuda" else "cpu"
+    results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": dev,
+               "tp": parallel.tp_size(), "model": eargs.model, "load_format": eargs.load_format,
+               "dtype": str(engine.runner.dtype), "command": "torchrun -m qwen35.bench " + " ".join(sys.argv[1:] if argv is None else argv)}
+    try:
+        static_batch(engine, 1, 16, 4, rng)  # warm-up: first-use costs stay out of the table
+        if args.mode in ("static", "both"):
+            sizes = _ints(args.batch_sizes)
+            rows = []
+            print(f"static batches on {dev}, tp={parallel.tp_size()}")
+            print(f"{'batch':>5} {'in':>5} {'out':>5} {'latency s':>10} {'in tok/s':>10} {'out tok/s':>10} {'ITL ms':>8}")
+            for b in sizes:
+                r = static_batch(engine, b, args.input_len, args.output_len, rng)
+                rows.append(r)
+                print(f"{b:5d} {r['input_len']:5d} {r['output_len']:5d} {r['latency_s']:10.2f} "
+                      f"{r['input_tok_s']:10.0f} {r['output_tok_s']:10.1f} {r['itl_ms']:8.2f}", flush=True)
+            results["static"] = rows
+            results["profile"] = [profile_steps(engine, b, args.input_len, args.profile_steps, rng)
+                                  for b in sorted({sizes[0], sizes[-1]})]
+            print(f"{'batch':>5} {'step ms':>8} {'fwd wall':>9} {'fwd GPU':>8} {'CPU outside':>12}")
+            for p in results["profile"]:
+                print(f"{p['batch']:5d} {p['step_ms']:8.2f} {p['forward_wall_ms']:9.2f} {p['forward_gpu_ms']:8.2f} "
+                      f"{p['cpu_outside_forward_ms']:12.2f}")
+        if args.mode in ("trace", "both"):
+            print(f"trace: {args.num_requests} requests per level, prompts of {args.input_len} tokens, outputs "
+                  f"{args.output_len_dist or f'fixed:{args.output_len}'}")
+            results["trace"] = trace(engine, args, rng)
+            print(f"weighted score {results['trace']['weighted_score']:.0f}")
+    finally:
+        engine.shutdown()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()
