@@ -35,7 +35,7 @@ class Sampler:
         """logits: float32 [B, vocab] on self.device; returns one token id per row."""
         B = logits.shape[0]
         assert B == len(rows), (B, len(rows))
-        logits = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
+        logits = logits.to(torch.float32, copy=True)  # masked in place below; the caller's tensor stays intact
         logits[:, self.num_real_tokens:] = float("-inf")
         sup_r = [i for i, r in enumerate(rows) for _ in r.suppress_ids]
         if sup_r:

@@ -1,0 +1,386 @@
+"""The engine: requests in, tokens and text out.
+
+Every rank builds an LLMEngine (after dist.parallel.init_distributed) and with it a ModelRunner. Rank 0 also owns
+the tokenizer, the scheduler and the sampler; each rank-0 step() schedules, broadcasts the StepPlan, runs the
+forward, samples and updates outputs, while the other ranks sit in run_worker_loop() executing each plan they
+receive. AsyncEngine drives rank 0's step loop from a background thread for the asyncio HTTP server.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, fields
+
+import torch
+
+from dist import parallel
+from layers.sampler import SampleRow, Sampler
+from qwen35.config import ModelConfig
+from qwen35.outputs import OutputState, RequestOutput
+from qwen35.sampling_params import SamplingParams
+from scheduler.plan import StepPlan
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+
+__all__ = ["EngineArgs", "LLMEngine", "AsyncEngine", "RequestOutput"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tp: int | None = None                     # None: WORLD_SIZE
+    dtype: str | None = None                  # None / "auto": bfloat16 on cuda, float32 on cpu
+    device: str | None = None                 # None / "auto": cuda when available
+    load_format: str = "safetensors"          # "safetensors" | "dummy" (random weights, no files read)
+    block_size: int = 16
+    max_num_seqs: int = 128                   # concurrent sequences = DeltaNet state slots
+    max_num_batched_tokens: int = 8192        # tokens per forward step (decodes + prefill chunks)
+    max_model_len: int | None = None          # None: min(max_position_embeddings, 32768)
+    gpu_memory_utilization: float = 0.85
+    num_kv_blocks: int | None = None          # None: as many as fit (gpu_memory_utilization) or are useful
+    enforce_eager: bool = False
+    seed: int = 0
+
+    @property
+    def device_type(self) -> str:
+        if self.device in (None, "auto"):
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.device(self.device).type
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype in (None, "auto"):
+            return torch.bfloat16 if self.device_type == "cuda" else torch.float32
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        return _DTYPES[self.dtype]
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", required=True, help="model directory, Hugging Face id, or preset (tiny, ...)")
+        g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
+                       help="tensor parallel size (default: WORLD_SIZE of the torchrun job)")
+        g.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
+        g.add_argument("--device", default="auto", help="auto, cuda or cpu")
+        g.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+        g.add_argument("--block-size", type=int, default=16, help="tokens per paged-KV block")
+        g.add_argument("--max-num-seqs", type=int, default=128,
+                       help="most concurrent sequences (also the number of DeltaNet state slots)")
+        g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + completion (default: min(max_position_embeddings, 32768))")
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                       help="fraction of GPU memory for weights + caches")
+        g.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV cache size (blocks)")
+        g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+        g.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and unseeded sampling")
+        return parser
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    state: OutputState
+    generator: torch.Generator | None
+
+
+class LLMEngine:
+    """Not thread-safe: one thread calls it (AsyncEngine's loop thread, or the offline LLM's caller)."""
+
+    def __init__(self, args: EngineArgs):
+        from qwen35.hub import resolve_model
+        from qwen35.runner import ModelRunner
+
+        self.args = args
+        world = parallel.tp_size()
+        if (args.tp or world) != world:
+            raise ValueError(f"tp={args.tp} but the job has {world} processes; launch with "
+                             f"torchrun --nproc-per-node {args.tp}")
+        self.device_type = args.device_type
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" \
+            else torch.device("cpu")
+        # one rank resolves (a hub download or a synthetic write happens once), the others get its path
+        self.model_dir = parallel.broadcast_object(resolve_model(args.model) if parallel.is_driver() else None)
+        self.config = ModelConfig.from_dir(self.model_dir)
+        self.config.check_tp(world)
+        limit = self.config.max_position_embeddings
+        self.max_model_len = args.max_model_len or min(limit, 32768)
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        self.runner = ModelRunner(
+            self.config, model_dir=self.model_dir, load_format=args.load_format, dtype=args.torch_dtype,
+            device=self.device_type, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+            num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager, seed=args.seed)
+        self._shut_down = False
+        if not parallel.is_driver():
+            return
+        from qwen35.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = list(self.tokenizer.eos_token_ids or self.config.eos_token_ids)
+        self.scheduler = Scheduler(self.runner.num_kv_blocks, self.runner.block_size, self.runner.num_state_slots,
+                                   args.max_num_seqs, args.max_num_batched_tokens)
+        self.sampler = Sampler(min(self.tokenizer.num_real_tokens, self.config.vocab_size), self.device, args.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self.total_prompt_tokens = 0      # prompt tokens prefilled
+        self.total_completion_tokens = 0  # tokens sampled
+        self.num_steps = 0
+        self.last_step_time = 0.0         # seconds, schedule to outputs
+
+    # ---- rank 0 API ---------------------------------------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """ValueError when the request can never run; changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.config.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        n = len(prompt_ids)
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                             f"exceeds max_model_len ({self.max_model_len})")
+        self.scheduler.check_fits(n, params.max_tokens)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.check_request(prompt_ids, params)
+        req = Request(request_id, prompt_ids, params)
+        self.scheduler.add(req)  # raises on a duplicate id
+        gen = self.sampler.make_generator(params.seed) if params.seed is not None else None
+        state = OutputState(request_id, self.tokenizer, params, self.eos_token_ids, prompt_ids)
+        self._tracked[request_id] = _Tracked(req, state, gen)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Free the request's resources at once; returns its final output (finish_reason "abort"), or None for
+        an unknown or already finished id."""
+        if self.scheduler.abort(request_id) is None:
+            return None
+        state = self._tracked.pop(request_id).state
+        state.abort()
+        return state.take_output()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan, seqs = self.scheduler.schedule()
+        if not plan.num_seqs:
+            return []
+        parallel.broadcast_object(plan)
+        logits = self.runner.execute(plan)
+        rows = []
+        for s in seqs:
+            if s.request.is_prefilling:
+                self.total_prompt_tokens += s.num_tokens
+            if s.want_logits:
+                t = self._tracked[s.request.request_id]
+                rows.append(SampleRow(t.request.params, t.generator, t.state.suppressed_ids()))
+        tokens = self.sampler.sample(logits, rows) if rows else []
+        self.total_completion_tokens += len(tokens)
+        outputs = []
+        for req in self.scheduler.update(seqs, tokens):
+            state = self._tracked[req.request_id].state
+            state.append(req.output_ids[-1])
+            if state.finished:
+                self.scheduler.finish(req, state.finish_reason)
+                del self._tracked[req.request_id]
+            outputs.append(state.take_output())
+        self.num_steps += 1
+        self.last_step_time = time.perf_counter() - t0
+        return outputs
+
+    def heartbeat(self) -> None:
+        """Tell idle worker ranks we are alive (their broadcast wait would otherwise hit the group timeout)."""
+        parallel.broadcast_object(StepPlan(command="idle"))
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "num_running": s.num_running, "num_waiting": s.num_waiting,
+            "total_prompt_tokens": self.total_prompt_tokens,
+            "total_completion_tokens": self.total_completion_tokens,
+            "num_steps": self.num_steps, "last_step_time_s": self.last_step_time,
+            "kv_blocks_used": s.blocks.num_used, "kv_blocks_total": s.blocks.size,
+            "state_slots_used": s.slots.num_used, "state_slots_total": s.slots.size,
+        }
+
+    def shutdown(self) -> None:
+        """Rank 0: release the worker ranks from run_worker_loop()."""
+        if not self._shut_down and parallel.is_driver():
+            self._shut_down = True
+            parallel.broadcast_object(StepPlan(command="exit"))
+
+    # ---- other ranks ------------------------------------------------------------------------------------------
+    def run_worker_loop(self) -> None:
+        while True:
+            plan = parallel.broadcast_object(None)
+            if plan.command == "exit":
+                return
+            if plan.command == "step":
+                self.runner.execute(plan)
+
+
+class RequestStream:
+    """Async iterator of one request's RequestOutputs (`async for`); `await` on it returns itself, so both
+    `async for o in engine.generate(...)` and `s = await engine.generate(...)` work. Leaving it early (a cancelled
+    task, aclose(), or dropping it) aborts the request."""
+
+    def __init__(self, owner: "AsyncEngine", request_id: str):
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._done = False
+
+    def __await__(self):
+        return self
+        yield  # noqa: unreachable; makes __await__ a generator
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._queue.get()
+        except BaseException:  # CancelledError: the client went away
+            self._leave()
+            raise
+        if isinstance(out, Exception) or out.finished:
+            self._done = True
+            self._owner._active.discard(self.request_id)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    async def aclose(self) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        if not self._done:
+            self._done = True
+            self._owner._active.discard(self.request_id)
+            self._owner.abort(self.request_id)
+
+    def __del__(self):
+        self._leave()
+
+
+class AsyncEngine:
+    """Rank 0 front end for asyncio code: the step loop runs in a background thread; results are handed to each
+    caller's event loop. add/abort requests travel to the loop thread through a queue, so the event loop never
+    waits for a forward step. The loop thread sleeps on that queue while there is no work (the worker ranks then
+    wait in their broadcast; a heartbeat reaches them every `heartbeat_s`)."""
+
+    def __init__(self, engine: LLMEngine, heartbeat_s: float = 60.0):
+        self.engine = engine
+        self.heartbeat_s = heartbeat_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe even from __del__
+        self._active: set[str] = set()   # ids with a live stream (touched on the event loop thread)
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # loop thread only
+        self._stats = engine.stats()
+        self._running = True
+        self._thread = threading.Thread(target=self._main, name="qwen35-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self._running and self._thread.is_alive()
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Start a request; ValueError (nothing queued) when it is invalid or its id is in use.
+        Must be called from a running event loop."""
+        if not self.ready:
+            raise RuntimeError("engine is not running")
+        if request_id in self._active:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.engine.check_request(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id)
+        self._active.add(request_id)
+        # the loop thread holds only the queue, so dropping the stream reaches __del__ and aborts
+        self._commands.put(("add", request_id, prompt_ids, params, loop, stream._queue))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def shutdown(self) -> None:
+        """Stop the loop thread and release the worker ranks."""
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join()
+        self._running = False
+
+    # ---- loop thread --------------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            if self.engine.device.type == "cuda":
+                torch.cuda.set_device(self.engine.device)  # the current device is per thread
+            while self._apply_commands(block=not self.engine.has_unfinished()):
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+                self._stats = self.engine.stats()
+        except BaseException:
+            # a broken step loop must not leave clients or worker ranks hanging: die loudly, torchrun kills the rest
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one when `block`); False once asked to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(timeout=self.heartbeat_s) if block else self._commands.get_nowait()
+            except queue.Empty:
+                if not block:
+                    return True
+                self.engine.heartbeat()
+                continue
+            block = False
+            if cmd[0] == "add":
+                _, rid, prompt_ids, params, loop, q = cmd
+                try:
+                    self.engine.add_request(rid, prompt_ids, params)
+                except ValueError as e:  # validated in generate(); this is a safety net, not a crash
+                    loop.call_soon_threadsafe(q.put_nowait, e)
+                    continue
+                self._sinks[rid] = (loop, q)
+            elif cmd[0] == "abort":
+                out = self.engine.abort_request(cmd[1])
+                if out is not None:
+                    self._deliver([out])
+            else:
+                self._running = False
+                self.engine.shutdown()
+                return False
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            loop, q = self._sinks[out.request_id] if not out.finished else self._sinks.pop(out.request_id)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            except RuntimeError:  # the caller's event loop is closed: nobody will read this request
+                self._sinks.pop(out.request_id, None)
+                self.engine.abort_request(out.request_id)

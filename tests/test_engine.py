@@ -1,0 +1,454 @@
+"""Output handling (stop tokens/strings, UTF-8) and the engine end to end on the tiny synthetic model (CPU, fp32).
+
+The oracle for generated tokens is transformers' greedy `generate` on the same checkpoint; every engine run
+(batched with staggered arrivals, starved of state slots and KV blocks, after aborts, TP=2 over gloo, through
+AsyncEngine and LLM) must reproduce it.
+"""
+import asyncio
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from qwen35.engine import AsyncEngine, EngineArgs, LLMEngine
+from qwen35.outputs import OutputState
+from qwen35.sampling_params import SamplingParams
+from qwen35.tokenizer import BYTE_TO_CHAR, load_tokenizer
+
+from hf_reference import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EOS = [248046, 248044]  # <|im_end|>, <|endoftext|>
+N_NEW = 32              # greedy tokens compared with transformers
+PROMPT_LENS = [5, 70, 13, 100, 1, 33, 64, 47]
+_rng = random.Random(0)
+PROMPTS = [[_rng.randrange(0, 248_000) for _ in range(n)] for n in PROMPT_LENS]
+# min_tokens = max_tokens suppresses EOS for the whole completion, exactly like transformers' min_new_tokens
+GREEDY = SamplingParams(max_tokens=N_NEW, min_tokens=N_NEW)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        d = str(tmp_path_factory.mktemp("qwen35-cache"))
+        mp.setenv("QWEN35_CACHE", d)
+        yield d
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(cache_dir):
+    from qwen35.hub import resolve_model
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    return load_tokenizer(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(tiny_dir):
+    """transformers' greedy continuation of each prompt (EOS suppressed, as in GREEDY)."""
+    from transformers import Qwen3_5MoeForCausalLM
+    model = Qwen3_5MoeForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def make_engine(tiny_dir, **kw):
+    kw = {"max_num_seqs": 8, "max_model_len": 256, "max_num_batched_tokens": 64, "dtype": "float32",
+          "device": "cpu", **kw}
+    return LLMEngine(EngineArgs(model=tiny_dir, **kw))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return make_engine(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def small_engine(tiny_dir):
+    # 2 state slots, and KV for 160 tokens: prompts 70 and 100 (+32 new) need 7 + 9 blocks, so cannot run together
+    return make_engine(tiny_dir, max_num_seqs=2, num_kv_blocks=10, max_model_len=160)
+
+
+def record_plans(engine, monkeypatch):
+    plans = []
+    execute = engine.runner.execute
+
+    def wrapped(plan):
+        plans.append(plan)
+        return execute(plan)
+    monkeypatch.setattr(engine.runner, "execute", wrapped)
+    return plans
+
+
+def run(engine, requests, arrive_every=0):
+    """Add (rid, prompt, params) requests, the i-th before step i*arrive_every; run until all finish.
+    Returns {rid: (token_ids, text, finish_reason, num_completion_tokens)} and the engine stats after each step."""
+    got = {rid: ([], "") for rid, _, _ in requests}
+    final = {}
+    pending = list(requests)
+    step, history = 0, []
+    while pending or engine.has_unfinished():
+        while pending and step >= arrive_every * (len(requests) - len(pending)):
+            engine.add_request(*pending.pop(0))
+        for o in engine.step():
+            ids, text = got[o.request_id]
+            got[o.request_id] = (ids + o.token_ids, text + o.text)
+            if o.finished:
+                final[o.request_id] = (*got[o.request_id], o.finish_reason, o.num_completion_tokens)
+        history.append(engine.stats())
+        step += 1
+        assert step < 2000
+    return final, history
+
+
+def assert_pools_empty(engine):
+    s = engine.stats()
+    assert (s["num_running"], s["num_waiting"], s["kv_blocks_used"], s["state_slots_used"]) == (0, 0, 0, 0), s
+    assert not engine.has_unfinished()
+
+
+# ---- outputs: stop handling and detokenization ----------------------------------------------------------------
+
+def stream(tok, ids, params, prompt=(1, 2, 3)):
+    """Feed `ids` one at a time; returns (streamed text chunks, final state)."""
+    st = OutputState("r", tok, params, EOS, list(prompt))
+    chunks = []
+    for t in ids:
+        st.append(t)
+        chunks.append(st.take_output().text)
+        if st.finished:
+            break
+    return chunks, st
+
+
+def assert_streamed_prefixes(chunks, final):
+    # streamed text is never taken back: every partial concatenation is a prefix of the final text
+    acc = ""
+    for c in chunks:
+        acc += c
+        assert final.startswith(acc), (acc, final)
+    assert acc == final
+
+
+TEXT = "The answer is 42.\nQ: what next? More text here."
+
+
+def test_stop_string_across_tokens_is_removed(tok):
+    ids = tok.encode(TEXT)
+    assert all("\nQ:" not in tok.decode([i]) for i in ids)  # premise: the stop string spans several tokens
+    chunks, st = stream(tok, ids, SamplingParams(max_tokens=100, stop=["\nQ:"]))
+    assert st.text == "The answer is 42." and st.finish_reason == "stop"
+    assert_streamed_prefixes(chunks, st.text)
+    # generation stopped at the token completing the stop string; all tokens so far are reported
+    assert tok.decode(st.token_ids) == "The answer is 42.\nQ:"
+
+
+def test_earliest_stop_string_wins_and_streaming_holds_back(tok):
+    ids = tok.encode(TEXT)
+    chunks, st = stream(tok, ids, SamplingParams(max_tokens=100, stop=["next", "is 4"]))
+    assert st.text == "The answer " and st.finish_reason == "stop"
+    assert_streamed_prefixes(chunks, st.text)
+    # a stop string that never matches: its length - 1 characters are held back, then flushed at the end
+    chunks, st = stream(tok, ids, SamplingParams(max_tokens=len(ids), stop=["@@@@@@"]))
+    assert st.finish_reason == "length" and st.text == TEXT
+    assert_streamed_prefixes(chunks, TEXT)
+    sent = "".join(chunks[:-1])
+    assert len(sent) <= len(TEXT) - 5 and chunks[-1] == TEXT[len(sent):]
+
+
+def test_max_tokens_gives_length(tok):
+    ids = tok.encode(TEXT)
+    chunks, st = stream(tok, ids, SamplingParams(max_tokens=5))
+    assert st.finish_reason == "length" and st.token_ids == ids[:5]
+    assert "".join(chunks) == st.text == tok.decode(ids[:5])
+    out = st.take_output()
+    assert out.finished and out.num_completion_tokens == 5 and out.num_prompt_tokens == 3
+
+
+def test_stop_tokens_and_ignore_eos(tok):
+    ids = tok.encode("Hello world") + [EOS[0]] + tok.encode(" more")
+    chunks, st = stream(tok, ids, SamplingParams(max_tokens=50))
+    assert st.finish_reason == "stop" and st.text == "Hello world" and st.token_ids[-1] == EOS[0]
+    assert len(st.token_ids) == len(tok.encode("Hello world")) + 1
+    chunks, st = stream(tok, ids + [EOS[1]], SamplingParams(max_tokens=len(ids) + 1, ignore_eos=True))
+    assert st.finish_reason == "length" and st.token_ids == ids + [EOS[1]]
+    assert st.text == "Hello world more"  # special tokens carry no text
+    # ignore_eos keeps stop strings
+    chunks, st = stream(tok, ids, SamplingParams(max_tokens=50, ignore_eos=True, stop=["mo"]))
+    assert st.finish_reason == "stop" and st.text == "Hello world "
+    # explicit stop_token_ids replace the EOS set
+    world = tok.encode(" world")[0]
+    chunks, st = stream(tok, ids, SamplingParams(max_tokens=50, stop_token_ids=[world]))
+    assert st.finish_reason == "stop" and st.text == "Hello"
+
+
+def test_min_tokens_suppresses_stop_tokens(tok):
+    st = OutputState("r", tok, SamplingParams(max_tokens=10, min_tokens=2), EOS, [1])
+    assert st.suppressed_ids() == tuple(EOS)
+    st.append(100)
+    assert st.suppressed_ids() == tuple(EOS)
+    st.append(101)
+    assert st.suppressed_ids() == ()
+    st.append(EOS[1])
+    assert st.finish_reason == "stop"
+    assert OutputState("r", tok, SamplingParams(min_tokens=2, ignore_eos=True), EOS, [1]).suppressed_ids() == ()
+
+
+def test_multibyte_utf8_split_over_tokens(tok):
+    byte_ids = [tok.hf.token_to_id(BYTE_TO_CHAR[b]) for b in "🙂".encode()]  # one token per byte
+    ids = tok.encode("naïve 日本語 ") + byte_ids + tok.encode(" ok")
+    chunks, st = stream(tok, ids, SamplingParams(max_tokens=len(ids)))
+    assert st.text == "naïve 日本語 🙂 ok" and not any("\ufffd" in c for c in chunks)
+    assert_streamed_prefixes(chunks, st.text)
+    # a stop string made of multi-byte characters, completed by the emoji's last byte
+    chunks, st = stream(tok, ids, SamplingParams(max_tokens=len(ids), stop=["語 🙂"]))
+    assert st.text == "naïve 日本" and st.finish_reason == "stop"
+    assert_streamed_prefixes(chunks, st.text)
+    # the completion ends inside a character: rendered as U+FFFD, like a full decode
+    chunks, st = stream(tok, ids[:-3], SamplingParams(max_tokens=len(ids) - 3))
+    assert st.text == tok.decode(ids[:-3]) and st.text.endswith("\ufffd")
+
+
+# ---- engine end to end ------------------------------------------------------------------------------------------
+
+def test_batched_greedy_matches_alone_and_transformers(engine, hf_tokens, monkeypatch):
+    plans = record_plans(engine, monkeypatch)
+    before = engine.stats()
+    reqs = [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    batched, history = run(engine, reqs, arrive_every=2)
+    # the run really was continuous batching: chunked prefills, and steps mixing decodes with prefill chunks
+    assert max(h["num_running"] for h in history) >= 5
+    assert any(p.want_logits.count(False) for p in plans)
+    assert any(any(len(t) == 1 and s > 0 for t, s in zip(p.token_ids, p.start_pos))
+               and any(len(t) > 1 for t in p.token_ids) for p in plans)
+    assert max(p.num_tokens for p in plans) <= 64
+    for i, p in enumerate(PROMPTS):
+        ids, text, reason, n = batched[f"r{i}"]
+        assert ids == hf_tokens[i], f"prompt {i} (len {len(p)}) differs from transformers"
+        assert reason == "length" and n == N_NEW and text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+        alone, _ = run(engine, [(f"alone{i}", p, GREEDY)])
+        assert alone[f"alone{i}"][0] == ids
+    assert_pools_empty(engine)
+    s = engine.stats()
+    assert s["total_prompt_tokens"] - before["total_prompt_tokens"] == 2 * sum(PROMPT_LENS)
+    assert s["total_completion_tokens"] - before["total_completion_tokens"] == 2 * len(PROMPTS) * N_NEW
+
+
+def test_more_requests_than_slots_and_blocks(small_engine, hf_tokens):
+    eng = small_engine
+    assert eng.stats()["state_slots_total"] == 2 and eng.stats()["kv_blocks_total"] == 10
+    reqs = [(f"s{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    done, history = run(eng, reqs)
+    assert max(h["num_running"] for h in history) == 2
+    # at times a free state slot went unused because KV blocks ran out
+    assert any(h["num_running"] == 1 and h["num_waiting"] > 0 for h in history)
+    for i in range(len(PROMPTS)):
+        assert done[f"s{i}"][0] == hf_tokens[i]
+    assert_pools_empty(eng)
+
+
+def test_invalid_requests_rejected(engine):
+    with pytest.raises(ValueError, match=r"prompt \(250 tokens\) \+ max_tokens \(10\) = 260 exceeds max_model_len "
+                                         r"\(256\)"):
+        engine.add_request("x", [1] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request("x", [], SamplingParams())
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.add_request("x", [248_320], SamplingParams())
+    engine.add_request("x", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="duplicate request id 'x'"):
+        engine.add_request("x", [1, 2], SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    assert_pools_empty(engine)
+
+
+def test_abort_frees_everything(small_engine, hf_tokens):
+    eng = small_engine
+    for i in range(4):
+        eng.add_request(f"a{i}", PROMPTS[i], GREEDY)
+    for _ in range(3):
+        eng.step()
+    s = eng.stats()
+    assert s["num_running"] == 2 and s["num_waiting"] == 2 and s["state_slots_used"] == 2
+    outs = [eng.abort_request(f"a{i}") for i in range(4)]
+    assert [o.finish_reason for o in outs] == ["abort"] * 4 and all(o.finished for o in outs)
+    assert eng.abort_request("a0") is None
+    assert_pools_empty(eng)
+    assert eng.step() == []
+    # slots and blocks handed to new requests start clean: results unaffected by the aborted ones
+    done, _ = run(eng, [("b1", PROMPTS[1], GREEDY), ("b3", PROMPTS[3], GREEDY)])
+    assert done["b1"][0] == hf_tokens[1] and done["b3"][0] == hf_tokens[3]
+
+
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, min_tokens=24, seed=77)
+
+
+def test_seeded_sampling_reproducible(engine):
+    alone, _ = run(engine, [("seeded", PROMPTS[2], SEEDED)])
+    companions = [("c0", PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=30)),
+                  ("c1", PROMPTS[5], SamplingParams(temperature=0.7, seed=77, max_tokens=20)),
+                  ("seeded", PROMPTS[2], SEEDED),
+                  ("c3", PROMPTS[1], GREEDY)]
+    batched, _ = run(engine, companions, arrive_every=1)
+    assert batched["seeded"][0] == alone["seeded"][0]
+    other, _ = run(engine, [("seeded", PROMPTS[2], dataclasses.replace(SEEDED, seed=78))])
+    assert other["seeded"][0] != alone["seeded"][0]
+    assert_pools_empty(engine)
+
+
+def _tp_worker(rank, port, tiny_dir, cache_dir, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      QWEN35_CACHE=cache_dir)
+    torch.set_num_threads(1)
+    from dist import parallel
+    parallel.init_distributed("cpu")
+    try:
+        eng = make_engine(tiny_dir, tp=2)
+        if rank == 0:
+            reqs = [(f"r{i}", PROMPTS[i], GREEDY) for i in (0, 1, 3)] + [("seeded", PROMPTS[2], SEEDED)]
+            done, _ = run(eng, reqs, arrive_every=1)
+            eng.shutdown()
+            torch.save({k: v[0] for k, v in done.items()}, out_path)
+        else:
+            eng.run_worker_loop()
+    finally:
+        parallel.destroy()
+
+
+def test_tp2_matches_tp1(engine, hf_tokens, tiny_dir, cache_dir, tmp_path):
+    out = tmp_path / "tp2.pt"
+    torch.multiprocessing.spawn(_tp_worker, args=(free_port(), tiny_dir, cache_dir, str(out)), nprocs=2)
+    got = torch.load(out)
+    for i in (0, 1, 3):
+        assert got[f"r{i}"] == hf_tokens[i]
+    tp1, _ = run(engine, [("seeded", PROMPTS[2], SEEDED)])
+    assert got["seeded"] == tp1["seeded"][0]
+
+
+# ---- AsyncEngine --------------------------------------------------------------------------------------------------
+
+async def collect(it):
+    ids, text, last = [], "", None
+    async for o in it:
+        ids += o.token_ids
+        text += o.text
+        last = o
+    return ids, text, last
+
+
+async def wait_until(pred, timeout=20.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_async_engine(small_engine, hf_tokens):
+    async def main(ae: AsyncEngine):
+        assert ae.ready
+        # invalid requests fail at the call, before anything is queued
+        with pytest.raises(ValueError, match=r"= 161 exceeds max_model_len \(160\)"):
+            ae.generate("bad", [1] * 150, SamplingParams(max_tokens=11))
+        with pytest.raises(ValueError, match="at least one token"):
+            ae.generate("bad", [], SamplingParams())
+        # concurrent streams, more than the 2 state slots; both `async for` and `await` forms
+        streams = [ae.generate(f"q{i}", PROMPTS[i], GREEDY) for i in range(3)]
+        with pytest.raises(ValueError, match="duplicate request id 'q0'"):
+            ae.generate("q0", PROMPTS[0], GREEDY)
+        streams.append(await ae.generate("q3", PROMPTS[3], GREEDY))
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        for i, (ids, text, last) in enumerate(results):
+            assert ids == hf_tokens[i] and last.finished and last.finish_reason == "length"
+            assert last.num_completion_tokens == N_NEW and last.num_prompt_tokens == len(PROMPTS[i])
+        # the id is free again once its stream finished
+        ids, _, _ = await collect(ae.generate("q0", PROMPTS[0], SamplingParams(max_tokens=3, min_tokens=3)))
+        assert ids == hf_tokens[0][:3]
+        # explicit abort
+        s = ae.generate("ab", PROMPTS[0], SamplingParams(max_tokens=100, ignore_eos=True))
+        first = await s.__anext__()
+        assert first.token_ids and not first.finished
+        ae.abort("ab")
+        _, _, last = await collect(s)
+        assert last.finish_reason == "abort"
+        # a consumer that goes away (cancelled task, or dropping the stream) aborts its request
+        before = ae.stats()["total_completion_tokens"]
+        task = asyncio.create_task(collect(ae.generate("gone", PROMPTS[0], SamplingParams(max_tokens=100))))
+        await wait_until(lambda: ae.stats()["total_completion_tokens"] > before + 2)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        dropped = ae.generate("dropped", PROMPTS[0], SamplingParams(max_tokens=100))
+        await dropped.__anext__()
+        del dropped
+        await wait_until(lambda: ae.stats()["state_slots_used"] == 0 and ae.stats()["kv_blocks_used"] == 0)
+        assert ae.stats()["total_completion_tokens"] < before + 100  # not the 200 tokens asked for
+
+    ae = AsyncEngine(small_engine)
+    try:
+        asyncio.run(main(ae))
+    finally:
+        ae.shutdown()
+    assert not ae.ready
+    assert_pools_empty(small_engine)
+
+
+def test_step_loop_failure_ends_the_process(tiny_dir, cache_dir):
+    script = textwrap.dedent(f"""
+        import asyncio
+        from qwen35.engine import AsyncEngine, EngineArgs, LLMEngine
+        from qwen35.sampling_params import SamplingParams
+        eng = LLMEngine(EngineArgs(model={tiny_dir!r}, max_num_seqs=2, max_model_len=64, device="cpu"))
+        def broken(plan):
+            raise RuntimeError("boom in the forward")
+        eng.runner.execute = broken
+        async def main():
+            async for _ in AsyncEngine(eng).generate("r", [1, 2, 3], SamplingParams(max_tokens=4)):
+                pass
+        asyncio.run(main())
+    """)
+    env = {**os.environ, "QWEN35_CACHE": cache_dir, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "Traceback" in r.stderr and "RuntimeError: boom in the forward" in r.stderr
+
+
+# ---- offline LLM ----------------------------------------------------------------------------------------------------
+
+def test_llm_generate(tiny_dir, tok):
+    from qwen35.llm import LLM
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", max_num_seqs=4, max_model_len=256)
+    chat = [{"role": "user", "content": "What is 7 * 8?", "type": "text"}]
+    rendered = tok.apply_chat_template(chat, add_generation_prompt=True, enable_thinking=False)
+    assert "<think>\n\n</think>" in rendered  # thinking disabled
+    params = SamplingParams(max_tokens=12, min_tokens=12)
+    one = llm.generate("Hello there", params)
+    many = llm.generate(["Hello there", rendered, "x"], params)
+    chats = llm.generate([chat, chat[:1]], params)
+    single_chat = llm.generate(chat, params)
+    assert len(one) == 1 and len(many) == 3 and len(chats) == 2 and len(single_chat) == 1
+    assert one[0].token_ids == many[0].token_ids and len(one[0].token_ids) == 12
+    # a chat goes through the template with thinking off: same tokens as its rendered text
+    assert chats[0].token_ids == chats[1].token_ids == single_chat[0].token_ids == many[1].token_ids
+    assert chats[0].usage.prompt_tokens == len(tok.encode(rendered))
+    r = many[2]
+    assert r.finish_reason == "length" and r.text == tok.decode(r.token_ids, skip_special_tokens=True)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (1, 12, 13)
+    per_prompt = llm.generate(["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=5)])
+    assert [len(o.token_ids) for o in per_prompt] == [2, 5]
+    with pytest.raises(ValueError, match="exceeds max_model_len"):  # all or nothing
+        llm.generate(["hi", "fine, thanks a lot"], SamplingParams(max_tokens=253))
+    assert not llm.engine.has_unfinished()
