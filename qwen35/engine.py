@@ -113,7 +113,7 @@ class LLMEngine:
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" \
             else torch.device("cpu")
         # one rank resolves (a hub download or a synthetic write happens once), the others get its path
-        self.model_dir = parallel.broadcast_object(resolve_model(args.model) if parallel.is_driver() else None)
+        self.model_dir = parallel.broadcast_object(resolve_model(args.model, load_format=args.load_format) if parallel.is_driver() else None)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.config.check_tp(world)
         limit = self.config.max_position_embeddings
