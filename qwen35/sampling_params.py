@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MAX_TEMPERATURE = 100.0
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0          # 0 = greedy
@@ -29,8 +32,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field (the server turns it into an HTTP 400)."""
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # past ~100 the distribution is uniform to fp32 precision; huge values would overflow logits / T
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

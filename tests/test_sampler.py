@@ -148,3 +148,10 @@ def test_suppressed_ids_are_never_sampled():
 def test_returns_python_ints(temperature):
     out = Sampler(REAL, "cpu").sample(torch.randn(3, V), [SampleRow(SamplingParams(temperature=temperature))] * 3)
     assert all(type(t) is int and 0 <= t < REAL for t in out) and len(out) == 3
+
+
+def test_out_of_range_temperature_is_rejected():
+    for bad in (-0.5, float("nan"), float("inf"), 1e308):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)
+    assert SamplingParams(temperature=100).temperature == 100.0
