@@ -51,7 +51,10 @@ class GatedAttention(nn.Module):
         # cache post-norm, post-RoPE K and V
         self.k_cache.view(-1, self.num_kv_heads, D)[batch.slot_mapping] = k
         self.v_cache.view(-1, self.num_kv_heads, D)[batch.slot_mapping] = v
-        o = paged_attention_ref(q, self.k_cache, self.v_cache, batch, self.scale)
+        if batch.is_decode:
+            o = paged_decode_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.context_lens, self.scale)
+        else:
+            o = paged_attention_ref(q, self.k_cache, self.v_cache, batch, self.scale)
         return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate))
 
 
@@ -76,3 +79,18 @@ def paged_attention_ref(q, k_cache, v_cache, batch: ForwardBatch, scale: float) 
         out[offset: offset + n] = o.transpose(0, 1)
         offset += n
     return out
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    """One query per sequence over its paged keys, all sequences at once (no host sync; fixed shapes for a given
+    block-table width). q: [B, H, D]; block_tables: [B, max_blocks]; context_lens: [B] (keys 0..len-1 visible)."""
+    B, H, D = q.shape
+    n_kv = k_cache.shape[2]
+    k = k_cache[block_tables].flatten(1, 2)                       # [B, L, kv, D]
+    v = v_cache[block_tables].flatten(1, 2)
+    qg = q.view(B, n_kv, H // n_kv, D).float()                    # query heads grouped by the KV head they read
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k.float()) * scale
+    visible = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), v.float())
+    return out.reshape(B, H, D).to(q.dtype)

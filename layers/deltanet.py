@@ -109,28 +109,54 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(T, self.num_v_heads, self.dv)
         beta = self.in_proj_b(x).sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        out = torch.empty(T, self.num_v_heads, self.dv, dtype=x.dtype, device=x.device)
+        if batch.is_decode:
+            out = self._decode(u, g, beta, batch.state_slots)
+        else:
+            out = self._mixed(u, g, beta, batch)
+        y = self.norm(out, z).reshape(T, -1)
+        return self.out_proj(y)
+
+    def _split_qkv(self, c: torch.Tensor):
+        """Conv output [n, C] -> q (l2-normed, scaled), k (l2-normed), v in fp32, per value head: [n, Hv, d]."""
+        n = c.shape[0]
+        q, k, v = c.split([self.num_k_heads * self.dk, self.num_k_heads * self.dk, self.num_v_heads * self.dv], -1)
+        rep = self.num_v_heads // self.num_k_heads
+        q = (l2norm(q.float().view(n, -1, self.dk)) * self.dk ** -0.5).repeat_interleave(rep, dim=1)
+        k = l2norm(k.float().view(n, -1, self.dk)).repeat_interleave(rep, dim=1)
+        return q, k, v.float().view(n, -1, self.dv)
+
+    def _decode(self, u: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token for each of B sequences on existing states, all at once: no host sync, no per-sequence loop
+        (CUDA-graph safe). Gathers each sequence's conv tail and recurrent state by slot, steps, scatters back."""
+        window = torch.cat([self.conv_state[slots], u.unsqueeze(-1)], dim=-1)       # [B, C, kernel]
+        self.conv_state[slots] = window[..., 1:]
+        # the conv's last output column, accumulated in fp32 and rounded like a conv1d in the model dtype
+        c = F.silu((window.float() * self.conv1d.weight[:, 0, :].float()).sum(-1).to(u.dtype))
+        q, k, v = self._split_qkv(c)
+        state = self.ssm_state[slots] * g.exp()[:, :, None, None]                   # [B, H, dk, dv]
+        delta = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta[..., None]
+        state = state + k[..., None] * delta[:, :, None, :]
+        self.ssm_state[slots] = state
+        return torch.einsum("bhkv,bhk->bhv", state, q).to(u.dtype)
+
+    def _mixed(self, u: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Reference: sequence by sequence, chunked for several tokens, recurrent for one token on a state."""
+        out = torch.empty(u.shape[0], self.num_v_heads, self.dv, dtype=u.dtype, device=u.device)
         offset = 0
         for i, (n, start) in enumerate(zip(batch.seq_lens_cpu, batch.start_pos_cpu)):
             sl = slice(offset, offset + n)
             slot = batch.state_slots_cpu[i]
-            c = self._conv(u[sl], slot, fresh=start == 0)
-            q, k, v = c.split([self.num_k_heads * self.dk, self.num_k_heads * self.dk, self.num_v_heads * self.dv], -1)
-            rep = self.num_v_heads // self.num_k_heads
-            q = (l2norm(q.float().view(n, -1, self.dk)) * self.dk ** -0.5).repeat_interleave(rep, dim=1)
-            k = l2norm(k.float().view(n, -1, self.dk)).repeat_interleave(rep, dim=1)
-            v = v.float().view(n, -1, self.dv)
+            q, k, v = self._split_qkv(self._conv(u[sl], slot, fresh=start == 0))
             if start == 0:
-                state = torch.zeros(self.num_v_heads, self.dk, self.dv, dtype=torch.float32, device=x.device)
+                state = torch.zeros(self.num_v_heads, self.dk, self.dv, dtype=torch.float32, device=u.device)
             else:
                 state = self.ssm_state[slot]
             rule = recurrent_gated_delta_rule if (n == 1 and start > 0) else chunk_gated_delta_rule
             o, state = rule(q, k, v, g[sl], beta[sl], state)
             self.ssm_state[slot] = state
-            out[sl] = o.to(x.dtype)
+            out[sl] = o.to(u.dtype)
             offset += n
-        y = self.norm(out, z).reshape(T, -1)
-        return self.out_proj(y)
+        return out
 
     def _conv(self, u: torch.Tensor, slot, fresh: bool) -> torch.Tensor:
         """Causal depthwise conv of one sequence's new inputs u [n, C] after its cached tail; updates the tail."""

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One device-machine call: install the carried wheels, then run the named GPU stages, logs under $OUT.
+#
+#   bash benchmarks/gpu_session.sh tests parity bench server
+#
+# Stages: tests (pytest -m gpu), parity (benchmarks.gpu_parity at TP=1 and TP=NGPU), bench (qwen35.bench at TP=NGPU
+# and TP=1, full-size dummy weights), server (start.sh at TP=NGPU + benchmarks.throughput). Sizes come from the
+# environment (BENCH_ARGS, TRACE_ARGS, THROUGHPUT_ARGS) so that one call fits the device time at hand.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+NGPU=$(nvidia-smi -L | wc -l)
+DEV="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$NGPU"
+echo "device: $DEV, $(date -u +%FT%TZ)"
+BENCH_ARGS=${BENCH_ARGS:---mode static --batch-sizes 1,2,4,8,16,32,64 --input-len 1024 --output-len 64}
+THROUGHPUT_ARGS=${THROUGHPUT_ARGS:---levels 1,2,4,8,16,32,64 --num-requests 64 --ignore-eos --output-len-dist fixed:64}
+
+for stage in "$@"; do
+  t0=$(date +%s)
+  case $stage in
+    tests)
+      python3 -m pytest tests/ -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    parity)
+      CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.gpu_parity --layers 8 --out "$OUT/parity_tp1.json" 2>&1 \
+        | grep -v "falling back" | tail -5
+      if [ "$NGPU" -gt 1 ]; then
+        torchrun --nproc-per-node "$NGPU" -m benchmarks.gpu_parity --layers 8 --out "$OUT/parity_tp$NGPU.json" \
+          2>&1 | grep -v "falling back" | tail -5
+      fi ;;
+    bench)
+      torchrun --nproc-per-node "$NGPU" -m qwen35.bench $BENCH_ARGS --out "$OUT/bench_tp$NGPU.json" 2>&1 \
+        | grep -v "^\s*$" | tail -22
+      if [ "$NGPU" -gt 1 ] && [ -n "${BENCH_TP1:-1}" ]; then
+        CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 1 -m qwen35.bench $BENCH_ARGS --out "$OUT/bench_tp1.json" \
+          2>&1 | tail -14
+      fi ;;
+    server)
+      ./start.sh --port 8000 --model qwen3.5-35b-a3b --load-format dummy --tp "$NGPU" --log "$OUT/server.log" \
+        --timeout 600 ${SERVER_ARGS:-} || { tail -30 "$OUT/server.log"; continue; }
+      python3 -m benchmarks.throughput --url http://127.0.0.1:8000 $THROUGHPUT_ARGS \
+        --device-info "$DEV, TP=$NGPU, dummy weights" --out "$OUT/throughput_tp$NGPU.json" 2>&1 | tail -14
+      ./start.sh --stop --port 8000 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  echo "stage $stage: $(( $(date +%s) - t0 )) s"
+done
