@@ -10,6 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:  # Triton comes with CUDA builds of torch; the CPU path never needs it
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 from dist import parallel
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split
@@ -52,7 +58,8 @@ class GatedAttention(nn.Module):
         self.k_cache.view(-1, self.num_kv_heads, D)[batch.slot_mapping] = k
         self.v_cache.view(-1, self.num_kv_heads, D)[batch.slot_mapping] = v
         if batch.is_decode:
-            o = paged_decode_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.context_lens, self.scale)
+            decode = paged_decode_attention_triton if use_triton(q) else paged_decode_attention
+            o = decode(q, self.k_cache, self.v_cache, batch.block_tables, batch.context_lens, self.scale)
         else:
             o = paged_attention_ref(q, self.k_cache, self.v_cache, batch, self.scale)
         return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate))
@@ -94,3 +101,57 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), v.float())
     return out.reshape(B, H, D).to(q.dtype)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+if triton is not None:
+    @triton.jit
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+                             sq_b, sq_h, sk_blk, sk_tok, sk_h, st_b, so_b, so_h,
+                             GROUP: tl.constexpr, BLOCK_G: tl.constexpr, KV_BLOCK: tl.constexpr, D: tl.constexpr):
+        """One program per (sequence, KV head): its GROUP query heads walk the sequence's KV blocks with an
+        online softmax (fp32 accumulators), reading only the context_len tokens that exist."""
+        b, kv = tl.program_id(0), tl.program_id(1)
+        ctx = tl.load(lens_ptr + b)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, D)
+        t = tl.arange(0, KV_BLOCK)
+        heads = kv * GROUP + g
+        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        for start in range(0, ctx, KV_BLOCK):
+            block = tl.load(tables_ptr + b * st_b + start // KV_BLOCK).to(tl.int64)
+            valid = start + t < ctx
+            offs = block * sk_blk + t[:, None] * sk_tok + kv * sk_h + d[None, :]
+            k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(g < GROUP)[:, None])
+
+
+def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    """Same contract as paged_decode_attention; reads each sequence's keys once, whatever the table width."""
+    B, H, D = q.shape
+    n_kv = k_cache.shape[2]
+    group = H // n_kv
+    out = torch.empty_like(q)
+    _paged_decode_kernel[(B, n_kv)](
+        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), KV_BLOCK=k_cache.shape[1], D=D, num_warps=4)
+    return out

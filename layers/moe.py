@@ -17,13 +17,17 @@ from layers.linear import Linear, even_split, make_param
 from layers.mlp import MLP
 
 
-def use_grouped_mm(x: torch.Tensor) -> bool:
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """torch._grouped_mm runs on the CPU in any float dtype, and on Hopper GPUs in bf16."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.device.type == "cpu":
+    if device.type == "cpu":
         return True
-    return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def use_grouped_mm(x: torch.Tensor) -> bool:
+    return grouped_mm_supported(x.device, x.dtype)
 
 
 class Experts(nn.Module):

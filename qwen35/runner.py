@@ -16,6 +16,7 @@ from dist import parallel
 from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
 from layers.forward_batch import ForwardBatch
+from layers.moe import grouped_mm_supported
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
 from qwen35.model import Qwen35Model
@@ -84,6 +85,14 @@ class ModelRunner:
             raise ValueError(f"unknown load_format {load_format!r} (use 'safetensors' or 'dummy')")
         self.model.eval()
         self._allocate_caches(gpu_memory_utilization, num_kv_blocks)
+        self.graphs = None
+        if self.device.type == "cuda" and not enforce_eager:
+            if config.is_moe and not grouped_mm_supported(self.device, self.dtype):
+                # the per-expert loop needs host syncs, which a CUDA graph cannot hold
+                log.warning("no CUDA graphs: sync-free experts need bf16 on a Hopper GPU (running eager)")
+            else:
+                from qwen35.cuda_graphs import DecodeGraphs
+                self.graphs = DecodeGraphs(self)
 
     # ---------------------------------------------------------------- caches
     def _allocate_caches(self, utilization: float, num_kv_blocks: int | None) -> None:
@@ -157,5 +166,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan, gather_to_all: bool = False) -> torch.Tensor | None:
         """Run one step; logits [n_want_logits, vocab] float32 on rank 0 (or on all ranks with gather_to_all)."""
         batch = self.prepare(plan)
-        hidden = self.model(batch)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch)
+        else:
+            hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices], gather_to_all=gather_to_all)

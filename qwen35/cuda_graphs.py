@@ -1,0 +1,97 @@
+"""CUDA graphs for pure-decode steps: one graph per padded batch size, replayed with the step's values copied into
+static input tensors. A decode step is ~3,000 small kernels for the 40-layer model; a replay launches them as one.
+
+Padded rows (a batch of 5 runs the graph of 8) point at the scratch state slot and the scratch KV block that the
+runner allocates one extra of, so they never touch a real request's state. The graph covers embedding -> final
+norm; the LM head and the logits gather run eagerly after the replay, on the real rows only.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from dist import parallel
+from layers.forward_batch import ForwardBatch
+
+log = logging.getLogger("qwen35.graphs")
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 8))
+    return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+
+
+class DecodeGraphs:
+    def __init__(self, runner):
+        self.runner = runner
+        dev, maxb = runner.device, runner.max_num_seqs
+        width = math.ceil(runner.max_model_len / runner.block_size)
+        self.scratch_slot, self.scratch_block = runner.max_num_seqs, runner.num_kv_blocks
+        i64 = dict(dtype=torch.int64, device=dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.input_ids = torch.zeros(maxb, **i64)
+        self.positions = torch.zeros(maxb, **i64)
+        self.slot_mapping = torch.zeros(maxb, **i64)
+        self.block_tables = torch.zeros(maxb, width, **i32)
+        self.context_lens = torch.ones(maxb, **i32)
+        self.state_slots = torch.zeros(maxb, **i64)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self._capture_all()
+
+    def _batch(self, b: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
+            cu_seqlens=None, start_pos=None, context_lens=self.context_lens[:b], block_tables=self.block_tables[:b],
+            state_slots=self.state_slots[:b], logits_indices=None, seq_lens_cpu=[1] * b, start_pos_cpu=[1] * b,
+            state_slots_cpu=[self.scratch_slot] * b, is_decode=True)
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows [start, end) read and write only scratch state."""
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.slot_mapping[start:end] = self.scratch_block * self.runner.block_size
+        self.block_tables[start:end] = self.scratch_block
+        self.context_lens[start:end] = 1
+        self.state_slots[start:end] = self.scratch_slot
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        t0 = time.time()
+        model = self.runner.model
+        self._pad(0, self.runner.max_num_seqs)
+        for b in sorted(capture_sizes(self.runner.max_num_seqs), reverse=True):  # largest first: pool reuse
+            batch = self._batch(b)
+            model(batch)  # warm-up outside the graph (lazy inits, NCCL communicators, Triton compiles)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = model(batch)
+            self.graphs[b] = (graph, out)
+        torch.cuda.synchronize()
+        parallel.barrier()
+        if parallel.is_driver():
+            log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
+                     sorted(self.graphs), time.time() - t0)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.is_decode and batch.num_seqs <= max(self.graphs) \
+            and batch.block_tables.shape[1] <= self.block_tables.shape[1]
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final-norm hidden states [B, H] of the batch's B decode tokens, by graph replay."""
+        n = batch.num_seqs
+        b = min(s for s in self.graphs if s >= n)
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.block_tables[:n, : batch.block_tables.shape[1]].copy_(batch.block_tables)
+        self.context_lens[:n].copy_(batch.context_lens)
+        self.state_slots[:n].copy_(batch.state_slots)
+        self._pad(n, b)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n]
