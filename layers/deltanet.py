@@ -15,6 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:  # Triton comes with CUDA builds of torch; the CPU path never needs it
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 from dist import parallel
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, make_param
@@ -110,9 +116,10 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         if batch.is_decode:
-            out = self._decode(u, g, beta, batch.state_slots)
+            decode = self._decode_triton if (triton is not None and x.is_cuda) else self._decode
+            out = decode(u, g, beta, batch.state_slots)
         else:
-            out = self._mixed(u, g, beta, batch)
+            out = self._mixed_batched(u, g, beta, batch)
         y = self.norm(out, z).reshape(T, -1)
         return self.out_proj(y)
 
@@ -139,6 +146,24 @@ class GatedDeltaNet(nn.Module):
         self.ssm_state[slots] = state
         return torch.einsum("bhkv,bhk->bhv", state, q).to(u.dtype)
 
+    def _decode_triton(self, u: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """_decode in two kernels that update the conv tail and the recurrent state in place: the state is read and
+        written once (the torch version moves it about ten times), and ~40 small launches become 2."""
+        B, C = u.shape
+        c = torch.empty_like(u)
+        w = self.conv1d.weight
+        _conv_step_kernel[(B, triton.cdiv(C, 512))](
+            u, self.conv_state, w, slots, c, C, u.stride(0), self.conv_state.stride(0), self.conv_state.stride(1),
+            w.stride(0), c.stride(0), KERNEL=self.kernel, BLOCK_C=512)
+        out = torch.empty(B, self.num_v_heads, self.dv, dtype=u.dtype, device=u.device)
+        st = self.ssm_state
+        block_v = min(32, self.dv)
+        _delta_step_kernel[(B, self.num_v_heads, self.dv // block_v)](
+            c, g, beta, st, slots, out, c.stride(0), g.stride(0), st.stride(0), st.stride(1), st.stride(2),
+            out.stride(0), out.stride(1), self.num_k_heads * self.dk, 2 * self.num_k_heads * self.dk,
+            self.dk ** -0.5, REP=self.num_v_heads // self.num_k_heads, DK=self.dk, DV=self.dv, BV=block_v)
+        return out
+
     def _mixed(self, u: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Reference: sequence by sequence, chunked for several tokens, recurrent for one token on a state."""
         out = torch.empty(u.shape[0], self.num_v_heads, self.dv, dtype=u.dtype, device=u.device)
@@ -158,6 +183,40 @@ class GatedDeltaNet(nn.Module):
             offset += n
         return out
 
+    def _mixed_batched(self, u: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """_mixed with one chunked delta rule for all multi-token sequences: they are padded to the longest and
+        stacked along the head axis (heads are independent), so the chunk loop runs once, not once per sequence.
+        Padding steps have k = v = beta = 0 and g = 0, which leave the state unchanged."""
+        H = self.num_v_heads
+        out = torch.empty(u.shape[0], H, self.dv, dtype=u.dtype, device=u.device)
+        chunked, offset = [], 0
+        for i, (n, start) in enumerate(zip(batch.seq_lens_cpu, batch.start_pos_cpu)):
+            sl, slot = slice(offset, offset + n), batch.state_slots_cpu[i]
+            q, k, v = self._split_qkv(self._conv(u[sl], slot, fresh=start == 0))
+            offset += n
+            if n == 1 and start > 0:  # a decode inside a mixed step: the recurrent form, as the reference
+                o, self.ssm_state[slot] = recurrent_gated_delta_rule(q, k, v, g[sl], beta[sl], self.ssm_state[slot])
+                out[sl] = o.to(u.dtype)
+            else:
+                chunked.append((sl, slot, start, q, k, v))
+        if not chunked:
+            return out
+        L = max(c[3].shape[0] for c in chunked)
+
+        def stack(xs):  # [n_i, H, ...] each -> [L, len * H, ...], zero-padded at the end
+            return torch.cat([F.pad(x, (0, 0) * (x.dim() - 1) + (0, L - x.shape[0])) for x in xs], dim=1)
+
+        zeros = torch.zeros(H, self.dk, self.dv, dtype=torch.float32, device=u.device)
+        init = torch.cat([zeros if start == 0 else self.ssm_state[slot] for _, slot, start, *_ in chunked])
+        o, state = chunk_gated_delta_rule(
+            stack([c[3] for c in chunked]), stack([c[4] for c in chunked]), stack([c[5] for c in chunked]),
+            stack([g[c[0]] for c in chunked]), stack([beta[c[0]] for c in chunked]), init)
+        slots = torch.tensor([c[1] for c in chunked], device=u.device)
+        self.ssm_state[slots] = state.view(len(chunked), H, self.dk, self.dv)
+        for j, (sl, *_rest) in enumerate(chunked):
+            out[sl] = o[: sl.stop - sl.start, j * H:(j + 1) * H].to(u.dtype)
+        return out
+
     def _conv(self, u: torch.Tensor, slot, fresh: bool) -> torch.Tensor:
         """Causal depthwise conv of one sequence's new inputs u [n, C] after its cached tail; updates the tail."""
         tail_len = self.kernel - 1
@@ -166,3 +225,53 @@ class GatedDeltaNet(nn.Module):
         self.conv_state[slot] = seq[:, -tail_len:]
         y = F.conv1d(seq.unsqueeze(0), self.conv1d.weight, groups=self.conv_dim)[0]  # valid conv: [C, n]
         return F.silu(y).t()
+
+
+if triton is not None:
+    @triton.jit
+    def _conv_step_kernel(u_ptr, state_ptr, w_ptr, slots_ptr, out_ptr, C, su_b, ss_slot, ss_c, sw_c, so_b,
+                          KERNEL: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Causal depthwise conv of one new column per sequence: taps 0..K-2 read the cached tail (oldest first),
+        tap K-1 the new input; the tail shifts left by one in place. Output silu(conv), rounded as the model's."""
+        b, cb = tl.program_id(0), tl.program_id(1)
+        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = c < C
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        base = state_ptr + slot * ss_slot + c * ss_c
+        x_new = tl.load(u_ptr + b * su_b + c, mask=mask, other=0.0)
+        acc = x_new.to(tl.float32) * tl.load(w_ptr + c * sw_c + (KERNEL - 1), mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(KERNEL - 1):
+            acc += tl.load(base + j, mask=mask, other=0.0).to(tl.float32) * \
+                tl.load(w_ptr + c * sw_c + j, mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(KERNEL - 2):
+            tl.store(base + j, tl.load(base + j + 1, mask=mask), mask=mask)
+        tl.store(base + (KERNEL - 2), x_new, mask=mask)
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + b * so_b + c, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _delta_step_kernel(c_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, out_ptr, sc_b, sg_b, ss_slot, ss_h, ss_k,
+                           so_b, so_h, key_off, val_off, scale,
+                           REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+        """One gated delta-rule step for (sequence, value head, block of BV value columns), state in place (fp32):
+        S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q, with q, k l2-normalised (q also scaled)."""
+        b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        hk = h // REP
+        kk = tl.arange(0, DK)
+        vv = vb * BV + tl.arange(0, BV)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        row = c_ptr + b * sc_b
+        q = tl.load(row + hk * DK + kk).to(tl.float32)
+        k = tl.load(row + key_off + hk * DK + kk).to(tl.float32)
+        v = tl.load(row + val_off + h * DV + vv).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        decay = tl.exp(tl.load(g_ptr + b * sg_b + h))
+        beta = tl.load(beta_ptr + b * sg_b + h)
+        ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :]
+        S = tl.load(ptrs) * decay
+        delta = (v - tl.sum(S * k[:, None], 0)) * beta
+        S = S + k[:, None] * delta[None, :]
+        tl.store(ptrs, S)
+        o = tl.sum(S * q[:, None], 0)
+        tl.store(out_ptr + b * so_b + h * so_h + vv, o.to(out_ptr.dtype.element_ty))
