@@ -79,10 +79,13 @@ def paged_attention_ref(q, k_cache, v_cache, batch: ForwardBatch, scale: float) 
         k = k.repeat_interleave(n_heads // n_kv, dim=0)
         v = v.repeat_interleave(n_heads // n_kv, dim=0)
         qi = q[offset: offset + n].transpose(0, 1)  # [h, n, D]
-        # query t (absolute position start + t) sees keys 0..start + t
-        mask = torch.arange(ctx, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                           attn_mask=mask, scale=scale)[0]
+        if start == 0:  # a whole prompt: plain causal, which lets SDPA pick its flash kernel
+            o = F.scaled_dot_product_attention(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                               is_causal=True, scale=scale)[0]
+        else:  # query t (absolute position start + t) sees keys 0..start + t
+            mask = torch.arange(ctx, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+            o = F.scaled_dot_product_attention(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                               attn_mask=mask, scale=scale)[0]
         out[offset: offset + n] = o.transpose(0, 1)
         offset += n
     return out
