@@ -23,15 +23,13 @@ from dist import parallel
 from layers.sampler import SampleRow, Sampler
 from qwen35.config import ModelConfig
 from qwen35.outputs import OutputState, RequestOutput
+from qwen35.runner import DTYPES, resolve_dtype
 from qwen35.sampling_params import SamplingParams
 from scheduler.plan import StepPlan
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 
 __all__ = ["EngineArgs", "LLMEngine", "AsyncEngine", "RequestOutput"]
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 @dataclass
 class EngineArgs:
@@ -57,11 +55,7 @@ class EngineArgs:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype in (None, "auto"):
-            return torch.bfloat16 if self.device_type == "cuda" else torch.float32
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        return _DTYPES[self.dtype]
+        return resolve_dtype(self.dtype, torch.device(self.device_type))
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -69,7 +63,7 @@ class EngineArgs:
         g.add_argument("--model", required=True, help="model directory, Hugging Face id, or preset (tiny, ...)")
         g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
                        help="tensor parallel size (default: WORLD_SIZE of the torchrun job)")
-        g.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
+        g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
         g.add_argument("--device", default="auto", help="auto, cuda or cpu")
         g.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
         g.add_argument("--block-size", type=int, default=16, help="tokens per paged-KV block")

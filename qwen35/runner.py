@@ -34,15 +34,17 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """None / "auto": bf16 on GPU, fp32 on CPU; else a name of DTYPES or a torch dtype."""
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):
-        names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
-                 "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
-        if dtype not in names:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
-        return names[dtype]
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+        return DTYPES[dtype]
     return dtype
 
 
