@@ -29,7 +29,7 @@ class DecodeGraphs:
         self.runner = runner
         dev, maxb = runner.device, runner.max_num_seqs
         width = math.ceil(runner.max_model_len / runner.block_size)
-        self.scratch_slot, self.scratch_block = runner.max_num_seqs, runner.num_kv_blocks
+        self.scratch_slot, self.scratch_block = runner.scratch_slot, runner.num_kv_blocks
         i64 = dict(dtype=torch.int64, device=dev)
         i32 = dict(dtype=torch.int32, device=dev)
         self.input_ids = torch.zeros(maxb, **i64)

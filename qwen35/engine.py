@@ -46,6 +46,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None          # None: as many as fit (gpu_memory_utilization) or are useful
     enforce_eager: bool = False
     seed: int = 0
+    prefix_cache_slots: int = 32              # whole-prompt prefix cache entries (0: off)
 
     @property
     def device_type(self) -> str:
@@ -77,6 +78,8 @@ class EngineArgs:
         g.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV cache size (blocks)")
         g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
         g.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and unseeded sampling")
+        g.add_argument("--prefix-cache-slots", type=int, default=32,
+                       help="prompts whose state is kept for reuse by a request with the same prompt (0: off)")
         return parser
 
     @classmethod
@@ -118,7 +121,8 @@ class LLMEngine:
             self.config, model_dir=self.model_dir, load_format=args.load_format, dtype=args.torch_dtype,
             device=self.device_type, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-            num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager, seed=args.seed)
+            num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager, seed=args.seed,
+            num_snapshot_slots=args.prefix_cache_slots)
         self._shut_down = False
         if not parallel.is_driver():
             return
@@ -127,7 +131,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or self.config.eos_token_ids)
         self.scheduler = Scheduler(self.runner.num_kv_blocks, self.runner.block_size, self.runner.num_state_slots,
-                                   args.max_num_seqs, args.max_num_batched_tokens)
+                                   args.max_num_seqs, args.max_num_batched_tokens, self.runner.snapshot_slots)
         self.sampler = Sampler(min(self.tokenizer.num_real_tokens, self.config.vocab_size), self.device, args.seed)
         self._tracked: dict[str, _Tracked] = {}
         self.total_prompt_tokens = 0      # prompt tokens prefilled
@@ -206,13 +210,20 @@ class LLMEngine:
 
     def stats(self) -> dict:
         s = self.scheduler
+        cached = sum(len(e.blocks) for e in s.cache.entries.values()) if s.cache else 0
+        hit_tokens = s.cache.hit_tokens if s.cache else 0
         return {
             "num_running": s.num_running, "num_waiting": s.num_waiting,
-            "total_prompt_tokens": self.total_prompt_tokens,
+            "total_prompt_tokens": self.total_prompt_tokens + hit_tokens,  # prefilled or served from the cache
             "total_completion_tokens": self.total_completion_tokens,
             "num_steps": self.num_steps, "last_step_time_s": self.last_step_time,
-            "kv_blocks_used": s.blocks.num_used, "kv_blocks_total": s.blocks.size,
+            # blocks held by running requests; the prefix cache's own (freed on demand) are counted apart
+            "kv_blocks_used": s.blocks.num_used - cached, "kv_blocks_total": s.blocks.size,
             "state_slots_used": s.slots.num_used, "state_slots_total": s.slots.size,
+            "prefix_cache_entries": len(s.cache.entries) if s.cache else 0,
+            "prefix_cache_blocks": cached,
+            "prefix_cache_hits": s.cache.hits if s.cache else 0,
+            "prefix_cache_hit_tokens": hit_tokens,
         }
 
     def shutdown(self) -> None:

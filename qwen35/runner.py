@@ -66,12 +66,14 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, model_dir: str | None = None, load_format: str = "safetensors",
                  dtype=None, device=None, block_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.85,
-                 num_kv_blocks: int | None = None, enforce_eager: bool = False, seed: int = 0):
+                 num_kv_blocks: int | None = None, enforce_eager: bool = False, seed: int = 0,
+                 num_snapshot_slots: int = 0):
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        self.num_snapshot_slots = num_snapshot_slots
         self.max_model_len = max_model_len or min(config.max_position_embeddings, 32768)
         self.enforce_eager = enforce_eager
         config.check_tp(parallel.tp_size())
@@ -100,12 +102,15 @@ class ModelRunner:
     def _allocate_caches(self, utilization: float, num_kv_blocks: int | None) -> None:
         attn = [m for m in self.model.modules() if isinstance(m, GatedAttention)]
         gdn = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
-        # one extra state slot and one extra KV block: scratch targets for padded rows of captured graphs
-        slots = self.max_num_seqs + 1
+        # state slots: one per running sequence, then the prefix cache's snapshots, then one scratch slot (and one
+        # scratch KV block) that padded rows of captured graphs read and write
+        slots = self.max_num_seqs + self.num_snapshot_slots + 1
         for m in gdn:
             m.conv_state = torch.zeros(slots, m.conv_dim, m.kernel - 1, dtype=self.dtype, device=self.device)
             m.ssm_state = torch.zeros(slots, m.num_v_heads, m.dk, m.dv, dtype=torch.float32, device=self.device)
         self.num_state_slots = self.max_num_seqs
+        self.snapshot_slots = list(range(self.max_num_seqs, self.max_num_seqs + self.num_snapshot_slots))
+        self.scratch_slot = slots - 1
         elt = torch.empty((), dtype=self.dtype).element_size()
         per_block = sum(2 * self.block_size * m.num_kv_heads * m.head_dim * elt for m in attn)
         # more blocks than every slot filled to max_model_len can never be used (no prefix sharing yet)
@@ -164,9 +169,23 @@ class ModelRunner:
             is_decode=plan.is_pure_decode,
         )
 
+    def _apply_copies(self, plan: StepPlan) -> None:
+        """Prefix-cache copies, in plan order (a snapshot may be taken and read in the same step)."""
+        for src, dst in plan.copy_states:
+            for m in self.model.modules():
+                if isinstance(m, GatedDeltaNet):
+                    m.conv_state[dst].copy_(m.conv_state[src])
+                    m.ssm_state[dst].copy_(m.ssm_state[src])
+        for src, dst in plan.copy_blocks:
+            for m in self.model.modules():
+                if isinstance(m, GatedAttention):
+                    m.k_cache[dst].copy_(m.k_cache[src])
+                    m.v_cache[dst].copy_(m.v_cache[src])
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan, gather_to_all: bool = False) -> torch.Tensor | None:
         """Run one step; logits [n_want_logits, vocab] float32 on rank 0 (or on all ranks with gather_to_all)."""
+        self._apply_copies(plan)
         batch = self.prepare(plan)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)

@@ -16,6 +16,9 @@ class StepPlan:
     start_pos: list[int] = field(default_factory=list)        # tokens of the sequence already in its caches; 0 = fresh state
     block_tables: list[list[int]] = field(default_factory=list)  # paged-KV block ids covering start_pos + len(token_ids)
     want_logits: list[bool] = field(default_factory=list)     # True: return logits of this sequence's last token
+    # prefix cache: copies done in order before the forward (DeltaNet state slots, and paged-KV blocks)
+    copy_states: list[tuple[int, int]] = field(default_factory=list)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
     # control: "step" runs the forward; "exit" makes worker ranks leave their loop; "idle" is a heartbeat an idle
     # server sends so that worker ranks waiting in broadcast_object do not hit the process-group timeout
     command: str = "step"

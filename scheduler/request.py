@@ -25,6 +25,11 @@ class Request:
     state_slot: int | None = None
     block_ids: list[int] = field(default_factory=list)  # all blocks reserved at admission
     finish_reason: str | None = None
+    # prefix cache: the entry whose first num_shared_blocks blocks this request reads, and where (in prompt
+    # tokens) its prefill pauses to be snapshotted (None: not to be cached)
+    cache_entry: object = None
+    num_shared_blocks: int = 0
+    snapshot_at: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

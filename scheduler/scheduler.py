@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from scheduler.plan import StepPlan
 from scheduler.pools import BlockPool, StateSlotPool
+from scheduler.prefix_cache import CacheEntry, PrefixCache
 from scheduler.request import Request, RequestStatus
 
 
@@ -25,7 +26,7 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, num_kv_blocks: int, block_size: int, num_state_slots: int, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, snapshot_slots: list[int] = ()):
         self.blocks = BlockPool(num_kv_blocks, block_size)
         self.slots = StateSlotPool(num_state_slots)
         self.max_num_seqs = min(max_num_seqs, num_state_slots)
@@ -37,6 +38,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # admission order
         self.requests: dict[str, Request] = {}
+        # whole-prompt prefix cache (scheduler/prefix_cache.py); off without snapshot slots
+        self.cache = PrefixCache(list(snapshot_slots)) if snapshot_slots else None
+        self._copy_states: list[tuple[int, int]] = []  # (src slot, dst slot), run before the next forward
+        self._copy_blocks: list[tuple[int, int]] = []
 
     # ---- admission -------------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -61,20 +66,74 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_num_seqs or not self.slots.num_free:
             return None
         req = self.waiting[0]
-        need = self.blocks.blocks_for(req.max_cached_tokens)
-        if need > self.blocks.num_free:
+        hit = self.cache.lookup(req.prompt_ids) if self.cache else None
+        shared = len(hit.key) // self.blocks.block_size if hit else 0  # full blocks read from the cache entry
+        need = self.blocks.blocks_for(req.max_cached_tokens) - shared
+        if not self._make_room(need, keep=hit):
             return None  # head of line waits: admitting smaller requests past it could starve it forever
         self.waiting.popleft()
         req.state_slot = self.slots.allocate(1)[0]
-        req.block_ids = self.blocks.allocate(need)
+        req.block_ids = (hit.blocks[:shared] if hit else []) + self.blocks.allocate(need)
         req.status = RequestStatus.RUNNING
+        if hit:
+            self._attach(req, hit, shared)
+            self._copy_states.append((hit.snapshot_slot, req.state_slot))
+            if len(hit.key) % self.blocks.block_size:  # the partial block: a private copy to write on into
+                self._copy_blocks.append((hit.blocks[shared], req.block_ids[shared]))
+            req.num_computed = len(hit.key)
+        elif self.cache and req.num_prompt_tokens >= 2:
+            req.snapshot_at = req.num_prompt_tokens - 1
         self.running.append(req)
         return req
+
+    # ---- prefix cache ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _attach(req: Request, entry: CacheEntry, shared: int) -> None:
+        req.cache_entry, req.num_shared_blocks = entry, shared
+        entry.users += 1
+
+    def _make_room(self, num_blocks: int, keep: CacheEntry | None = None) -> bool:
+        """Evict unused cache entries (LRU) until `num_blocks` KV blocks are free; False if they cannot be."""
+        while self.blocks.num_free < num_blocks and self.cache:
+            if keep is not None:
+                keep.users += 1  # pinned while we evict others
+            entry = self.cache.evict_one()
+            if keep is not None:
+                keep.users -= 1
+            if entry is None:
+                break
+            self.blocks.free(entry.blocks)
+        return self.blocks.num_free >= num_blocks
+
+    def _snapshot(self, req: Request) -> None:
+        """Cache the state of `req` after all but its last prompt token (its next forward feeds that token)."""
+        req.snapshot_at = None
+        if self.cache.contains(req.prompt_ids):
+            return
+        if not self.cache.free_slots:
+            entry = self.cache.evict_one()
+            if entry is None:
+                return
+            self.blocks.free(entry.blocks)
+        n = req.num_prompt_tokens - 1
+        full, partial = divmod(n, self.blocks.block_size)
+        if partial and not self._make_room(1):
+            return
+        blocks = req.block_ids[:full] + (self.blocks.allocate(1) if partial else [])
+        entry = CacheEntry(tuple(req.prompt_ids[:-1]), self.cache.free_slots.pop(), blocks)
+        self.cache.add(entry)
+        self._copy_states.append((req.state_slot, entry.snapshot_slot))
+        if partial:
+            self._copy_blocks.append((req.block_ids[full], blocks[-1]))
+        self._attach(req, entry, full)  # its full blocks now belong to the entry; the request reads them
 
     # ---- one step ----------------------------------------------------------------------------------------------
     def schedule(self) -> tuple[StepPlan, list[ScheduledSeq]]:
         budget = self.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
+        for req in self.running:
+            if req.snapshot_at is not None and req.num_computed == req.snapshot_at:
+                self._snapshot(req)
         for req in self.running:
             if not req.is_prefilling:
                 seqs.append(ScheduledSeq(req, 1, True))
@@ -91,12 +150,15 @@ class Scheduler:
 
     @staticmethod
     def _add_chunk(seqs: list[ScheduledSeq], req: Request, budget: int) -> int:
-        n = min(req.num_prompt_tokens - req.num_computed, budget)
+        # a prompt to be cached stops one token short, so that its state can be snapshotted before the last one
+        end = req.snapshot_at if req.snapshot_at is not None else req.num_prompt_tokens
+        n = min(end - req.num_computed, budget)
         seqs.append(ScheduledSeq(req, n, req.num_computed + n == req.num_prompt_tokens))
         return n
 
     def _build_plan(self, seqs: list[ScheduledSeq]) -> StepPlan:
-        plan = StepPlan()
+        plan = StepPlan(copy_states=self._copy_states, copy_blocks=self._copy_blocks)
+        self._copy_states, self._copy_blocks = [], []
         for s in seqs:
             r, start = s.request, s.request.num_computed
             plan.state_slots.append(r.state_slot)
@@ -140,8 +202,10 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self.slots.free([req.state_slot])
-            self.blocks.free(req.block_ids)
-            req.state_slot, req.block_ids = None, []
+            self.blocks.free(req.block_ids[req.num_shared_blocks:])  # the shared ones belong to the cache entry
+            if req.cache_entry is not None:
+                req.cache_entry.users -= 1
+            req.state_slot, req.block_ids, req.cache_entry = None, [], None
         del self.requests[req.request_id]
 
     # ---- metrics -------------------------------------------------------------------------------------------------
