@@ -46,7 +46,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None          # None: as many as fit (gpu_memory_utilization) or are useful
     enforce_eager: bool = False
     seed: int = 0
-    prefix_cache_slots: int = 32              # whole-prompt prefix cache entries (0: off)
+    prefix_cache_slots: int = 64              # whole-prompt prefix cache entries (0: off)
 
     @property
     def device_type(self) -> str:
@@ -78,7 +78,7 @@ class EngineArgs:
         g.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV cache size (blocks)")
         g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
         g.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and unseeded sampling")
-        g.add_argument("--prefix-cache-slots", type=int, default=32,
+        g.add_argument("--prefix-cache-slots", type=int, default=64,
                        help="prompts whose state is kept for reuse by a request with the same prompt (0: off)")
         return parser
 
