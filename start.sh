@@ -12,7 +12,7 @@
 # is printed and the exit status is 1 (2 for bad usage).
 # Defaults: the model Qwen/Qwen3.5-35B-A3B, tensor parallel over every visible GPU. Without a GPU, pass
 # `--model tiny` (a small synthetic checkpoint that runs on the CPU, TP over gloo with --tp N).
-# Stopping sends SIGTERM to torchrun (rank 0 then shuts the engine down, which ends the worker ranks) and kills
+# Stopping sends SIGTERM to the ranks (rank 0 then shuts the engine down, which ends the worker ranks) and kills
 # whatever is left after --stop-wait seconds (default 60). PYTHON=... picks the interpreter (default python3).
 set -euo pipefail
 DEFAULT_MODEL=Qwen/Qwen3.5-35B-A3B
@@ -64,10 +64,13 @@ health_code() {  # HTTP status of GET /health, 000 when nothing answers
 }
 
 stop_server() {
-  local pid=$1 procs i
+  local pid=$1 procs ranks i
   # torchrun starts each rank in its own session, so the ranks must be found now, while their parent is alive
-  procs="$pid $(descendants "$pid" | tr '\n' ' ')"
-  kill -TERM "$pid" 2>/dev/null || true
+  ranks=$(descendants "$pid" | tr '\n' ' ')
+  procs="$pid $ranks"
+  # signal the ranks rather than torchrun: rank 0 shuts the engine down, the workers follow, and torchrun then
+  # exits on its own (signalled itself, it would end with a SignalException traceback in the log)
+  kill -TERM ${ranks:-$pid} 2>/dev/null || true
   for ((i = 0; i < STOP_WAIT * 2; i++)); do
     local left=""
     for p in $procs; do alive "$p" && left="$left $p"; done
