@@ -100,8 +100,8 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- caches
     def _allocate_caches(self, utilization: float, num_kv_blocks: int | None) -> None:
-        attn = [m for m in self.model.modules() if isinstance(m, GatedAttention)]
-        gdn = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
+        self.attn_layers = attn = [m for m in self.model.modules() if isinstance(m, GatedAttention)]
+        self.gdn_layers = gdn = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         # state slots: one per running sequence, then the prefix cache's snapshots, then one scratch slot (and one
         # scratch KV block) that padded rows of captured graphs read and write
         slots = self.max_num_seqs + self.num_snapshot_slots + 1
@@ -172,15 +172,13 @@ class ModelRunner:
     def _apply_copies(self, plan: StepPlan) -> None:
         """Prefix-cache copies, in plan order (a snapshot may be taken and read in the same step)."""
         for src, dst in plan.copy_states:
-            for m in self.model.modules():
-                if isinstance(m, GatedDeltaNet):
-                    m.conv_state[dst].copy_(m.conv_state[src])
-                    m.ssm_state[dst].copy_(m.ssm_state[src])
+            for m in self.gdn_layers:
+                m.conv_state[dst].copy_(m.conv_state[src])
+                m.ssm_state[dst].copy_(m.ssm_state[src])
         for src, dst in plan.copy_blocks:
-            for m in self.model.modules():
-                if isinstance(m, GatedAttention):
-                    m.k_cache[dst].copy_(m.k_cache[src])
-                    m.v_cache[dst].copy_(m.v_cache[src])
+            for m in self.attn_layers:
+                m.k_cache[dst].copy_(m.k_cache[src])
+                m.v_cache[dst].copy_(m.v_cache[src])
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, gather_to_all: bool = False) -> torch.Tensor | None:
