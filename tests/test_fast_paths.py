@@ -1,0 +1,335 @@
+"""The batched decode paths (DeltaNet step, paged decode attention, sync-free grouped experts, CUDA-graph replay)
+against the per-sequence reference paths they replace.
+
+CPU, fp32: every fast path equals its reference to 1e-5 max abs (rounding only), on random inputs, random state
+slots and random, shuffled, partly garbage block tables. The grouped experts' sorting/offset logic runs on the CPU
+through a stand-in for torch._grouped_mm with the CUDA kernel's contract (rows past the last offset left unwritten:
+here NaN, so that any use of them shows).
+
+GPU (`-m gpu`; tests/test_gpu.py holds the basic ones: Triton kernels, grouped experts, graph vs eager at fixed
+slots): grouped experts of a rank owning part of the experts at decode sizes, and graph replay vs eager decode with a
+batch that changes every step (sequences leave and come back, random slots, padded sizes 3, 5, 6). Tolerances:
+- fp32 dense model, graph vs eager <= 1e-3: the same kernels on the same values; only GEMM row counts differ
+  (padding), which changes fp32 rounding (~1e-6) and nothing else. Any slot/table/padding mistake is O(0.1).
+- bf16 MoE, <= 3e-2 on logits up to ~3: 1e-3 is below one bf16 ulp of such logits (2^-7..2^-6), so it could only pass
+  bit for bit; padded GEMMs round differently, and 20 steps of recurrent state carry that on. 3e-2 is 2-4 ulps,
+  still ~10x under what a wrong slot or a leaking pad row does.
+"""
+import dataclasses
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from layers import moe
+from layers.attention import paged_attention_ref, paged_decode_attention
+from layers.deltanet import GatedDeltaNet
+from layers.forward_batch import ForwardBatch
+from qwen35.config import ModelConfig
+from qwen35.runner import ModelRunner
+from scheduler.plan import StepPlan
+from tests.hf_reference import build_hf_model, free_port
+
+TOL = 1e-5
+BLOCK = 16
+MAX_SEQS = 8
+MAX_LEN = 256
+
+
+def max_diff(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def decode_batch(slots, context_lens, tables, block_size) -> ForwardBatch:
+    """A pure-decode batch as ModelRunner.prepare builds it: sequence i feeds one token at context_lens[i] - 1."""
+    B = len(slots)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens = torch.tensor(context_lens)
+    pos = lens - 1
+    return ForwardBatch(
+        input_ids=torch.zeros(B, dtype=torch.int64), positions=pos,
+        slot_mapping=table[torch.arange(B), pos // block_size].long() * block_size + pos % block_size,
+        cu_seqlens=torch.arange(B + 1, dtype=torch.int32), start_pos=pos.int(), context_lens=lens.int(),
+        block_tables=table, state_slots=torch.tensor(slots), logits_indices=torch.arange(B),
+        seq_lens_cpu=[1] * B, start_pos_cpu=pos.tolist(), state_slots_cpu=list(slots), is_decode=True)
+
+
+# ------------------------------------------------------------------------------------------- DeltaNet decode step
+@pytest.mark.parametrize("hk,hv,dk,dv,kernel", [(2, 6, 8, 12, 4), (4, 4, 16, 8, 2)])
+def test_deltanet_decode_equals_reference(hk, hv, dk, dv, kernel):
+    """_decode (all sequences at once) against _mixed (one at a time, recurrent rule), three chained steps on random
+    states in random slots: outputs, conv tails and recurrent states. hv/hk = 3 checks v-head j -> qk-head j // 3."""
+    gen = torch.Generator().manual_seed(hv * 100 + kernel)
+    cfg = SimpleNamespace(linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dk,
+                          linear_value_head_dim=dv, hidden_size=32, linear_conv_kernel_dim=kernel, rms_norm_eps=1e-6)
+    m = GatedDeltaNet(cfg, dtype=torch.float32)
+    m.conv1d.weight.data = torch.randn(m.conv1d.weight.shape, generator=gen) * 0.5
+    n_slots, B = 11, 5
+    conv0 = torch.randn(n_slots, m.conv_dim, kernel - 1, generator=gen)
+    ssm0 = torch.randn(n_slots, hv, dk, dv, generator=gen) * 4  # outputs O(1) despite the dk^-0.5 on q
+    slots = torch.randperm(n_slots, generator=gen)[:B].tolist()
+    batch = decode_batch(slots, [3 + i for i in range(B)], [[0]] * B, BLOCK)
+    fast_states, ref_states = (conv0.clone(), ssm0.clone()), (conv0.clone(), ssm0.clone())
+    for _ in range(3):
+        u = torch.randn(B, m.conv_dim, generator=gen)
+        g = -torch.rand(B, hv, generator=gen) * 2
+        beta = torch.rand(B, hv, generator=gen)
+        m.conv_state, m.ssm_state = fast_states
+        fast = m._decode(u, g, beta, batch.state_slots)
+        m.conv_state, m.ssm_state = ref_states
+        ref = m._mixed(u, g, beta, batch)
+        assert ref.abs().max() > 0.1
+        assert max_diff(fast, ref) <= TOL
+        for a, b in zip(fast_states, ref_states):
+            assert max_diff(a, b) <= TOL
+    untouched = [s for s in range(n_slots) if s not in slots]
+    assert torch.equal(fast_states[1][untouched], ssm0[untouched])
+
+
+# ------------------------------------------------------------------------------------ paged decode attention
+@pytest.mark.parametrize("heads,kv", [(6, 2), (4, 4), (4, 1)])
+def test_paged_decode_attention_equals_reference(heads, kv):
+    """Batched decode attention against the per-sequence reference. Table rows are random blocks, and the columns
+    past each context hold random (valid, filled) blocks: only the context_len mask may hide them."""
+    gen = torch.Generator().manual_seed(heads * 10 + kv)
+    bs, D, n_blocks, width = 4, 16, 40, 9
+    k_cache = torch.randn(n_blocks, bs, kv, D, generator=gen)
+    v_cache = torch.randn(n_blocks, bs, kv, D, generator=gen)
+    lens = [1, 4, 5, 36, 17, 8]  # one token, whole blocks, a full table, partial blocks
+    tables = [torch.randperm(n_blocks, generator=gen)[:width].tolist() for _ in lens]
+    batch = decode_batch(list(range(len(lens))), lens, tables, bs)
+    q = torch.randn(len(lens), heads, D, generator=gen)
+    fast = paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, D ** -0.5)
+    ref = paged_attention_ref(q, k_cache, v_cache, batch, D ** -0.5)
+    assert max_diff(fast, ref) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------- grouped experts
+def grouped_mm_standin(x, w, offs):
+    """torch._grouped_mm's CUDA contract on the CPU: rows offs[i-1]:offs[i] of x times w[i]; rows past offs[-1]
+    are not written (NaN here)."""
+    assert offs.dtype == torch.int32 and offs.shape == (w.shape[0],)
+    assert bool((offs.diff() >= 0).all()) and int(offs[-1]) <= x.shape[0]
+    out = torch.full((x.shape[0], w.shape[-1]), float("nan"), dtype=x.dtype)
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[i]
+        start = end
+    return out
+
+
+def make_experts(num_experts, hidden, inter, start, num_local, gen, dtype=torch.float32, device="cpu"):
+    """One rank's Experts: it owns experts [start, start + num_local) of num_experts."""
+    ex = moe.Experts(num_experts, hidden, inter, dtype=dtype, device=device)
+    ex.start, ex.num_local = start, num_local
+    ex.gate_up_proj.data = (torch.randn(num_local, 2 * inter, hidden, generator=gen) * 0.1).to(dtype).to(device)
+    ex.down_proj.data = (torch.randn(num_local, hidden, inter, generator=gen) * 0.1).to(dtype).to(device)
+    return ex
+
+
+@pytest.mark.parametrize("T,start,num_local,routed", [
+    (37, 0, 8, "any"),        # TP=1
+    (37, 2, 4, "any"),        # a middle rank: entries below and above its range
+    (1, 6, 2, "any"),         # one token (most groups empty)
+    (9, 0, 8, "one"),         # every token on expert 5
+    (9, 4, 4, "foreign"),     # no entry for this rank: its output is all zeros
+])
+def test_grouped_experts_sorting_equals_loop(monkeypatch, T, start, num_local, routed):
+    gen = torch.Generator().manual_seed(T + start)
+    ex = make_experts(8, 32, 16, start, num_local, gen)
+    x = torch.randn(T, 32, generator=gen)
+    if routed == "one":
+        ids = torch.stack([torch.tensor([5, int(torch.randint(0, 5, (1,), generator=gen))]) for _ in range(T)])
+    else:
+        high = 4 if routed == "foreign" else 8
+        ids = torch.stack([torch.randperm(high, generator=gen)[:2] for _ in range(T)])
+    w = torch.rand(T, 2, generator=gen)
+    monkeypatch.setattr(torch, "_grouped_mm", grouped_mm_standin, raising=False)
+    grouped, loop = ex.forward_grouped(x, ids, w), ex.forward_loop(x, ids, w)
+    assert torch.isfinite(grouped).all()
+    assert max_diff(grouped, loop) <= TOL
+    assert (loop.abs().max() > 0.01) == (routed != "foreign")
+
+
+# ------------------------------------------------------------------------------------------------ whole model
+def decode_schedule(seed: int, num_seqs: int = 6, steps: int = 20, num_blocks: int = 128):
+    """A prefill of num_seqs prompts in random slots and scattered blocks, then `steps` decode plans, each a random
+    subset of the sequences in random order, of sizes cycling through 1..num_seqs (so padded graph sizes too)."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(MAX_SEQS, generator=gen)[:num_seqs].tolist()
+    prompts = [torch.randint(0, 1024, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 40, (num_seqs,), generator=gen)]
+    per_seq = math.ceil((40 + steps) / BLOCK)
+    pool = torch.randperm(num_blocks, generator=gen)[: num_seqs * per_seq].tolist()
+    tables = [pool[i * per_seq:(i + 1) * per_seq] for i in range(num_seqs)]
+
+    def table(i, length):
+        return tables[i][: math.ceil(length / BLOCK)]
+
+    pos = [len(p) for p in prompts]
+    prefill = StepPlan(slots, prompts, [0] * num_seqs, [table(i, pos[i]) for i in range(num_seqs)], [True] * num_seqs)
+    decodes = []
+    for step in range(steps):
+        who = torch.randperm(num_seqs, generator=gen)[: 1 + (step * 5) % num_seqs].tolist()
+        tokens = torch.randint(0, 1024, (len(who),), generator=gen).tolist()
+        decodes.append(StepPlan([slots[i] for i in who], [[t] for t in tokens], [pos[i] for i in who],
+                                [table(i, pos[i] + 1) for i in who], [True] * len(who)))
+        for i in who:
+            pos[i] += 1
+    return prefill, decodes
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("fast-moe"))
+    build_hf_model("moe", seed=3).save_pretrained(path)
+    return path
+
+
+def make_runner(path, **kw):
+    return ModelRunner(ModelConfig.from_dir(path), model_dir=path, block_size=BLOCK, max_num_seqs=MAX_SEQS,
+                       max_model_len=MAX_LEN, **kw)
+
+
+def caches(runner):
+    return [t for m in runner.model.modules() for t in
+            (getattr(m, "k_cache", None), getattr(m, "v_cache", None), getattr(m, "conv_state", None),
+             getattr(m, "ssm_state", None)) if t is not None]
+
+
+def model_logits(runner, batch, fast: bool) -> torch.Tensor:
+    """Logits of every row through the decode fast paths (grouped experts via the stand-in) or the references."""
+    with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+        if fast:
+            assert batch.is_decode
+            patch.setattr(torch, "_grouped_mm", grouped_mm_standin, raising=False)
+            patch.setattr(moe, "use_grouped_mm", lambda x: True)
+        else:
+            batch = dataclasses.replace(batch, is_decode=False)
+            patch.setattr(moe, "use_grouped_mm", lambda x: False)
+            patch.setattr(GatedDeltaNet, "_mixed_batched", GatedDeltaNet._mixed)
+        return runner.model.compute_logits(runner.model(batch))
+
+
+def test_model_decode_steps_fast_equal_reference(moe_dir):
+    """20 decode steps of a changing batch: each through the fast paths and through the references from the same
+    caches; logits and every cache entry agree. The next step starts from the reference's caches."""
+    runner = make_runner(moe_dir, device="cpu", dtype="float32")
+    prefill, decodes = decode_schedule(seed=1)
+    runner.execute(prefill)
+    for plan in decodes:
+        batch = runner.prepare(plan)
+        before = [t.clone() for t in caches(runner)]
+        fast = model_logits(runner, batch, fast=True)
+        after_fast = [t.clone() for t in caches(runner)]
+        for t, b in zip(caches(runner), before):
+            t.copy_(b)
+        ref = model_logits(runner, batch, fast=False)
+        assert ref.abs().max() > 0.1
+        assert max_diff(fast, ref) <= TOL
+        for a, b in zip(after_fast, caches(runner)):
+            assert max_diff(a, b) <= TOL
+
+
+def pad_decode_batch(batch: ForwardBatch, b: int, runner) -> ForwardBatch:
+    """`batch` grown to b rows as qwen35/cuda_graphs.py pads a graph's inputs: each extra row feeds token 0 at
+    position 0 through the scratch state slot and the scratch KV block."""
+    extra = b - batch.num_seqs
+
+    def grow(t, value):
+        return torch.cat([t, torch.full((extra, *t.shape[1:]), value, dtype=t.dtype)])
+
+    scratch_block = runner.num_kv_blocks
+    return dataclasses.replace(
+        batch, input_ids=grow(batch.input_ids, 0), positions=grow(batch.positions, 0),
+        slot_mapping=grow(batch.slot_mapping, scratch_block * runner.block_size),
+        context_lens=grow(batch.context_lens, 1), block_tables=grow(batch.block_tables, scratch_block),
+        state_slots=grow(batch.state_slots, runner.scratch_slot), seq_lens_cpu=[1] * b,
+        start_pos_cpu=batch.start_pos_cpu + [1] * extra,
+        state_slots_cpu=batch.state_slots_cpu + [runner.scratch_slot] * extra)
+
+
+def test_padded_rows_touch_only_scratch(moe_dir):
+    """What makes padded graph replays safe, checked on the CPU: a decode batch of 3 padded to 8 gives the real rows
+    the same logits and writes the same real cache entries as the batch alone; pad rows write scratch only."""
+    runner = make_runner(moe_dir, device="cpu", dtype="float32")
+    prefill, decodes = decode_schedule(seed=2)
+    runner.execute(prefill)
+    plan = next(p for p in decodes if p.num_seqs == 3)
+    batch = runner.prepare(plan)
+    before = [t.clone() for t in caches(runner)]
+    alone = model_logits(runner, batch, fast=True)
+    after_alone = [t.clone() for t in caches(runner)]
+    for t, b in zip(caches(runner), before):
+        t.copy_(b)
+    padded = model_logits(runner, pad_decode_batch(batch, MAX_SEQS, runner), fast=True)
+    assert max_diff(padded[:3], alone) <= TOL
+    for a, b in zip(after_alone, caches(runner)):  # scratch is the last slot / block of every cache
+        assert max_diff(a[:-1], b[:-1]) <= TOL
+
+
+# ------------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 64, 300])
+def test_grouped_experts_partial_rank_bf16(T):
+    """Real torch._grouped_mm, bf16, for rank 1 of 4 (64 of 256 experts): decode-size batches leave most groups
+    empty and put most entries past the last offset. Within 2e-2 relative of the loop."""
+    gen = torch.Generator().manual_seed(T)
+    ex = make_experts(256, 512, 256, 64, 64, gen, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(T, 512, generator=gen).to("cuda", torch.bfloat16)
+    ids = torch.stack([torch.randperm(256, generator=gen)[:8] for _ in range(T)]).cuda()
+    w = torch.rand(T, 8, generator=gen).to("cuda", torch.bfloat16)
+    grouped, loop = ex.forward_grouped(x, ids, w), ex.forward_loop(x, ids, w)
+    assert loop.norm() > 0 and torch.isfinite(grouped).all()
+    assert ((grouped - loop).norm() / loop.norm()).item() <= 2e-2
+
+
+def run_schedule(runner, seed: int) -> list[torch.Tensor]:
+    prefill, decodes = decode_schedule(seed)
+    runner.execute(prefill)
+    return [runner.execute(p) for p in decodes]
+
+
+def graph_vs_eager(path, dtype) -> float:
+    """Max |logit difference| between an eager runner and a CUDA-graph runner over the same decode schedule."""
+    eager = make_runner(path, device="cuda", dtype=dtype, enforce_eager=True)
+    graphs = make_runner(path, device="cuda", dtype=dtype)
+    assert eager.graphs is None and graphs.graphs is not None
+    assert sorted(graphs.graphs.graphs) == [1, 2, 4, 8]
+    return max(max_diff(a, b) for a, b in zip(run_schedule(eager, 4), run_schedule(graphs, 4)))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager_changing_batch_bf16(moe_dir):
+    assert graph_vs_eager(moe_dir, "bfloat16") <= 3e-2
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager_changing_batch_fp32_dense(tmp_path):
+    build_hf_model("dense", seed=5).save_pretrained(str(tmp_path))
+    assert graph_vs_eager(str(tmp_path), "float32") <= 1e-3
+
+
+def _tp_graph_worker(rank, world, port, path, out_file):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from dist import parallel
+    parallel.init_distributed("cuda")
+    eager = run_schedule(make_runner(path, device="cuda", dtype="bfloat16", enforce_eager=True), 4)
+    graphs = run_schedule(make_runner(path, device="cuda", dtype="bfloat16"), 4)  # NCCL all-reduces captured
+    if rank == 0:
+        torch.save([max_diff(a, b) for a, b in zip(eager, graphs)], out_file)
+    parallel.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_graph_decode_equals_eager_tp2(moe_dir, tmp_path):
+    out_file = str(tmp_path / "diffs.pt")
+    mp.start_processes(_tp_graph_worker, args=(2, free_port(), moe_dir, out_file), nprocs=2, join=True,
+                       start_method="spawn")
+    assert max(torch.load(out_file)) <= 3e-2
