@@ -45,10 +45,11 @@ class PrefixCache:
     def add(self, entry: CacheEntry) -> None:
         self.entries[entry.key] = entry
 
-    def evict_one(self) -> CacheEntry | None:
-        """Remove the least recently used entry that no request reads; the caller frees its blocks."""
+    def evict_one(self, keep: CacheEntry | None = None) -> CacheEntry | None:
+        """Remove the least recently used entry that no request reads (and is not `keep`); the caller frees its
+        blocks."""
         for key, entry in self.entries.items():
-            if entry.users == 0:
+            if entry.users == 0 and entry is not keep:
                 del self.entries[key]
                 self.free_slots.append(entry.snapshot_slot)
                 return entry

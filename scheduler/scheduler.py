@@ -92,17 +92,17 @@ class Scheduler:
         req.cache_entry, req.num_shared_blocks = entry, shared
         entry.users += 1
 
+    def _evict(self, keep: CacheEntry | None = None) -> bool:
+        """Drop the LRU unused cache entry (never `keep`) and free its blocks; False if there is none."""
+        entry = self.cache.evict_one(keep) if self.cache else None
+        if entry is not None:
+            self.blocks.free(entry.blocks)
+        return entry is not None
+
     def _make_room(self, num_blocks: int, keep: CacheEntry | None = None) -> bool:
         """Evict unused cache entries (LRU) until `num_blocks` KV blocks are free; False if they cannot be."""
-        while self.blocks.num_free < num_blocks and self.cache:
-            if keep is not None:
-                keep.users += 1  # pinned while we evict others
-            entry = self.cache.evict_one()
-            if keep is not None:
-                keep.users -= 1
-            if entry is None:
-                break
-            self.blocks.free(entry.blocks)
+        while self.blocks.num_free < num_blocks and self._evict(keep):
+            pass
         return self.blocks.num_free >= num_blocks
 
     def _snapshot(self, req: Request) -> None:
@@ -110,11 +110,8 @@ class Scheduler:
         req.snapshot_at = None
         if self.cache.contains(req.prompt_ids):
             return
-        if not self.cache.free_slots:
-            entry = self.cache.evict_one()
-            if entry is None:
-                return
-            self.blocks.free(entry.blocks)
+        if not self.cache.free_slots and not self._evict():
+            return
         n = req.num_prompt_tokens - 1
         full, partial = divmod(n, self.blocks.block_size)
         if partial and not self._make_room(1):
