@@ -19,6 +19,13 @@ from layers.forward_batch import ForwardBatch
 log = logging.getLogger("qwen35.graphs")
 
 
+def pad_values(runner) -> dict[str, int]:
+    """What a padded row of a decode batch holds, per input: token 0 at position 0, reading and writing only the
+    scratch KV block and the scratch state slot."""
+    return {"input_ids": 0, "positions": 0, "slot_mapping": runner.num_kv_blocks * runner.block_size,
+            "block_tables": runner.num_kv_blocks, "context_lens": 1, "state_slots": runner.scratch_slot}
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 8))
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
@@ -29,7 +36,7 @@ class DecodeGraphs:
         self.runner = runner
         dev, maxb = runner.device, runner.max_num_seqs
         width = math.ceil(runner.max_model_len / runner.block_size)
-        self.scratch_slot, self.scratch_block = runner.scratch_slot, runner.num_kv_blocks
+        self.pad = pad_values(runner)
         i64 = dict(dtype=torch.int64, device=dev)
         i32 = dict(dtype=torch.int32, device=dev)
         self.input_ids = torch.zeros(maxb, **i64)
@@ -47,16 +54,12 @@ class DecodeGraphs:
             input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
             cu_seqlens=None, start_pos=None, context_lens=self.context_lens[:b], block_tables=self.block_tables[:b],
             state_slots=self.state_slots[:b], logits_indices=None, seq_lens_cpu=[1] * b, start_pos_cpu=[1] * b,
-            state_slots_cpu=[self.scratch_slot] * b, is_decode=True)
+            state_slots_cpu=[self.pad["state_slots"]] * b, is_decode=True)
 
     def _pad(self, start: int, end: int) -> None:
         """Rows [start, end) read and write only scratch state."""
-        self.input_ids[start:end] = 0
-        self.positions[start:end] = 0
-        self.slot_mapping[start:end] = self.scratch_block * self.runner.block_size
-        self.block_tables[start:end] = self.scratch_block
-        self.context_lens[start:end] = 1
-        self.state_slots[start:end] = self.scratch_slot
+        for name, value in self.pad.items():
+            getattr(self, name)[start:end] = value
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

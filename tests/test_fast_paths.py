@@ -29,9 +29,10 @@ from layers.attention import paged_attention_ref, paged_decode_attention
 from layers.deltanet import GatedDeltaNet
 from layers.forward_batch import ForwardBatch
 from qwen35.config import ModelConfig
+from qwen35.cuda_graphs import pad_values
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
-from tests.hf_reference import build_hf_model, free_port
+from tests.hf_reference import build_hf_model, caches, free_port, from_same_caches
 
 TOL = 1e-5
 BLOCK = 16
@@ -195,12 +196,6 @@ def make_runner(path, **kw):
                        max_model_len=MAX_LEN, **kw)
 
 
-def caches(runner):
-    return [t for m in runner.model.modules() for t in
-            (getattr(m, "k_cache", None), getattr(m, "v_cache", None), getattr(m, "conv_state", None),
-             getattr(m, "ssm_state", None)) if t is not None]
-
-
 def model_logits(runner, batch, fast: bool) -> torch.Tensor:
     """Logits of every row through the decode fast paths (grouped experts via the stand-in) or the references."""
     with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
@@ -223,12 +218,8 @@ def test_model_decode_steps_fast_equal_reference(moe_dir):
     runner.execute(prefill)
     for plan in decodes:
         batch = runner.prepare(plan)
-        before = [t.clone() for t in caches(runner)]
-        fast = model_logits(runner, batch, fast=True)
-        after_fast = [t.clone() for t in caches(runner)]
-        for t, b in zip(caches(runner), before):
-            t.copy_(b)
-        ref = model_logits(runner, batch, fast=False)
+        fast, after_fast, ref = from_same_caches(runner, lambda: model_logits(runner, batch, fast=True),
+                                                 lambda: model_logits(runner, batch, fast=False))
         assert ref.abs().max() > 0.1
         assert max_diff(fast, ref) <= TOL
         for a, b in zip(after_fast, caches(runner)):
@@ -236,21 +227,13 @@ def test_model_decode_steps_fast_equal_reference(moe_dir):
 
 
 def pad_decode_batch(batch: ForwardBatch, b: int, runner) -> ForwardBatch:
-    """`batch` grown to b rows as qwen35/cuda_graphs.py pads a graph's inputs: each extra row feeds token 0 at
-    position 0 through the scratch state slot and the scratch KV block."""
+    """`batch` grown to b rows with the padding rule of qwen35/cuda_graphs.py (pad_values)."""
     extra = b - batch.num_seqs
-
-    def grow(t, value):
-        return torch.cat([t, torch.full((extra, *t.shape[1:]), value, dtype=t.dtype)])
-
-    scratch_block = runner.num_kv_blocks
-    return dataclasses.replace(
-        batch, input_ids=grow(batch.input_ids, 0), positions=grow(batch.positions, 0),
-        slot_mapping=grow(batch.slot_mapping, scratch_block * runner.block_size),
-        context_lens=grow(batch.context_lens, 1), block_tables=grow(batch.block_tables, scratch_block),
-        state_slots=grow(batch.state_slots, runner.scratch_slot), seq_lens_cpu=[1] * b,
-        start_pos_cpu=batch.start_pos_cpu + [1] * extra,
-        state_slots_cpu=batch.state_slots_cpu + [runner.scratch_slot] * extra)
+    grown = {name: torch.cat([getattr(batch, name), torch.full((extra, *getattr(batch, name).shape[1:]), value,
+                                                               dtype=getattr(batch, name).dtype)])
+             for name, value in pad_values(runner).items()}
+    return dataclasses.replace(batch, **grown, seq_lens_cpu=[1] * b, start_pos_cpu=batch.start_pos_cpu + [1] * extra,
+                               state_slots_cpu=batch.state_slots_cpu + [runner.scratch_slot] * extra)
 
 
 def test_padded_rows_touch_only_scratch(moe_dir):
@@ -261,12 +244,9 @@ def test_padded_rows_touch_only_scratch(moe_dir):
     runner.execute(prefill)
     plan = next(p for p in decodes if p.num_seqs == 3)
     batch = runner.prepare(plan)
-    before = [t.clone() for t in caches(runner)]
-    alone = model_logits(runner, batch, fast=True)
-    after_alone = [t.clone() for t in caches(runner)]
-    for t, b in zip(caches(runner), before):
-        t.copy_(b)
-    padded = model_logits(runner, pad_decode_batch(batch, MAX_SEQS, runner), fast=True)
+    alone, after_alone, padded = from_same_caches(
+        runner, lambda: model_logits(runner, batch, fast=True),
+        lambda: model_logits(runner, pad_decode_batch(batch, MAX_SEQS, runner), fast=True))
     assert max_diff(padded[:3], alone) <= TOL
     for a, b in zip(after_alone, caches(runner)):  # scratch is the last slot / block of every cache
         assert max_diff(a[:-1], b[:-1]) <= TOL
