@@ -54,3 +54,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def caches(runner) -> list[torch.Tensor]:
+    """Every cache tensor of a ModelRunner: paged K/V, DeltaNet conv tails and recurrent states."""
+    return [t for m in runner.model.modules() for t in
+            (getattr(m, "k_cache", None), getattr(m, "v_cache", None), getattr(m, "conv_state", None),
+             getattr(m, "ssm_state", None)) if t is not None]
+
+
+def from_same_caches(runner, first, second):
+    """Run first() then second() starting from the same cache contents (restored in between).
+
+    Returns (first's result, the caches first left, second's result); the caches are left as second wrote them."""
+    before = [t.clone() for t in caches(runner)]
+    a = first()
+    after_a = [t.clone() for t in caches(runner)]
+    for t, b in zip(caches(runner), before):
+        t.copy_(b)
+    return a, after_a, second()

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from qwen35.config import ModelConfig
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
-from tests.hf_reference import build_hf_model, free_port, hf_decode_logits
+from tests.hf_reference import build_hf_model, caches, free_port, from_same_caches, hf_decode_logits
 
 TOL_HF = 1e-4
 TOL_SELF = 1e-5
@@ -138,12 +138,6 @@ def test_tensor_parallel_2_equals_1(reference, tmp_path):
         assert (a - b).abs().max().item() <= TOL_SELF
 
 
-def _caches(runner):
-    return [t for m in runner.model.modules() for t in
-            (getattr(m, "k_cache", None), getattr(m, "v_cache", None), getattr(m, "conv_state", None),
-             getattr(m, "ssm_state", None)) if t is not None]
-
-
 def test_batched_decode_paths_equal_reference(reference):
     """The decode fast paths (batched DeltaNet step, batched paged attention, grouped experts) against the
     per-sequence reference on the same caches: logits and every cache entry they write."""
@@ -156,18 +150,15 @@ def test_batched_decode_paths_equal_reference(reference):
     for i, n in enumerate(lengths):
         runner.execute(StepPlan([slots[i]], [torch.randint(0, 1024, (n,), generator=gen).tolist()], [0], [tables[i]],
                                 [False]))
-    before = [t.clone() for t in _caches(runner)]
     plan = StepPlan(slots, [[11], [12], [13]], lengths, tables, [True] * 3)
     batch = runner.prepare(plan)
     assert batch.is_decode
     with torch.inference_mode():
-        fast = runner.model.compute_logits(runner.model(batch))
-        fast_caches = [t.clone() for t in _caches(runner)]
-        for t, b in zip(_caches(runner), before):
-            t.copy_(b)
-        slow = runner.model.compute_logits(runner.model(dataclasses.replace(batch, is_decode=False)))
+        fast, fast_caches, slow = from_same_caches(
+            runner, lambda: runner.model.compute_logits(runner.model(batch)),
+            lambda: runner.model.compute_logits(runner.model(dataclasses.replace(batch, is_decode=False))))
     assert (fast - slow).abs().max().item() <= TOL_SELF
-    for a, b in zip(fast_caches, _caches(runner)):
+    for a, b in zip(fast_caches, caches(runner)):
         assert (a - b).abs().max().item() <= TOL_SELF
 
 
@@ -199,13 +190,12 @@ def test_batched_prefill_equals_per_sequence_reference(reference, monkeypatch):
                             [0, 0], [blocks_for(0, 40), blocks_for(1, 10)], [False, False]))
     plan = StepPlan([2, 5, 0, 7], [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (13, 1, 70, 2)],
                     [20, 9, 0, 0], [blocks_for(0, 40), blocks_for(1, 10), blocks_for(2, 70), blocks_for(3, 2)], [True] * 4)
-    before = [t.clone() for t in _caches(runner)]
-    fast = runner.execute(plan)
-    fast_caches = [t.clone() for t in _caches(runner)]
-    for t, b in zip(_caches(runner), before):
-        t.copy_(b)
-    monkeypatch.setattr(GatedDeltaNet, "_mixed_batched", GatedDeltaNet._mixed)
-    slow = runner.execute(plan)
+
+    def per_sequence():
+        monkeypatch.setattr(GatedDeltaNet, "_mixed_batched", GatedDeltaNet._mixed)
+        return runner.execute(plan)
+
+    fast, fast_caches, slow = from_same_caches(runner, lambda: runner.execute(plan), per_sequence)
     assert (fast - slow).abs().max().item() <= TOL_SELF
-    for a, b in zip(fast_caches, _caches(runner)):
+    for a, b in zip(fast_caches, caches(runner)):
         assert (a - b).abs().max().item() <= TOL_SELF
