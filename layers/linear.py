@@ -62,3 +62,24 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+def fuse_rows(*linears: Linear) -> torch.Tensor:
+    """One [sum of outputs, in] weight for linears that read the same input, so one GEMM computes them all.
+
+    Each linear's weight becomes a view of its rows of the fused tensor (same name, full_shape and shard), so the
+    loader and the dummy initialiser still fill each one by its checkpoint name, and no memory is duplicated."""
+    first = linears[0].weight
+    rows = sum(lin.weight.shape[0] for lin in linears)
+    fused = torch.empty(rows, first.shape[1], dtype=first.dtype, device=first.device)
+    offset = 0
+    for lin in linears:
+        old = lin.weight
+        n = old.shape[0]
+        view = fused[offset: offset + n]
+        view.copy_(old.data)
+        p = nn.Parameter(view, requires_grad=False)
+        p.full_shape, p.shard = old.full_shape, old.shard
+        lin.weight = p
+        offset += n
+    return fused

@@ -1,19 +1,34 @@
 """RMSNorm variants of Qwen3.5 (spec §2.1): the zero-centred one (weight stored as a delta around 1) and the gated
-one of the DeltaNet output (weight used directly, then multiplied by silu(z))."""
+one of the DeltaNet output (weight used directly, then multiplied by silu(z)).
+
+The layer norms take the residual stream too: `norm(x, residual)` returns (norm(x + residual), x + residual), the
+sum rounded to the model dtype first as the reference's residual add is, so that one kernel replaces an add, a norm
+and their casts at every layer boundary.
+"""
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layers import backend
+from layers.backend import tl, triton
 from layers.linear import make_param
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (1.0 + weight.float())).to(x.dtype)  # multiply in fp32, then cast (unlike Llama)
 
 
-def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual), the sum in the model dtype."""
+    s = x + residual
+    return rms_norm_torch(s, weight, eps), s
+
+
+def gated_rms_norm_torch(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.float()
     y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
@@ -21,17 +36,70 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
     return (y * F.silu(z.float())).to(dtype)
 
 
+def rms_norm_fast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm_fast(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    return _launch(x, residual, weight, eps)
+
+
+def _launch(x, residual, weight, eps):
+    shape, n = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res_in = res_out = out  # placeholders, never touched when HAS_RESIDUAL is False
+    if residual is not None:
+        res_in = residual.reshape(-1, n)
+        res_out = torch.empty_like(out)
+    rows = x2.shape[0]
+    if rows:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](x2, res_in, res_out, weight, out, n, x2.stride(0), res_in.stride(0), eps,
+                                  HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                  num_warps=max(1, min(8, block // 256)))
+    return out.view(shape), (res_out.view(shape) if residual is not None else None)
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, n, sx, sr, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: s = x (+ residual, rounded to the model dtype, stored); out = s / rms(s) * (1 + w)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        s = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * sr + cols, mask=mask, other=0.0)
+            s = (s.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # the reference's add, rounded once
+            tl.store(res_out_ptr + row * n + cols, s, mask=mask)
+        s = s.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(s * s, 0) / n + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, (s * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 class RMSNorm(nn.Module):
-    """Zero-centred: y = x / rms(x) * (1 + w). Used for layer norms, the final norm and q/k norms."""
+    """Zero-centred: y = x / rms(x) * (1 + w). Used for layer norms, the final norm and q/k norms.
+
+    forward(x) -> y;  forward(x, residual) -> (norm(x + residual), x + residual)."""
 
     def __init__(self, dim: int, eps: float, dtype=None, device=None):
         super().__init__()
         self.eps = eps
         self.weight = make_param((dim,), [None], dtype, device)  # replicated
         self.weight.data.zero_()
+        fast = backend.use_fast()
+        self._norm = rms_norm_fast if fast else rms_norm_torch
+        self._add_norm = add_rms_norm_fast if fast else add_rms_norm_torch
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_ref(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x, self.weight, self.eps)
+        return self._add_norm(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -44,4 +112,4 @@ class GatedRMSNorm(nn.Module):
         self.weight.data.fill_(1.0)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm_ref(x, z, self.weight, self.eps)
+        return gated_rms_norm_torch(x, z, self.weight, self.eps)

@@ -37,10 +37,17 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
+        """x: the previous layer's feed-forward output (the embeddings for the first layer, residual None);
+        returns this layer's feed-forward output and the residual stream before it. Each residual add is fused
+        into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = x + parallel.all_reduce(mixer(self.input_layernorm(x), batch))
-        return h + parallel.all_reduce(self.mlp(self.post_attention_layernorm(h)))
+        h, residual = self.post_attention_layernorm(parallel.all_reduce(mixer(h, batch)), residual)
+        return parallel.all_reduce(self.mlp(h)), residual
 
 
 class Qwen35Model(nn.Module):
@@ -56,10 +63,10 @@ class Qwen35Model(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [N, H] of every token of the batch."""
-        x = self.embed_tokens(batch.input_ids)
+        x, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, gather_to_all: bool = False) -> torch.Tensor | None:
         return self.lm_head(hidden, gather_to_all=gather_to_all)

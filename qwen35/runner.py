@@ -13,6 +13,7 @@ import zlib
 import torch
 
 from dist import parallel
+from layers import backend
 from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
 from layers.forward_batch import ForwardBatch
@@ -67,7 +68,7 @@ class ModelRunner:
                  dtype=None, device=None, block_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.85,
                  num_kv_blocks: int | None = None, enforce_eager: bool = False, seed: int = 0,
-                 num_snapshot_slots: int = 0):
+                 num_snapshot_slots: int = 0, kernels: str | None = None):
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -77,6 +78,9 @@ class ModelRunner:
         self.max_model_len = max_model_len or min(config.max_position_embeddings, 32768)
         self.enforce_eager = enforce_eager
         config.check_tp(parallel.tp_size())
+        # the kernel set is chosen once, here: the layers bind their implementations as they are built
+        self.kernels = backend.resolve(kernels, self.device)
+        backend.set_kernels(self.kernels)
         torch.manual_seed(seed)
         self.model = Qwen35Model(config, dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
         if load_format == "dummy":
