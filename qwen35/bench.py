@@ -1,10 +1,14 @@
 """In-engine benchmarks (no HTTP): a static-batch table and a replay of the serving workload.
 
     torchrun --nproc-per-node N -m qwen35.bench [--model qwen3.5-35b-a3b --load-format dummy]
-        [--mode static|trace|both] [--batch-sizes 1,2,4,...,64] [--input-len 1024] [--output-len 256]
+        [--mode record,static,trace] [--batch-sizes 1,2,4,...,64] [--input-len 1024] [--output-len 256]
         [--levels 1,2,4,8,16,32,64] [--num-requests 64] [--output-len-dist fixed:N|uniform:A-B|normal:M,S]
         [--out results.json]
 
+record (the figures of record; qwen35/step_timing.py says how each is measured): per batch size, a decode step at
+  context 1024: kernels per step (eager, profiler), step ms (CUDA graph, CUDA events), the memory floor (bytes the
+  step moves / copy rate measured in the same run) and the host time per step outside the forward; prefill of 1, 8
+  and 64 prompts of --input-len tokens. Written to benchmarks/results/<date>_bench_<device>_tp<N>.json.
 static: for each batch size B, B requests of `--input-len` random tokens generating exactly `--output-len` tokens
   (ignore_eos), all added at once: latency, prefill (input) tok/s, decode (output) tok/s, inter-token latency. Also a
   per-step profile at the smallest and largest batch: step wall time, forward wall time, GPU time of the forward
@@ -28,6 +32,7 @@ from types import SimpleNamespace
 import torch
 
 from dist import parallel
+from qwen35 import step_timing
 from qwen35.engine import EngineArgs, LLMEngine
 from qwen35.sampling_params import SamplingParams
 
@@ -122,6 +127,33 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, decode_steps: i
             "forward_gpu_ms": 1e3 * gpu, "cpu_outside_forward_ms": 1e3 * (statistics.mean(steps) - fwd)}
 
 
+def record(engine: LLMEngine, args, results: dict, rng: random.Random) -> None:
+    """The rows of record (issue #8/#9 schema): decode per batch size, prefill per prompt count."""
+    runner = engine.runner
+    if runner.device.type != "cuda":
+        raise SystemExit("the record mode times CUDA kernels: run it on a GPU")
+    rate = step_timing.copy_rate(runner.device)
+    results["copy_rate_tb_s"] = round(rate / 1e12, 3)
+    print(f"record on {results['device']}, tp={parallel.tp_size()}, kernels={runner.kernels}, "
+          f"copy {rate / 1e12:.2f} TB/s (read + write)")
+    print(f"{'batch':>5} {'kernels':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'cpu ms':>7}")
+    rows = []
+    for b in _ints(args.batch_sizes):
+        row = step_timing.decode_row(runner, b, args.context, rate)
+        # host time per step outside the forward, from real engine steps (short prompts: the context is irrelevant)
+        row["cpu_ms"] = round(profile_steps(engine, b, 16, args.profile_steps, rng)["cpu_outside_forward_ms"], 4)
+        rows.append(row)
+        print(f"{b:5d} {row['kernels_per_step']:8d} {row['step_ms']:8.2f} {row['floor_ms']:9.2f} "
+              f"{row['step_ms'] / row['floor_ms']:8.2f} {row['cpu_ms']:7.2f}", flush=True)
+    results["decode"] = rows
+    print(f"{'seqs':>5} {'len':>5} {'ms':>9} {'tok/s':>10}")
+    results["prefill"] = []
+    for n in _ints(args.prefill_seqs):
+        row = step_timing.prefill_row(runner, n, args.input_len, engine.args.max_num_batched_tokens)
+        results["prefill"].append(row)
+        print(f"{n:5d} {args.input_len:5d} {row['ms']:9.1f} {row['tok_s']:10.0f}", flush=True)
+
+
 def _running(engine: LLMEngine):
     return [t.request for t in engine._tracked.values()]
 
@@ -169,7 +201,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineArgs.add_cli_args(ap)
     ap.set_defaults(model="qwen3.5-35b-a3b", load_format="dummy", max_num_seqs=64)
-    ap.add_argument("--mode", default="both", choices=["static", "trace", "both"])
+    ap.add_argument("--mode", default="record,trace",
+                    help="comma list of: record (decode + prefill rows of record), static, trace")
+    ap.add_argument("--context", type=int, default=1024, help="context of every sequence in the decode rows")
+    ap.add_argument("--prefill-seqs", default="1,8,64", help="prompts per prefill row (of --input-len tokens)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
@@ -177,7 +212,8 @@ def main(argv=None) -> None:
     ap.add_argument("--levels", default="1,2,4,8,16,32,64")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--output-len-dist", default=None, help="fixed:N | uniform:A-B | normal:MEAN,STD")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", default=None,
+                    help="results JSON (default with record: benchmarks/results/<date>_bench_<device>_tp<N>.json)")
     for a in ap._actions:  # --model has a default here
         if a.dest == "model":
             a.required = False
@@ -190,13 +226,23 @@ def main(argv=None) -> None:
         parallel.destroy()
         return
     rng = random.Random(0)
+    modes = set(args.mode.split(","))
     dev = torch.cuda.get_device_name() if engine.runner.device.type == "cuda" else "cpu"
-    results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": dev,
+    today = datetime.date.today().isoformat()
+    results = {"date": today, "time": datetime.datetime.now().isoformat(timespec="seconds"), "device": dev,
                "tp": parallel.tp_size(), "model": eargs.model, "load_format": eargs.load_format,
-               "dtype": str(engine.runner.dtype), "command": "torchrun -m qwen35.bench " + " ".join(sys.argv[1:] if argv is None else argv)}
+               "dtype": str(engine.runner.dtype), "kernels": engine.runner.kernels,
+               "command": f"torchrun --nproc-per-node {parallel.tp_size()} -m qwen35.bench "
+                          + " ".join(sys.argv[1:] if argv is None else argv)}
+    out = args.out
+    if out is None and "record" in modes:
+        slug = dev.replace("NVIDIA ", "").replace(" ", "").lower()
+        out = f"benchmarks/results/{today}_bench_{slug}_tp{parallel.tp_size()}.json"
     try:
+        if "record" in modes:  # first, while no request holds cache blocks or state slots
+            record(engine, args, results, rng)
         static_batch(engine, 1, 16, 4, rng)  # warm-up: first-use costs stay out of the table
-        if args.mode in ("static", "both"):
+        if "static" in modes:
             sizes = _ints(args.batch_sizes)
             rows = []
             print(f"static batches on {dev}, tp={parallel.tp_size()}")
@@ -213,16 +259,17 @@ def main(argv=None) -> None:
             for p in results["profile"]:
                 print(f"{p['batch']:5d} {p['step_ms']:8.2f} {p['forward_wall_ms']:9.2f} {p['forward_gpu_ms']:8.2f} "
                       f"{p['cpu_outside_forward_ms']:12.2f}")
-        if args.mode in ("trace", "both"):
+        if "trace" in modes:
             print(f"trace: {args.num_requests} requests per level, prompts of {args.input_len} tokens, outputs "
                   f"{args.output_len_dist or f'fixed:{args.output_len}'}")
             results["trace"] = trace(engine, args, rng)
             print(f"weighted score {results['trace']['weighted_score']:.0f}")
     finally:
         engine.shutdown()
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             json.dump(results, f, indent=1)
+        print(f"wrote {out}")
     parallel.destroy()
 
 

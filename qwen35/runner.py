@@ -185,11 +185,12 @@ class ModelRunner:
                 m.v_cache[dst].copy_(m.v_cache[src])
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, gather_to_all: bool = False) -> torch.Tensor | None:
-        """Run one step; logits [n_want_logits, vocab] float32 on rank 0 (or on all ranks with gather_to_all)."""
+    def execute(self, plan: StepPlan, gather_to_all: bool = False, eager: bool = False) -> torch.Tensor | None:
+        """Run one step; logits [n_want_logits, vocab] float32 on rank 0 (or on all ranks with gather_to_all).
+        `eager` skips the CUDA graphs (kernel counts)."""
         self._apply_copies(plan)
         batch = self.prepare(plan)
-        if self.graphs is not None and self.graphs.can_run(batch):
+        if not eager and self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)
         else:
             hidden = self.model(batch)
