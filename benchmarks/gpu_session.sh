@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/gpu_session.sh tests parity bench server
 #
-# Stages: tests (pytest -m gpu), parity (benchmarks.gpu_parity at TP=1 and TP=NGPU), bench (qwen35.bench at TP=NGPU
+# Stages: record (qwen35.bench --mode record: the decode/prefill rows of record, RECORD_ARGS), kernels (each
+# benchmarks/bench_<layer>.py micro-benchmark), tests (pytest -m gpu), parity (benchmarks.gpu_parity at TP=1 and TP=NGPU), bench (qwen35.bench at TP=NGPU
 # and TP=1, full-size dummy weights), server (start.sh at TP=NGPU + benchmarks.throughput). Sizes come from the
 # environment (BENCH_ARGS, TRACE_ARGS, THROUGHPUT_ARGS) so that one call fits the device time at hand.
 set -uo pipefail
@@ -25,6 +26,11 @@ THROUGHPUT_ARGS=${THROUGHPUT_ARGS:---levels 1,2,4,8,16,32,64 --num-requests 64 -
 for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
+    record)
+      torchrun --nproc-per-node "$NGPU" -m qwen35.bench --mode record ${RECORD_ARGS:-} --out "$OUT/record_tp$NGPU.json" \
+        2>&1 | grep -v "^\s*$" | tail -16 ;;
+    kernels)
+      for b in benchmarks/bench_*.py; do python3 -m "benchmarks.$(basename "$b" .py)" 2>&1 | tail -30; done ;;
     tests)
       python3 -m pytest tests/ -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     parity)
