@@ -1,0 +1,386 @@
+"""DeltaNet prefill over a packed varlen batch (spec §3.2, issue #9): the causal depthwise conv with a cached tail and
+the chunked gated delta rule with an fp32 state, both reading and writing their caches in place by state slot.
+
+The packed batch holds B sequences delimited by `cu_seqlens` [B+1] (int32); sequence b continues from its cached
+state (conv tail, recurrent state) in slot `slots[b]` when `start_pos[b] > 0` and from zeros otherwise, and leaves
+its final state in the same slot. Decodes in a mixed step are simply sequences of one token.
+
+Each operation has a torch oracle (`<op>_torch`, per-sequence loop, host sync) and a Triton version (`<op>_fast`,
+one grid over the whole batch, no host sync, no per-sequence loop) with the same signature.
+
+Checkpoints (the prefix cache of issue #9): `checkpoints` is an optional int64 tensor [n, 3] of rows
+(sequence index b, absolute position p, destination slot): the state after the sequence's first p tokens
+(p counts the cached start_pos tokens too) is also written to the destination slot. For the delta rule p - start_pos
+must be a multiple of the chunk or the sequence's end; for the conv any p in (start_pos, start_pos + len]. A
+destination must not be the slot of a sequence in the batch. Without checkpoints the kernels compile without them.
+
+Chunked delta rule (Gated DeltaNet, UT/WY form), per sequence, value head and chunk of C tokens with
+cumulative log decay G (from the chunk start), keys k (l2-normalised), queries q (l2-normalised and scaled):
+    A = strict_lower(diag(beta) K K^T * exp(G_i - G_j));  T = (I + A)^-1          (in-chunk triangular solve)
+    W = T (diag(beta exp(G)) K);  U = T (diag(beta) V)                             (no dependency on the state)
+    V' = U - W S;  O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j))_causal V';  S = exp(G_C) S + (exp(G_C - G) K)^T V'
+The fast path runs it as two kernels: one program per (chunk, value head) computes W and U for all chunks in
+parallel (the solve is the slow part); one program per (sequence, value head, block of value columns) then carries
+the state [dk, BV] in registers across the sequence's chunks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from layers.backend import tl, triton
+
+CHUNK = 64          # tokens per chunk of the delta rule
+L2_EPS = 1e-6       # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
+# Launch settings of the fast path (module level so that benchmarks can sweep them; the signatures stay equal).
+# precision: tl.dot input precision of the sequential state kernel ("tf32", "tf32x3" or "ieee"); the parallel
+# W/U kernel always uses "ieee" (its triangular solve feeds every later product).
+FAST_CONFIG = {"conv_block_t": 64, "conv_block_c": 64, "block_v": 32, "warps_prep": 4, "warps_state": 8,
+               "precision": "tf32"}
+
+
+# ------------------------------------------------------------------------------------------------ torch oracles
+def causal_conv1d_varlen_torch(u: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,
+                               conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                               checkpoints: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(causal depthwise conv) of the packed inputs u [N, C] -> [N, C] in u's dtype; updates the tails in place.
+
+    conv_state [slots, C, K-1] holds each sequence's last K-1 raw inputs (oldest first); weight [C, 1, K], tap K-1
+    on the current token. The conv is accumulated in fp32 and rounded to the model dtype before the SiLU, as the
+    decode kernel does."""
+    K = weight.shape[-1]
+    w = weight[:, 0, :].float()
+    out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+    bounds, starts, slot_ids = cu_seqlens.tolist(), start_pos.tolist(), slots.tolist()
+    marks = _checkpoints_by_seq(checkpoints)
+    for b, slot in enumerate(slot_ids):
+        lo, hi = bounds[b], bounds[b + 1]
+        tail = conv_state[slot] if starts[b] > 0 else torch.zeros_like(conv_state[slot])
+        seq = torch.cat([tail, u[lo:hi].t()], dim=1)                 # [C, K-1 + n], oldest first
+        x = seq.float()
+        acc = torch.zeros(x.shape[0], hi - lo, dtype=torch.float32, device=u.device)
+        for j in range(K):                                           # the kernel's summation order
+            acc = acc + x[:, j:j + hi - lo] * w[:, j:j + 1]
+        y = acc.to(u.dtype).float()
+        out[lo:hi] = F.silu(y).to(u.dtype).t()
+        for pos, dst in marks.get(b, ()):
+            rel = pos - starts[b]
+            conv_state[dst] = seq[:, rel:rel + K - 1]
+        conv_state[slot] = seq[:, seq.shape[1] - (K - 1):]
+    return out
+
+
+def chunk_delta_rule_varlen_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,
+                                  ssm_state: torch.Tensor, slots: torch.Tensor, scale: float,
+                                  checkpoints: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
+    """Gated delta rule over the packed batch -> o [N, Hv, dv] in v's dtype; final states written to ssm_state.
+
+    q, k [N, Hk, dk]: raw conv outputs (this op l2-normalises them in fp32 and scales q by `scale`);
+    v [N, Hv, dv]; g (log decay, <= 0) and beta [N, Hv]; value head j reads qk head j // (Hv / Hk);
+    ssm_state [slots, Hv, dk, dv] fp32."""
+    Hv = v.shape[1]
+    rep = Hv // q.shape[1]
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    bounds, starts, slot_ids = cu_seqlens.tolist(), start_pos.tolist(), slots.tolist()
+    marks = _checkpoints_by_seq(checkpoints)
+    for b, slot in enumerate(slot_ids):
+        lo, hi = bounds[b], bounds[b + 1]
+        qs = (_l2norm(q[lo:hi].float()) * scale).repeat_interleave(rep, dim=1)
+        ks = _l2norm(k[lo:hi].float()).repeat_interleave(rep, dim=1)
+        vs, gs, bs = v[lo:hi].float(), g[lo:hi].float(), beta[lo:hi].float()
+        state = ssm_state[slot].clone() if starts[b] > 0 else torch.zeros_like(ssm_state[slot])
+        done = 0
+        # chunks start at the sequence's first new token, so splitting at checkpoints keeps the same chunks
+        for end, dst in sorted(marks.get(b, ())) + [(starts[b] + hi - lo, None)]:
+            end -= starts[b]
+            sl = slice(done, end)
+            o, state = _chunk_rule_torch(qs[sl], ks[sl], vs[sl], gs[sl], bs[sl], state, chunk)
+            out[lo + done:lo + end] = o.to(v.dtype)
+            if dst is not None:
+                ssm_state[dst] = state
+            done = end
+        ssm_state[slot] = state
+    return out
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _chunk_rule_torch(q, k, v, g, beta, state, chunk):
+    """One sequence, fp32, per value head: q, k [n, H, dk], v [n, H, dv], g, beta [n, H], state [H, dk, dv].
+    Returns (o [n, H, dv], final state); chunk by chunk in the UT form of the module docstring."""
+    out = torch.empty_like(v)
+    for c0 in range(0, q.shape[0], chunk):
+        sl = slice(c0, c0 + chunk)
+        qc, kc, vc = (x[sl].transpose(0, 1) for x in (q, k, v))        # [H, n, d]
+        gc, bc = g[sl].t().cumsum(-1), beta[sl].t()                    # [H, n]
+        n = gc.shape[-1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = (gc[:, :, None] - gc[:, None, :]).masked_fill(~causal, float("-inf")).exp()
+        system = (kc @ kc.transpose(1, 2)) * decay * bc[:, :, None]    # its diagonal is ignored (unit triangular)
+        wc = torch.linalg.solve_triangular(system, kc * (bc * gc.exp())[..., None], upper=False, unitriangular=True)
+        uc = torch.linalg.solve_triangular(system, vc * bc[..., None], upper=False, unitriangular=True)
+        v_new = uc - wc @ state
+        o = (qc * gc.exp()[..., None]) @ state + ((qc @ kc.transpose(1, 2)) * decay) @ v_new
+        out[sl] = o.transpose(0, 1)
+        state = state * gc[:, -1:, None].exp() + (kc * (gc[:, -1:] - gc).exp()[..., None]).transpose(1, 2) @ v_new
+    return out, state
+
+
+def _checkpoints_by_seq(checkpoints: torch.Tensor | None) -> dict[int, list[tuple[int, int]]]:
+    marks: dict[int, list[tuple[int, int]]] = {}
+    for b, pos, dst in ([] if checkpoints is None else checkpoints.tolist()):
+        marks.setdefault(b, []).append((pos, dst))
+    return marks
+
+
+# ------------------------------------------------------------------------------------------------ fast path
+def causal_conv1d_varlen_fast(u: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,
+                              conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                              checkpoints: torch.Tensor | None = None) -> torch.Tensor:
+    """causal_conv1d_varlen_torch in one launch: programs over (sequence-aligned token block, channel block); the
+    first block of each sequence reads the cached tail and writes the new one (and the checkpoint tails)."""
+    N, C = u.shape
+    K = weight.shape[-1]
+    B = cu_seqlens.numel() - 1
+    out = torch.empty((N, C), dtype=u.dtype, device=u.device)
+    cfg = FAST_CONFIG
+    block_t = max(cfg["conv_block_t"], triton.next_power_of_2(K - 1))  # the first block must cover the tail reads
+    if B == 0:
+        return out
+    ck, n_ck = _checkpoint_arg(checkpoints, slots)
+    grid = (triton.cdiv(N, block_t) + B, triton.cdiv(C, cfg["conv_block_c"]))
+    _conv_varlen_kernel[grid](
+        u, cu_seqlens, start_pos, conv_state, slots, weight, out, ck, n_ck, B, C,
+        u.stride(0), u.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        weight.stride(0), weight.stride(2), out.stride(0),
+        KERNEL=K, BLOCK_T=block_t, BLOCK_C=cfg["conv_block_c"], BLOCK_B=triton.next_power_of_2(B + 1),
+        BLOCK_K1=triton.next_power_of_2(K - 1), HAS_CKPT=n_ck > 0)
+    return out
+
+
+def chunk_delta_rule_varlen_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,
+                                 ssm_state: torch.Tensor, slots: torch.Tensor, scale: float,
+                                 checkpoints: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
+    """chunk_delta_rule_varlen_torch in two launches (W/U per chunk in parallel, then the state recurrence).
+    dk, dv and the chunk must be powers of two >= 16 (tl.dot tiles)."""
+    N, Hk, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    B = cu_seqlens.numel() - 1
+    out = torch.empty((N, Hv, dv), dtype=v.dtype, device=v.device)
+    if B == 0:
+        return out
+    for d in (dk, dv, chunk):
+        assert d >= 16 and d & (d - 1) == 0, f"dims and chunk must be powers of two >= 16, got {d}"
+    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    cfg = FAST_CONFIG
+    w = torch.empty((N, Hv, dk), dtype=torch.float32, device=v.device)
+    u = torch.empty((N, Hv, dv), dtype=torch.float32, device=v.device)
+    _prep_kernel[(triton.cdiv(N, chunk) + B, Hv)](
+        k, v, g, beta, cu_seqlens, w, u, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        beta.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        REP=Hv // Hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_B=triton.next_power_of_2(B + 1),
+        num_warps=cfg["warps_prep"])
+    ck, n_ck = _checkpoint_arg(checkpoints, slots)
+    block_v = min(cfg["block_v"], dv)
+    st = ssm_state
+    _state_kernel[(B, Hv, triton.cdiv(dv, block_v))](
+        q, k, g, w, u, cu_seqlens, start_pos, slots, st, out, ck, n_ck,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1),
+        u.stride(0), u.stride(1), st.stride(0), st.stride(1), st.stride(2), out.stride(0), out.stride(1), scale,
+        REP=Hv // Hk, DK=dk, DV=dv, BV=block_v, CHUNK=chunk, BLOCK_CK=triton.next_power_of_2(max(n_ck, 1)),
+        HAS_CKPT=n_ck > 0, PRECISION=cfg["precision"], num_warps=cfg["warps_state"])
+    return out
+
+
+def _checkpoint_arg(checkpoints: torch.Tensor | None, placeholder: torch.Tensor):
+    """(int64 [n, 3] contiguous, n); with none, a placeholder pointer that the kernels never read."""
+    if checkpoints is None or checkpoints.numel() == 0:
+        return placeholder, 0
+    return checkpoints.to(torch.int64).contiguous(), checkpoints.shape[0]
+
+
+if triton is not None:
+    @triton.jit
+    def _block_of(cu_ptr, pid, B, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, AT_LEAST_ONE: tl.constexpr):
+        """(sequence b, block index) of program `pid` when each sequence is cut into blocks of BLOCK tokens from
+        its own start (AT_LEAST_ONE: empty sequences get one block too). b >= B: past the last block (the grid is
+        an upper bound, cdiv(N, BLOCK) + B, so the host never needs the lengths)."""
+        offs = tl.arange(0, BLOCK_B)
+        inb = offs < B
+        lo = tl.load(cu_ptr + offs, mask=inb, other=0)
+        hi = tl.load(cu_ptr + offs + 1, mask=inb, other=0)
+        nblk = (hi - lo + BLOCK - 1) // BLOCK
+        if AT_LEAST_ONE:
+            nblk = tl.maximum(nblk, 1)
+        nblk = tl.where(inb, nblk, 0)
+        cum = tl.cumsum(nblk, 0)
+        b = tl.sum((cum <= pid).to(tl.int32), 0)
+        first = tl.sum(tl.where(offs == b, cum - nblk, 0), 0)
+        return b, pid - first
+
+    @triton.jit
+    def _conv_inputs(u_ptr, tail, lo, p, n, oldest, c, cmask, su_t, su_c, ss_k, KERNEL: tl.constexpr):
+        """Raw inputs [len(p), BLOCK_C] at positions p relative to the sequence's first new token: new tokens for
+        p >= 0, the cached tail for p < 0 (zeros for a fresh sequence)."""
+        new = (p >= 0) & (p < n)
+        old = (p < 0) & (p >= oldest)
+        x = tl.load(u_ptr + (lo + p).to(tl.int64)[:, None] * su_t + c[None, :] * su_c,
+                    mask=new[:, None] & cmask[None, :], other=0.0)
+        x_old = tl.load(tail[None, :] + (KERNEL - 1 + p)[:, None] * ss_k, mask=old[:, None] & cmask[None, :],
+                        other=0.0)
+        return tl.where(new[:, None], x, x_old)
+
+    @triton.jit
+    def _conv_varlen_kernel(u_ptr, cu_ptr, start_ptr, state_ptr, slots_ptr, w_ptr, out_ptr, ck_ptr, n_ck, B, C,
+                            su_t, su_c, ss_slot, ss_c, ss_k, sw_c, sw_k, so_t,
+                            KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                            BLOCK_B: tl.constexpr, BLOCK_K1: tl.constexpr, HAS_CKPT: tl.constexpr):
+        """silu(conv) for BLOCK_T tokens x BLOCK_C channels of one sequence. Only a sequence's first block reads
+        its cached tail (BLOCK_T >= K-1), so it alone rewrites the tail, after a barrier that orders the reads of
+        all its threads before the writes."""
+        b, blk = _block_of(cu_ptr, tl.program_id(0), B, BLOCK_T, BLOCK_B, True)
+        if b >= B:
+            return
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = c < C
+        lo = tl.load(cu_ptr + b)
+        n = tl.load(cu_ptr + b + 1) - lo
+        start = tl.load(start_ptr + b)
+        oldest = (start > 0).to(tl.int32) * (1 - KERNEL)  # first readable tail position: -(K-1), or 0 when fresh
+        tail = state_ptr + tl.load(slots_ptr + b).to(tl.int64) * ss_slot + c * ss_c
+        i = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(KERNEL):
+            x = _conv_inputs(u_ptr, tail, lo, i - (KERNEL - 1) + j, n, oldest, c, cmask, su_t, su_c, ss_k, KERNEL)
+            wj = tl.load(w_ptr + c * sw_c + j * sw_k, mask=cmask, other=0.0).to(tl.float32)
+            acc += x.to(tl.float32) * wj[None, :]
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        rows = (lo + i).to(tl.int64)
+        tl.store(out_ptr + rows[:, None] * so_t + c[None, :], (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty),
+                 mask=(i < n)[:, None] & cmask[None, :])
+        if blk == 0:
+            jj = tl.arange(0, BLOCK_K1)
+            jmask = (jj < KERNEL - 1)[:, None] & cmask[None, :]
+            if HAS_CKPT:
+                for e in range(n_ck):
+                    rows_k = (tl.load(ck_ptr + 3 * e) == b).to(tl.int32) * (KERNEL - 1)  # 0: not this sequence's
+                    rel = tl.load(ck_ptr + 3 * e + 1) - start
+                    dst = state_ptr + tl.load(ck_ptr + 3 * e + 2) * ss_slot + c * ss_c
+                    x = _conv_inputs(u_ptr, tail, lo, rel - (KERNEL - 1) + jj, n, oldest, c, cmask,
+                                     su_t, su_c, ss_k, KERNEL)
+                    tl.store(dst[None, :] + jj[:, None] * ss_k, x, mask=(jj < rows_k)[:, None] & cmask[None, :])
+            x = _conv_inputs(u_ptr, tail, lo, n - (KERNEL - 1) + jj, n, oldest, c, cmask, su_t, su_c, ss_k,
+                             KERNEL)
+            tl.debug_barrier()
+            tl.store(tail[None, :] + jj[:, None] * ss_k, x, mask=jmask)
+
+    @triton.jit
+    def _unit_lower_inverse(A, n, CHUNK: tl.constexpr):
+        """(I + A)^-1 for A strictly lower triangular [CHUNK, CHUNK], fp32, by forward substitution over the first n
+        rows (rows past n are padding, their A rows are zero): inv_i = e_i - sum_{j<i} A_ij inv_j. Built as the
+        transpose, column by column, so that the second reduction of each step runs along a row (within a warp)."""
+        idx = tl.arange(0, CHUNK)
+        inv_t = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
+        for i in range(1, n):
+            a_i = tl.sum(tl.where(idx[:, None] == i, A, 0.0), 0)                       # A[i, :]
+            col = tl.where(idx == i, 1.0, 0.0) - tl.sum(inv_t * a_i[None, :], 1)      # inv[i, :]
+            inv_t = tl.where(idx[None, :] == i, col[:, None], inv_t)
+        return tl.trans(inv_t)
+
+    @triton.jit
+    def _prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, w_ptr, u_ptr, B,
+                     sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, sw_t, sw_h, su_t, su_h,
+                     REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK_B: tl.constexpr):
+        """W and U of one (chunk, value head): the state-independent part of the chunk, all chunks in parallel."""
+        b, ci = _block_of(cu_ptr, tl.program_id(0), B, CHUNK, BLOCK_B, False)
+        if b >= B:
+            return
+        h = tl.program_id(1)
+        t0 = tl.load(cu_ptr + b) + ci * CHUNK
+        n = tl.minimum(tl.load(cu_ptr + b + 1) - t0, CHUNK)
+        rows = tl.arange(0, CHUNK)
+        valid = rows < n
+        t = (t0 + rows).to(tl.int64)
+        kk, vv = tl.arange(0, DK), tl.arange(0, DV)
+        k = tl.load(k_ptr + t[:, None] * sk_t + (h // REP) * sk_h + kk[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.float32)
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        g = tl.load(g_ptr + t * sg_t + h, mask=valid, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * sb_t + h, mask=valid, other=0.0).to(tl.float32)
+        gc = tl.cumsum(g, 0)
+        lower = rows[:, None] > rows[None, :]
+        A = tl.dot(k, tl.trans(k), input_precision="ieee") * beta[:, None] * \
+            tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
+        T = _unit_lower_inverse(A, n, CHUNK)
+        w = tl.dot(T, k * (beta * tl.exp(gc))[:, None], input_precision="ieee")
+        tl.store(w_ptr + t[:, None] * sw_t + h * sw_h + kk[None, :], w, mask=valid[:, None])
+        v = tl.load(v_ptr + t[:, None] * sv_t + h * sv_h + vv[None, :], mask=valid[:, None], other=0.0)
+        u = tl.dot(T, v.to(tl.float32) * beta[:, None], input_precision="ieee")
+        tl.store(u_ptr + t[:, None] * su_t + h * su_h + vv[None, :], u, mask=valid[:, None])
+
+    @triton.jit
+    def _state_kernel(q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, cu_ptr, start_ptr, slots_ptr, state_ptr, out_ptr,
+                      ck_ptr, n_ck, sq_t, sq_h, sk_t, sk_h, sg_t, sw_t, sw_h, su_t, su_h, ss_slot, ss_h, ss_k,
+                      so_t, so_h, scale,
+                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK_CK: tl.constexpr, HAS_CKPT: tl.constexpr, PRECISION: tl.constexpr):
+        """One (sequence, value head, block of BV value columns): the fp32 state [DK, BV] stays in registers across
+        the sequence's chunks; read from the slot at the start (zeros for a fresh sequence), written back at the
+        end (and at checkpoints)."""
+        b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        hk = h // REP
+        lo = tl.load(cu_ptr + b)
+        length = tl.load(cu_ptr + b + 1) - lo
+        start = tl.load(start_ptr + b)
+        kk = tl.arange(0, DK)
+        vv = vb * BV + tl.arange(0, BV)
+        vmask = vv < DV
+        state = state_ptr + h * ss_h + kk[:, None] * ss_k + vv[None, :]
+        # masks are built from index comparisons (the interpreter rejects a scalar bool and'ed into a tensor mask)
+        rows_k = (start > 0).to(tl.int32) * DK  # 0 rows of the slot read for a fresh sequence
+        S = tl.load(state + tl.load(slots_ptr + b).to(tl.int64) * ss_slot,
+                    mask=(kk < rows_k)[:, None] & vmask[None, :], other=0.0)
+        if HAS_CKPT:
+            ce = tl.arange(0, BLOCK_CK)
+            cm = ce < n_ck
+            ck_b = tl.load(ck_ptr + 3 * ce, mask=cm, other=-1)
+            ck_pos = tl.load(ck_ptr + 3 * ce + 1, mask=cm, other=-1)
+            ck_dst = tl.load(ck_ptr + 3 * ce + 2, mask=cm, other=0)
+        rows = tl.arange(0, CHUNK)
+        causal = rows[:, None] >= rows[None, :]
+        for ci in range(0, (length + CHUNK - 1) // CHUNK):
+            n = tl.minimum(length - ci * CHUNK, CHUNK)
+            valid = rows < n
+            t = (lo + ci * CHUNK + rows).to(tl.int64)
+            w = tl.load(w_ptr + t[:, None] * sw_t + h * sw_h + kk[None, :], mask=valid[:, None], other=0.0)
+            u = tl.load(u_ptr + t[:, None] * su_t + h * su_h + vv[None, :], mask=valid[:, None] & vmask[None, :],
+                        other=0.0)
+            v_new = u - tl.dot(w, S, input_precision=PRECISION)
+            q = tl.load(q_ptr + t[:, None] * sq_t + hk * sq_h + kk[None, :], mask=valid[:, None],
+                        other=0.0).to(tl.float32)
+            q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
+            k = tl.load(k_ptr + t[:, None] * sk_t + hk * sk_h + kk[None, :], mask=valid[:, None],
+                        other=0.0).to(tl.float32)
+            k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+            g = tl.load(g_ptr + t * sg_t + h, mask=valid, other=0.0).to(tl.float32)
+            gc = tl.cumsum(g, 0)
+            g_end = tl.sum(g, 0)
+            attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * \
+                tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
+            o = tl.dot(q * tl.exp(gc)[:, None], S, input_precision=PRECISION)
+            o = tl.dot(attn, v_new, acc=o, input_precision=PRECISION)
+            tl.store(out_ptr + t[:, None] * so_t + h * so_h + vv[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=valid[:, None] & vmask[None, :])
+            S = S * tl.exp(g_end) + tl.dot(tl.trans(k * tl.exp(g_end - gc)[:, None]), v_new,
+                                           input_precision=PRECISION)
+            if HAS_CKPT:
+                hit = (ck_b == b) & (ck_pos == start + ci * CHUNK + n)
+                dst = tl.sum(tl.where(hit, ck_dst, 0), 0)
+                rows_k = tl.sum(hit.to(tl.int32), 0) * DK
+                tl.store(state + dst * ss_slot, S, mask=(kk < rows_k)[:, None] & vmask[None, :])
+        tl.store(state + tl.load(slots_ptr + b).to(tl.int64) * ss_slot, S, mask=vmask[None, :])
