@@ -3,24 +3,36 @@
 TP split: each rank takes a contiguous block of query heads (each head's q_proj rows are [q | gate], so a head
 block is a contiguous row block) and the matching o_proj columns. KV heads: split when there are at least as many
 as ranks, else each rank keeps (a replica of) the one KV head its query heads use.
+
+A step runs, per layer: one GEMM for q (+gate) | k | v (the three weights fused by rows), one op for the q/k
+RMSNorm + partial RoPE + paged K/V write, the attention with the sigmoid output gate applied to its output, and
+o_proj. Each op has a torch oracle `<op>_torch` and a Triton version `<op>_fast` with the same signature; the layer
+binds one set at construction (layers/backend.py). Decode attention splits each sequence's context across
+programs (flash-decoding) so that a few long sequences still fill the GPU; the split count depends only on shapes,
+so a CUDA graph can hold it. Prefill and mixed steps use the per-sequence SDPA oracle in both kernel sets for now.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # Triton comes with CUDA builds of torch; the CPU path never needs it
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
 from dist import parallel
+from layers import backend
+from layers.backend import tl, triton
 from layers.forward_batch import ForwardBatch
-from layers.linear import Linear, even_split
-from layers.norm import RMSNorm
-from layers.rotary import RotaryEmbedding
+from layers.linear import Linear, even_split, fuse_rows
+from layers.norm import RMSNorm, rms_norm_torch
+from layers.rotary import RotaryEmbedding, rope_torch
+
+# decode split-K tuning: tokens per inner iteration, least tiles a split takes before another split gets work, the
+# most splits per (sequence, KV head), and how many programs per SM the split count aims for
+DECODE_TILE = 32
+MIN_TILES_PER_SPLIT = 2
+MAX_SPLITS = 128
+PROGRAMS_PER_SM = 2
 
 
 class GatedAttention(nn.Module):
@@ -35,6 +47,7 @@ class GatedAttention(nn.Module):
             kv_start, self.num_kv_heads = h_start // (H // KV), 1
         self.head_dim = D
         self.scale = D ** -0.5
+        self.eps = cfg.rms_norm_eps
         self.rotary = rotary
         self.q_proj = Linear(hidden, H * 2 * D, rows=[(h_start * 2 * D, self.num_heads * 2 * D)], dtype=dtype, device=device)
         self.k_proj = Linear(hidden, KV * D, rows=[(kv_start * D, self.num_kv_heads * D)], dtype=dtype, device=device)
@@ -42,31 +55,129 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(H * D, hidden, cols=[(h_start * D, self.num_heads * D)], dtype=dtype, device=device)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device)
+        # rows: per local head [q | gate], then the local KV heads' k, then their v (split_qkv reads this layout)
+        self.qkv_weight = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
         # [num_blocks, block_size, num_kv_heads, head_dim], allocated by the runner
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        fast = backend.use_fast()
+        self._norm_rope_cache = qk_norm_rope_cache_fast if fast else qk_norm_rope_cache_torch
+        self._decode = paged_decode_attention_fast if fast else paged_decode_attention_torch
+        self._prefill = paged_prefill_attention_torch  # both sets until a varlen flash prefill exists
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        T, D = x.shape[0], self.head_dim
-        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * D).split(D, dim=-1)
-        gate = gate.reshape(T, self.num_heads * D)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, D))
-        v = self.v_proj(x).view(T, self.num_kv_heads, D)
-        q, k = self.rotary(batch.positions, q, k)
-        # cache post-norm, post-RoPE K and V
-        self.k_cache.view(-1, self.num_kv_heads, D)[batch.slot_mapping] = k
-        self.v_cache.view(-1, self.num_kv_heads, D)[batch.slot_mapping] = v
+        qkv = F.linear(x, self.qkv_weight)
+        q = self._norm_rope_cache(qkv, batch.positions, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight,
+                                  self.rotary.cos, self.rotary.sin, self.k_cache, self.v_cache, self.eps)
+        gate = split_qkv(qkv, self.num_kv_heads, self.head_dim)[1]
         if batch.is_decode:
-            decode = paged_decode_attention_triton if use_triton(q) else paged_decode_attention
-            o = decode(q, self.k_cache, self.v_cache, batch.block_tables, batch.context_lens, self.scale)
+            o = self._decode(q, self.k_cache, self.v_cache, batch.block_tables, batch.context_lens, self.scale, gate)
         else:
-            o = paged_attention_ref(q, self.k_cache, self.v_cache, batch, self.scale)
-        return self.o_proj(o.reshape(T, -1) * torch.sigmoid(gate))
+            o = self._prefill(q, self.k_cache, self.v_cache, batch, self.scale, gate)
+        return self.o_proj(o)
 
 
-def paged_attention_ref(q, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its cached keys, one sequence at a time."""
+def split_qkv(qkv: torch.Tensor, num_kv_heads: int, head_dim: int):
+    """Views (q, gate, k, v) of the fused projection [T, H*2D + 2*KV*D]: q, gate [T, H, D] (strided: each head's
+    rows are [q_h | gate_h], spec §4), k, v [T, KV, D]."""
+    T, D = qkv.shape[0], head_dim
+    H = (qkv.shape[1] - 2 * num_kv_heads * D) // (2 * D)
+    q, gate = qkv[:, : H * 2 * D].view(T, H, 2 * D).split(D, dim=-1)
+    k, v = qkv[:, H * 2 * D:].view(T, 2, num_kv_heads, D).unbind(1)
+    return q, gate, k, v
+
+
+# ------------------------------------------------------------------------------ q/k norm + RoPE + KV-cache write
+def qk_norm_rope_cache_torch(qkv, positions, slot_mapping, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache,
+                             eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm of q and k heads, partial RoPE at `positions`, K (post-norm, post-RoPE) and V written to
+    the paged cache at `slot_mapping`. qkv: [T, H*2D + 2*KV*D]; caches [blocks, block_size, KV, D]. Returns q
+    [T, H, D] in the model dtype."""
+    n_kv, D = k_cache.shape[2], k_cache.shape[3]
+    q, _, k, v = split_qkv(qkv, n_kv, D)
+    q = rope_torch(rms_norm_torch(q, q_norm_weight, eps), positions, cos, sin)
+    k = rope_torch(rms_norm_torch(k, k_norm_weight, eps), positions, cos, sin)
+    k_cache.view(-1, n_kv, D)[slot_mapping] = k
+    v_cache.view(-1, n_kv, D)[slot_mapping] = v
+    return q
+
+
+def qk_norm_rope_cache_fast(qkv, positions, slot_mapping, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache,
+                            eps: float) -> torch.Tensor:
+    """One launch, one program per (token, q or KV head)."""
+    n_kv, D = k_cache.shape[2], k_cache.shape[3]
+    T = qkv.shape[0]
+    H = (qkv.shape[1] - 2 * n_kv * D) // (2 * D)
+    q = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    if T:
+        kc, vc = k_cache.view(-1, n_kv, D), v_cache.view(-1, n_kv, D)
+        block = triton.next_power_of_2(D)
+        _norm_rope_cache_kernel[(T, H + n_kv)](
+            qkv, positions, slot_mapping, q_norm_weight, k_norm_weight, cos, sin, q, kc, vc, eps,
+            qkv.stride(0), cos.stride(0), kc.stride(0), kc.stride(1),
+            H=H, KV=n_kv, D=D, RD=cos.shape[1], BLOCK_D=block, num_warps=max(1, min(4, block // 128)))
+    return q
+
+
+if triton is not None:
+    @triton.jit
+    def _norm_rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr,
+                                eps, s_qkv, s_cos, s_slot, s_kvh,
+                                H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
+                                BLOCK_D: tl.constexpr):
+        """Program (t, h): h < H is query head h, else KV head h - H (its K row is normed and rotated, its V row
+        copied). Every rounding the torch oracle does in the model dtype is done here too: the norm's output, cos
+        and sin, each product of the rotation and their sum."""
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        dtype = q_ptr.dtype.element_ty
+        d = tl.arange(0, BLOCK_D)
+        in_head = d < D
+        rotates = d < RD
+        half = RD // 2
+        partner = tl.where(d < half, d + half, d - half)  # the other half of the rotated pair (d < RD only)
+        row = qkv_ptr + t * s_qkv
+        if h < H:
+            src = row + h * 2 * D
+            w_ptr = qw_ptr
+        else:
+            src = row + H * 2 * D + (h - H) * D
+            w_ptr = kw_ptr
+        x = tl.load(src + d, mask=in_head, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        w = tl.load(w_ptr + d, mask=in_head, other=0.0).to(tl.float32)
+        y = (x * inv * (1.0 + w)).to(dtype)
+        xp = tl.load(src + partner, mask=rotates, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=rotates, other=0.0).to(tl.float32)
+        yp = (xp * inv * (1.0 + wp)).to(dtype).to(tl.float32)
+        pos = tl.load(pos_ptr + t)
+        c = tl.load(cos_ptr + pos * s_cos + d, mask=rotates, other=0.0).to(dtype).to(tl.float32)
+        s = tl.load(sin_ptr + pos * s_cos + d, mask=rotates, other=0.0).to(dtype).to(tl.float32)
+        rot = tl.where(d < half, -yp, yp)
+        a = (y.to(tl.float32) * c).to(dtype).to(tl.float32)
+        b = (rot * s).to(dtype).to(tl.float32)
+        out = tl.where(rotates, (a + b).to(dtype), y)
+        if h < H:
+            tl.store(q_ptr + (t * H + h) * D + d, out, mask=in_head)
+        else:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            dst = slot * s_slot + (h - H) * s_kvh + d
+            tl.store(kc_ptr + dst, out, mask=in_head)
+            v = tl.load(row + H * 2 * D + KV * D + (h - H) * D + d, mask=in_head, other=0.0)
+            tl.store(vc_ptr + dst, v, mask=in_head)
+
+
+# -------------------------------------------------------------------------------------------- output gate
+def gate_torch(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o * sigmoid(gate) as [T, H*D] in the model dtype (spec §4: elementwise, before o_proj)."""
+    T = o.shape[0]
+    return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+
+
+# ------------------------------------------------------------------------------------- prefill / mixed steps
+def paged_prefill_attention_torch(q, k_cache, v_cache, batch: ForwardBatch, scale: float, gate) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached keys, one sequence at a time, gated:
+    [T, H*D]. q, gate: [T, H, D]."""
     block_size, n_kv, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     n_heads = q.shape[1]
     out = torch.empty_like(q)
@@ -88,12 +199,14 @@ def paged_attention_ref(q, k_cache, v_cache, batch: ForwardBatch, scale: float) 
                                                attn_mask=mask, scale=scale)[0]
         out[offset: offset + n] = o.transpose(0, 1)
         offset += n
-    return out
+    return gate_torch(out, gate)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+# ------------------------------------------------------------------------------------------ decode attention
+def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate) -> torch.Tensor:
     """One query per sequence over its paged keys, all sequences at once (no host sync; fixed shapes for a given
-    block-table width). q: [B, H, D]; block_tables: [B, max_blocks]; context_lens: [B] (keys 0..len-1 visible)."""
+    block-table width), gated: [B, H*D]. q, gate: [B, H, D]; block_tables: [B, max_blocks]; context_lens: [B]
+    (keys 0..len-1 visible)."""
     B, H, D = q.shape
     n_kv = k_cache.shape[2]
     k = k_cache[block_tables].flatten(1, 2)                       # [B, L, kv, D]
@@ -103,58 +216,150 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     visible = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), v.float())
-    return out.reshape(B, H, D).to(q.dtype)
+    return gate_torch(out.reshape(B, H, D).to(q.dtype), gate)
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda
+def paged_decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate) -> torch.Tensor:
+    """Flash-decoding: each (sequence, KV head) context is cut into `decode_splits(...)` parts (a value that depends
+    only on shapes), each part one program; a combine kernel merges the parts and applies the gate. With one split
+    the attention kernel applies the gate itself and there is no combine."""
+    splits = decode_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device)
+    return paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale, gate, splits)
+
+
+def decode_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU (PROGRAMS_PER_SM per SM over batch * kv_heads), but no more splits than the
+    widest possible context can give MIN_TILES_PER_SPLIT tiles each, and at most MAX_SPLITS."""
+    want = -(-PROGRAMS_PER_SM * _sm_count(device) // (batch * kv_heads))
+    most = -(-max_tokens // (DECODE_TILE * MIN_TILES_PER_SPLIT))
+    return max(1, min(want, most, MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: any small number; tests pick split counts explicitly
+
+
+def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate, splits: int,
+                        tile: int = DECODE_TILE, min_tiles: int = MIN_TILES_PER_SPLIT) -> torch.Tensor:
+    """paged_decode_attention_fast with the split count and tile size given (tests run every split path)."""
+    B, H, D = q.shape
+    block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    group = H // n_kv
+    out = torch.empty(B, H * D, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    kc, vc = k_cache.view(-1, n_kv, D), v_cache.view(-1, n_kv, D)
+    lse = part = out  # placeholders: with one split the attention kernel writes `out` directly
+    if splits > 1:
+        lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+        part = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(D)
+    assert q.stride(2) == 1 and gate.stride(2) == 1
+    _decode_split_kernel[(B, n_kv, splits)](
+        q, kc, vc, block_tables, context_lens, gate, out, lse, part, scale,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0), gate.stride(0), gate.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        TILE=tile, MIN_TILES=min_tiles, SPLITS=splits, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2)
+    if splits > 1:
+        _decode_combine_kernel[(B, H)](
+            lse, part, context_lens, gate, out, gate.stride(0), gate.stride(1),
+            H=H, D=D, BLOCK_D=block_d, TILE=tile, MIN_TILES=min_tiles, SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=max(1, min(4, block_d // 128)))
+    return out
 
 
 if triton is not None:
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
-                             sq_b, sq_h, sk_blk, sk_tok, sk_h, st_b, so_b, so_h,
-                             GROUP: tl.constexpr, BLOCK_G: tl.constexpr, KV_BLOCK: tl.constexpr, D: tl.constexpr):
-        """One program per (sequence, KV head): its GROUP query heads walk the sequence's KV blocks with an
-        online softmax (fp32 accumulators), reading only the context_len tokens that exist."""
-        b, kv = tl.program_id(0), tl.program_id(1)
+    def _split_tokens(ctx, TILE: tl.constexpr, MIN_TILES: tl.constexpr, SPLITS: tl.constexpr):
+        """Tokens per split for a context of ctx tokens: the context spread evenly over the splits in whole tiles,
+        but at least MIN_TILES tiles each (a short context uses fewer splits; the rest are empty)."""
+        return tl.maximum(MIN_TILES, tl.cdiv(tl.cdiv(ctx, TILE), SPLITS)) * TILE
+
+    @triton.jit
+    def _apply_gate(o, gate):
+        """o * sigmoid(gate) with the oracle's roundings (o, the sigmoid and the product in the gate's dtype)."""
+        dtype = gate.dtype
+        g = tl.sigmoid(gate.to(tl.float32)).to(dtype).to(tl.float32)
+        return (o.to(dtype).to(tl.float32) * g).to(dtype)
+
+    @triton.jit
+    def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, gate_ptr, out_ptr, lse_ptr, part_ptr, scale,
+                             sq_b, sq_h, s_slot, s_kvh, st_b, sg_b, sg_h,
+                             GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MIN_TILES: tl.constexpr,
+                             SPLITS: tl.constexpr, PREC: tl.constexpr):
+        """Program (b, kv head, split): the GROUP query heads of one KV head over one contiguous part of sequence
+        b's context, TILE tokens at a time (gathered through the block table), with an online softmax in fp32.
+        One split: normalise, gate and store the output. Several: store the part's normalised output and its
+        log-sum-exp (an empty part stores lse = -inf, a neutral partial, and no output)."""
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        H = tl.num_programs(1) * GROUP
         ctx = tl.load(lens_ptr + b)
+        per = _split_tokens(ctx, TILE, MIN_TILES, SPLITS)
+        start = split * per
+        end = tl.minimum(ctx, start + per)
         g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, D)
-        t = tl.arange(0, KV_BLOCK)
-        heads = kv * GROUP + g
-        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+        d = tl.arange(0, BLOCK_D)
+        t = tl.arange(0, TILE)
+        heads = kvh * GROUP + g
+        mask = (g < GROUP)[:, None] & (d < D)[None, :]
+        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=mask, other=0.0)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, D], tl.float32)
-        for start in range(0, ctx, KV_BLOCK):
-            block = tl.load(tables_ptr + b * st_b + start // KV_BLOCK).to(tl.int64)
-            valid = start + t < ctx
-            offs = block * sk_blk + t[:, None] * sk_tok + kv * sk_h + d[None, :]
-            k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
-            v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for t0 in range(start, end, TILE):
+            tok = t0 + t
+            valid = tok < end
+            block = tl.load(tables_ptr + b * st_b + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            offs = (block * BLOCK_SIZE + tok % BLOCK_SIZE) * s_slot + kvh * s_kvh
+            kv_mask = valid[:, None] & (d < D)[None, :]
+            k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m = m_new
-        out = acc / l[:, None]
-        tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(g < GROUP)[:, None])
+        l_safe = tl.where(l > 0, l, 1.0)
+        o = acc / l_safe[:, None]
+        if SPLITS == 1:
+            gate = tl.load(gate_ptr + b * sg_b + heads[:, None] * sg_h + d[None, :], mask=mask, other=0.0)
+            tl.store(out_ptr + b * H * D + heads[:, None] * D + d[None, :], _apply_gate(o, gate), mask=mask)
+        else:
+            rows = (b * H + heads) * SPLITS + split
+            tl.store(lse_ptr + rows, tl.where(l > 0, m + tl.log(l_safe), float("-inf")), mask=g < GROUP)
+            if end > start:
+                tl.store(part_ptr + rows[:, None] * D + d[None, :], o, mask=mask)
 
-
-def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
-    """Same contract as paged_decode_attention; reads each sequence's keys once, whatever the table width."""
-    B, H, D = q.shape
-    n_kv = k_cache.shape[2]
-    group = H // n_kv
-    out = torch.empty_like(q)
-    _paged_decode_kernel[(B, n_kv)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), KV_BLOCK=k_cache.shape[1], D=D, num_warps=4)
-    return out
+    @triton.jit
+    def _decode_combine_kernel(lse_ptr, part_ptr, lens_ptr, gate_ptr, out_ptr, sg_b, sg_h,
+                               H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
+                               MIN_TILES: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Program (b, head): merge the non-empty parts (their count follows from the context length exactly as
+        the split kernel cut them) weighted by exp(lse), then apply the gate."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        ctx = tl.load(lens_ptr + b)
+        n = tl.cdiv(ctx, _split_tokens(ctx, TILE, MIN_TILES, SPLITS))
+        row = (b * H + h) * SPLITS
+        s_idx = tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_ptr + row + s_idx, mask=s_idx < n, other=float("-inf"))
+        top = tl.max(lse, 0)
+        total = tl.sum(tl.exp(lse - top), 0)
+        d = tl.arange(0, BLOCK_D)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s in range(0, n):
+            w = tl.exp(tl.load(lse_ptr + row + s) - top)
+            acc += w * tl.load(part_ptr + (row + s) * D + d, mask=d < D, other=0.0)
+        gate = tl.load(gate_ptr + b * sg_b + h * sg_h + d, mask=d < D, other=0.0)
+        tl.store(out_ptr + (b * H + h) * D + d, _apply_gate(acc / total, gate), mask=d < D)

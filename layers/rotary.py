@@ -1,13 +1,17 @@
 """Partial NeoX rotary embedding (spec §4.1): only the first `rotary_dim` dims of each head rotate, half-split.
 
 Text-only mRoPE (interleaved sections) collapses to plain 1-D RoPE because all three position rows are equal.
-cos/sin are computed in fp32 and cast to the activation dtype before use, as the reference does.
+cos/sin are computed in fp32 and cast to the activation dtype before use, and the rotation runs in the activation
+dtype, as the reference does. The fused attention kernel (layers/attention.py) reads the same cache and rounds the
+same way; `rope_torch` is its oracle.
 """
 import torch
 from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin cache, shared by every attention layer: `cos`, `sin` [max_positions, rotary_dim] fp32."""
+
     def __init__(self, rotary_dim: int, theta: float, max_positions: int, device=None):
         super().__init__()
         self.rotary_dim = rotary_dim
@@ -18,15 +22,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], -1).to(device), persistent=False)
         self.register_buffer("sin", torch.cat([freqs.sin(), freqs.sin()], -1).to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [N, Hq, D], k: [N, Hk, D]; returns rotated copies."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int) -> torch.Tensor:
+def rope_torch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] rotated at `positions` [N]; cos/sin the [P, rotary_dim] fp32 cache. Returns a new tensor."""
+    rd, half = cos.shape[-1], cos.shape[-1] // 2
+    c = cos[positions].to(x.dtype).unsqueeze(1)
+    s = sin[positions].to(x.dtype).unsqueeze(1)
     x_rot, x_pass = x[..., :rd], x[..., rd:]
-    half = rd // 2
     rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+    return torch.cat([x_rot * c + rotated * s, x_pass], dim=-1)
