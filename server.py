@@ -1,24 +1,31 @@
 """OpenAI-compatible HTTP front end of the qwen35 engine (starlette + uvicorn + orjson).
 
-`build_app(async_engine, tokenizer, model_name, max_model_len, api_key=None)` returns the ASGI app; `qwen35.serve`
-builds the engine and runs it. Routes: GET /health, /ping, /v1/models, /metrics; POST /v1/chat/completions,
+`build_app(async_engine, tokenizer, model_name, max_model_len, api_key=None, max_request_bytes=8 MiB)` returns the
+ASGI app; `qwen35.serve` builds the engine and runs it. Routes: GET /health, /ping, /v1/models, /metrics; POST /v1/chat/completions,
 /v1/completions, /invocations (= chat completions).
 
-Every request is validated here, before the engine sees it, so bad input is an HTTP 400 with an OpenAI error body
-and never an engine error. Policy on request fields:
-- honoured: model (any string; responses name the served model), messages (system/user/assistant; content a string
-  or a list of {"type": "text"} parts; other keys ignored), prompt (completions: a string or a list of token ids, or
+Every request is validated here, before the engine sees it, so bad input is an HTTP 4xx with an OpenAI error body
+and never an engine error: every number is bounded (integers to what the sampler's tensors hold and to the
+vocabulary, floats finite and in range). A body past max_request_bytes is a 413, refused from its Content-Length or
+as soon as that much has arrived; parsing, template rendering and tokenizing run in worker threads, so a huge
+prompt never stalls the event loop (/health and every other client keep their answers). Policy on request fields:
+- honoured: model (any string; responses name the served model), messages (system/user/assistant, and developer,
+  which is the system role of newer OpenAI clients; content a string or a list of {"type": "text"} parts; other keys
+  ignored), prompt (completions: a string or a list of token ids, or
   a one-element list of either), max_tokens / max_completion_tokens (default: all the room left in the context),
-  temperature (default 0), top_p (default 1), top_k (0 or -1 = off), min_tokens, stop (string or list of up to 4),
-  stop_token_ids (added to the EOS ids), seed, ignore_eos, stream, stream_options.include_usage,
+  temperature (default 0, at most 100; below 1e-5 greedy), top_p (default 1), top_k (0 or -1 = off; past the
+  vocabulary = off), min_tokens, stop (string or list of up to 4), stop_token_ids (up to 1024 ids in the vocabulary;
+  added to the EOS ids), seed (64-bit), ignore_eos, stream, stream_options.include_usage,
   chat_template_kwargs.enable_thinking (default False).
 - refused with a 400 unless at their neutral value: n, best_of, logprobs, top_logprobs, presence/frequency/repetition
   penalties, logit_bias, tools/functions and tool_choice/function_call, response_format other than text, echo,
   suffix, use_beam_search. We cannot honour them, and silently ignoring them would return wrong answers.
 - any other key is ignored (clients send `user`, `metadata`, ...), as OpenAI-compatible servers commonly do.
 A client that disconnects (streaming or not) has its request aborted at once, freeing its KV blocks and state slot.
-With an api_key, /v1/* and /invocations need `Authorization: Bearer <key>` (else 401); /health, /ping and /metrics
-stay open for probes and scrapers. Without one, the header is ignored.
+With an api_key, /v1/* and /invocations need `Authorization: Bearer <key>` (the scheme in any case, RFC 7235; else
+401); /health, /ping and /metrics stay open for probes and scrapers. Without one, the header is ignored.
+A request the engine ends with an error is a 500 (503 while the engine shuts down or has stalled) with an OpenAI
+error body; a stream already under way gets the error as a final event, then `data: [DONE]`.
 """
 from __future__ import annotations
 
@@ -33,15 +40,21 @@ import uuid
 import orjson
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from qwen35.sampling_params import SamplingParams
+from qwen35.engine import GenerationError
+from qwen35.sampling_params import INT64, MAX_TEMPERATURE, SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
-SEED_RANGE = (-2**63, 2**63)
+MAX_STOP_TOKEN_IDS = 1024  # far more than anyone sends; each is masked out of the logits at every step
+# A 32k-token context is about 130 KB of text and 230 KB as a token-id list; 8 MiB leaves room for JSON escapes and
+# long conversations while bounding what one request makes us parse and tokenize (seconds, in a worker thread).
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
 
 
 class JSONResponse(Response):
@@ -93,13 +106,16 @@ def _field(body: dict, name: str, types: tuple, default=None):
 
 
 def _number(body: dict, name: str, default: float) -> float:
-    value = float(_field(body, name, (int, float), default))
+    try:
+        value = float(_field(body, name, (int, float), default))
+    except OverflowError:  # an integer past float range
+        value = math.inf
     if not math.isfinite(value):
         raise APIError(f"'{name}' must be a finite number", param=name)
     return value
 
 
-def _sampling_params(body: dict, prompt_len: int, max_model_len: int, eos_ids: list[int],
+def _sampling_params(body: dict, prompt_len: int, max_model_len: int, eos_ids: list[int], vocab_size: int,
                      prompt_param: str) -> SamplingParams:
     for name, neutral in _NEUTRAL.items():
         value = body.get(name)
@@ -119,14 +135,15 @@ def _sampling_params(body: dict, prompt_len: int, max_model_len: int, eos_ids: l
                        f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)",
                        param=name, code="context_length_exceeded")
     temperature = _number(body, "temperature", 0.0)
-    if temperature < 0:
-        raise APIError("'temperature' must be >= 0", param="temperature")
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise APIError(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}]", param="temperature")
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise APIError("'top_p' must be in (0, 1]", param="top_p")
     top_k = _field(body, "top_k", (int,), 0)
     if top_k < -1:
         raise APIError("'top_k' must be >= 1, or 0 / -1 for no top-k", param="top_k")
+    top_k = 0 if top_k >= vocab_size else top_k  # keeping the whole vocabulary is no top-k
     min_tokens = _field(body, "min_tokens", (int,), 0)
     if not 0 <= min_tokens <= max_tokens:
         raise APIError(f"'min_tokens' must be in [0, max_tokens={max_tokens}]", param="min_tokens")
@@ -136,15 +153,20 @@ def _sampling_params(body: dict, prompt_len: int, max_model_len: int, eos_ids: l
         raise APIError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
                        param="stop")
     extra_stop_ids = _field(body, "stop_token_ids", (list,), [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in extra_stop_ids):
-        raise APIError("'stop_token_ids' must be a list of token ids", param="stop_token_ids")
+    if len(extra_stop_ids) > MAX_STOP_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in extra_stop_ids):
+        raise APIError(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in "
+                       f"[0, {vocab_size})", param="stop_token_ids")
     seed = _field(body, "seed", (int,), None)
-    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+    if seed is not None and not INT64[0] <= seed < INT64[1]:
         raise APIError("'seed' must fit in a signed 64-bit integer", param="seed")
-    return SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_tokens=max_tokens, min_tokens=min_tokens,
-        stop=stop, stop_token_ids=sorted(set(eos_ids) | set(extra_stop_ids)) if extra_stop_ids else None,
-        ignore_eos=_field(body, "ignore_eos", (bool,), False), seed=seed)
+    try:  # SamplingParams checks everything again; whatever it still refuses is the client's error too
+        return SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_tokens=max_tokens, min_tokens=min_tokens,
+            stop=stop, stop_token_ids=sorted(set(eos_ids) | set(extra_stop_ids)) if extra_stop_ids else None,
+            ignore_eos=_field(body, "ignore_eos", (bool,), False), seed=seed)
+    except ValueError as e:
+        raise APIError(str(e)) from e
 
 
 def _chat_messages(body: dict) -> list[dict]:
@@ -157,8 +179,8 @@ def _chat_messages(body: dict) -> list[dict]:
         if not isinstance(msg, dict):
             raise APIError(f"{param} must be an object", param=param)
         role, content = msg.get("role"), msg.get("content")
-        if role not in ("system", "user", "assistant"):
-            raise APIError(f"{param}.role must be 'system', 'user' or 'assistant', got {role!r}",
+        if not isinstance(role, str) or role not in ROLES:
+            raise APIError(f"{param}.role must be 'system', 'developer', 'user' or 'assistant', got {role!r}",
                            param=f"{param}.role")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -168,8 +190,18 @@ def _chat_messages(body: dict) -> list[dict]:
             content = "\n".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise APIError(f"{param}.content must be a string or a list of text parts", param=f"{param}.content")
-        out.append({"role": role, "content": content})
+        out.append({"role": ROLES[role], "content": content})
     return out
+
+
+def _json_object(raw: bytes) -> dict:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
 
 
 def _completion_prompt(body: dict, tokenizer) -> list[int]:
@@ -212,11 +244,20 @@ async def _unless_disconnected(request: Request, coro):
     return work.result()
 
 
+def _error_body(e: Exception) -> dict:
+    status = e.status if isinstance(e, GenerationError) else 500
+    return {"error": {"message": str(e) if isinstance(e, GenerationError) else f"generation failed: {e}",
+                      "type": "service_unavailable" if status == 503 else "internal_server_error",
+                      "param": None, "code": None}}
+
+
 class _Server:
-    def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, api_key: str | None):
+    def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, api_key: str | None,
+                 max_request_bytes: int):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.max_model_len, self.api_key = max_model_len, api_key
+        self.max_model_len, self.api_key, self.max_request_bytes = max_model_len, api_key, max_request_bytes
         self.eos_ids = list(tokenizer.eos_token_ids)
+        self.vocab_size = tokenizer.num_real_tokens  # ids past it are no tokens
         self.created = int(time.time())
 
     # ---- plain endpoints
@@ -241,8 +282,27 @@ class _Server:
 
     # ---- generation endpoints
     async def chat(self, request: Request) -> Response:
+        return await self._serve(request, "chatcmpl", self._chat_prompt)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "cmpl", lambda body: (_completion_prompt(body, self.tokenizer), "prompt"))
+
+    async def _serve(self, request: Request, kind: str, prompt_of) -> Response:
         self._check_auth(request)
-        body = await self._json(request)
+        raw = await self._read_body(request)
+        # parsing, template rendering and tokenizing take seconds for a big request: in a worker thread, so that the
+        # event loop goes on answering everyone else meanwhile
+        body, prompt_ids, params = await run_in_threadpool(self._prepare, raw, prompt_of)
+        return await self._generate(request, body, kind, prompt_ids, params)
+
+    def _prepare(self, raw: bytes, prompt_of) -> tuple[dict, list[int], SamplingParams]:
+        body = _json_object(raw)
+        prompt_ids, prompt_param = prompt_of(body)
+        params = _sampling_params(body, len(prompt_ids), self.max_model_len, self.eos_ids, self.vocab_size,
+                                  prompt_param)
+        return body, prompt_ids, params
+
+    def _chat_prompt(self, body: dict) -> tuple[list[int], str]:
         messages = _chat_messages(body)
         kwargs = _field(body, "chat_template_kwargs", (dict,), {})
         thinking = _field(kwargs, "enable_thinking", (bool,), False)
@@ -250,34 +310,34 @@ class _Server:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
         except Exception as e:  # the template rejects some conversations (e.g. a system message not first)
             raise APIError(f"the chat template rejected the messages: {e}", param="messages") from e
-        prompt_ids = self.tokenizer.encode(text)
-        params = _sampling_params(body, len(prompt_ids), self.max_model_len, self.eos_ids, "messages")
-        return await self._generate(request, body, "chatcmpl", prompt_ids, params)
-
-    async def completions(self, request: Request) -> Response:
-        self._check_auth(request)
-        body = await self._json(request)
-        prompt_ids = _completion_prompt(body, self.tokenizer)
-        params = _sampling_params(body, len(prompt_ids), self.max_model_len, self.eos_ids, "prompt")
-        return await self._generate(request, body, "cmpl", prompt_ids, params)
+        return self.tokenizer.encode(text), "messages"
 
     def _check_auth(self, request: Request) -> None:
         if self.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # the auth scheme is case-insensitive (RFC 7235): "bearer" and "BEARER" are Bearer
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
                            code="invalid_api_key")
 
-    @staticmethod
-    async def _json(request: Request) -> dict:
-        try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as e:
-            raise APIError(f"the request body is not valid JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object")
-        return body
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused (413) once it is known to pass max_request_bytes: from its Content-Length before reading
+        anything, else as soon as that much has arrived, so an oversized body is never buffered whole."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_request_bytes:
+            raise self._too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                raise self._too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self) -> APIError:
+        return APIError(f"the request body is larger than this server's limit of {self.max_request_bytes} bytes",
+                        status=413, code="request_too_large")
 
     async def _generate(self, request: Request, body: dict, kind: str, prompt_ids: list[int],
                         params: SamplingParams) -> Response:
@@ -289,7 +349,7 @@ class _Server:
             outputs = self.engine.generate(rid, prompt_ids, params)
         except ValueError as e:  # what only the engine can tell, e.g. a request bigger than the whole KV cache
             raise APIError(str(e)) from e
-        except RuntimeError as e:  # the engine is not running (yet, or any more)
+        except RuntimeError as e:  # the engine is not running (yet, or any more: shutting down, stalled)
             raise APIError(str(e), status=503, type_="service_unavailable") from e
         if stream:
             events = self._sse(rid, kind, outputs, include_usage)
@@ -300,6 +360,8 @@ class _Server:
             text, finish, usage = await _unless_disconnected(request, self._collect(outputs))
         except _Disconnected:
             return Response(status_code=499)  # nobody is listening; the request is aborted
+        except GenerationError as e:  # the engine ended the request: its own failure, a shutdown, a stall
+            return JSONResponse(_error_body(e), status_code=e.status)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                    "finish_reason": finish} if kind == "chatcmpl" else
                   {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
@@ -344,9 +406,7 @@ class _Server:
                         "usage": self._usage(out)}
                 yield b"data: " + orjson.dumps(data) + b"\n\n"
         except Exception as e:  # headers are gone already: report in-band, as OpenAI does
-            err = {"error": {"message": f"generation failed: {e}", "type": "internal_server_error",
-                             "param": None, "code": None}}
-            yield b"data: " + orjson.dumps(err) + b"\n\n"
+            yield b"data: " + orjson.dumps(_error_body(e)) + b"\n\n"
         finally:
             await outputs.aclose()
         yield b"data: [DONE]\n\n"
@@ -360,8 +420,14 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return APIError(str(exc.detail), status=exc.status_code).response()
 
 
-def build_app(async_engine, tokenizer, model_name: str, max_model_len: int, api_key: str | None = None) -> Starlette:
-    s = _Server(async_engine, tokenizer, model_name, max_model_len, api_key)
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # a bug, never the client's doing; still an OpenAI error body (the traceback goes to the log)
+    return APIError(f"internal error: {type(exc).__name__}", status=500, type_="internal_server_error").response()
+
+
+def build_app(async_engine, tokenizer, model_name: str, max_model_len: int, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Starlette:
+    s = _Server(async_engine, tokenizer, model_name, max_model_len, api_key, max_request_bytes)
     routes = [
         Route("/health", s.health, methods=["GET"]),
         Route("/ping", s.health, methods=["GET"]),
@@ -371,4 +437,5 @@ def build_app(async_engine, tokenizer, model_name: str, max_model_len: int, api_
         Route("/invocations", s.chat, methods=["POST"]),
         Route("/v1/completions", s.completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={APIError: _api_error, HTTPException: _http_error})
+    return Starlette(routes=routes, exception_handlers={APIError: _api_error, HTTPException: _http_error,
+                                                        Exception: _internal_error})

@@ -2,18 +2,22 @@
 # Start the qwen35 OpenAI-compatible server in the background, or stop it.
 #
 #   ./start.sh --port 8000 [--model DIR|HUB_ID|PRESET] [--tp N] [--host H] [--log FILE] [--timeout S]
-#              [--api-key KEY] [any other qwen35.serve / engine flag, passed through]
+#              [--api-key-file FILE] [any other qwen35.serve / engine flag, passed through]
 #   ./start.sh --stop --port 8000
 #
-# Starting runs `torchrun --nproc-per-node N -m qwen35.serve ...` detached (setsid nohup), logging to --log
-# (default logs/server-<port>.log) and recording its pid in logs/server-<port>.pid, then waits until GET /health
-# answers 200 (--timeout seconds, default 1800: loading the real model takes minutes). It prints the URL and exits
-# 0 leaving the server running; if the server dies or does not become healthy in time it is stopped, the log tail
-# is printed and the exit status is 1 (2 for bad usage).
+# Starting first checks that the port is free (any listener, HTTP or not, fails the start at once), then runs
+# `torchrun --nproc-per-node N -m qwen35.serve ...` detached (setsid nohup), logging to --log (default
+# logs/server-<port>.log; an earlier log is kept, renamed LOG.<its last-write time>) and recording its pid in
+# logs/server-<port>.pid, then waits until GET /health answers 200 (--timeout seconds, default 1800: loading the real
+# model takes minutes). It prints the URL and exits 0 leaving the server running; if the server dies or does not
+# become healthy in time it is stopped, the log tail is printed and the exit status is 1 (2 for bad usage).
+# API key: QWEN35_API_KEY in the environment or --api-key-file FILE; --api-key KEY works too (it then travels to
+# the server in QWEN35_API_KEY, never on its command line or in the log, but this script's own command line shows it).
 # Defaults: the model Qwen/Qwen3.5-35B-A3B, tensor parallel over every visible GPU. Without a GPU, pass
 # `--model tiny` (a small synthetic checkpoint that runs on the CPU, TP over gloo with --tp N).
-# Stopping sends SIGTERM to the ranks (rank 0 then shuts the engine down, which ends the worker ranks) and kills
-# whatever is left after --stop-wait seconds (default 60). PYTHON=... picks the interpreter (default python3).
+# Stopping sends SIGTERM to the ranks (rank 0 ends every request in flight with an error, streams with a final
+# error event and [DONE], then shuts the engine down, which ends the worker ranks) and kills whatever is left after
+# --stop-wait seconds (default 60). PYTHON=... picks the interpreter (default python3).
 set -euo pipefail
 DEFAULT_MODEL=Qwen/Qwen3.5-35B-A3B
 PORT=8000 MODEL=$DEFAULT_MODEL TP="" HOST=0.0.0.0 LOG="" TIMEOUT=1800 STOP=0 STOP_WAIT=60
@@ -21,7 +25,7 @@ PYTHON=${PYTHON:-python3}
 PASS=()
 while [ $# -gt 0 ]; do
   case "$1" in  # accept --flag=value for our own flags too
-    --port=*|--model=*|--tp=*|--tensor-parallel-size=*|--host=*|--log=*|--timeout=*|--stop-wait=*)
+    --port=*|--model=*|--tp=*|--tensor-parallel-size=*|--host=*|--log=*|--timeout=*|--stop-wait=*|--api-key=*)
       set -- "${1%%=*}" "${1#*=}" "${@:2}" ;;
   esac
   case "$1" in
@@ -32,8 +36,9 @@ while [ $# -gt 0 ]; do
     --log) LOG=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
     --stop-wait) STOP_WAIT=$2; shift 2 ;;
+    --api-key) export QWEN35_API_KEY=$2; shift 2 ;;  # to the server in its environment: not in ps, not logged
     --stop) STOP=1; shift ;;
-    -h|--help) sed -n '2,16p' "$0" | cut -c3-; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0" | cut -c3-; exit 0 ;;
     *) PASS+=("$1"); shift ;;
   esac
 done
@@ -93,8 +98,14 @@ if [ "$STOP" = 1 ]; then
   exit 0
 fi
 
-if [ "$(health_code)" != 000 ]; then
-  echo "start.sh: something already answers on port $PORT (stop it with ./start.sh --stop --port $PORT)" >&2
+# the server binds the same way (before loading the model, too); checked here before the pid file and log change
+if ! "$PYTHON" -c '
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((host, port))' "$HOST" "$PORT" 2>/dev/null; then
+  echo "start.sh: port $PORT is already in use on $HOST (a server of ours stops with ./start.sh --stop --port $PORT)" >&2
   exit 1
 fi
 
@@ -113,12 +124,15 @@ fi
 TP=${TP:-$((GPUS > 0 ? GPUS : 1))}
 
 mkdir -p logs "$(dirname "$LOG")"
+if [ -e "$LOG" ]; then  # keep the earlier log: it may hold the traceback of the crash being investigated
+  mv --backup=numbered "$LOG" "$LOG.$(date -r "$LOG" +%Y%m%d-%H%M%S)"
+fi
 # never NVLink multicast (NVLS): on shared hosts it can take the GPUs out of service
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 CMD=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$TP" -m qwen35.serve
      --host "$HOST" --port "$PORT" --model "$MODEL" ${PASS[@]+"${PASS[@]}"})
-echo "start.sh: ${CMD[*]}" >"$LOG"
+echo "start.sh: ${CMD[*]}${QWEN35_API_KEY:+ (API key from \$QWEN35_API_KEY, not shown)}" >"$LOG"
 setsid nohup "${CMD[@]}" >>"$LOG" 2>&1 </dev/null &
 PID=$!
 echo "$PID" >"$PIDFILE"

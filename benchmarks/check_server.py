@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 import orjson
 
-from benchmarks.common import Counter, add_server_args, client, served_model
+from benchmarks.common import Counter, add_server_args, client, server_models
 
 CHECKS: dict[str, object] = {}
 FIRST_REQUEST_LIMIT_S = 120.0  # the contract's limit on the first request after start
@@ -199,6 +199,25 @@ async def check_message_forms(ctx: Ctx) -> None:
     for messages in forms:
         body = await ctx.chat(messages=messages, max_tokens=8)
         assert body["usage"] == plain["usage"] and content(body) == content(plain), f"{messages} differs from a string"
+    # newer OpenAI clients send the system prompt as role "developer"
+    system = await ctx.chat(messages=[{"role": "system", "content": "Be brief."}, *HELLO], max_tokens=8)
+    developer = await ctx.chat(messages=[{"role": "developer", "content": "Be brief."}, *HELLO], max_tokens=8)
+    assert developer["usage"] == system["usage"] and content(developer) == content(system), "developer != system"
+
+
+@check
+async def check_extreme_values(ctx: Ctx) -> None:
+    """Valid values at the edges of their types are served, and the server stays up: a top_k past 64 bits (the
+    whole vocabulary), a temperature too small to divide by (greedy), stop_token_ids at the end of the vocabulary."""
+    greedy = content(await ctx.chat(messages=HELLO, max_tokens=12, temperature=0))
+    for temperature in (1e-40, 1e-7):
+        tiny = content(await ctx.chat(messages=HELLO, max_tokens=12, temperature=temperature))
+        assert tiny == greedy, f"temperature {temperature}: {tiny!r}, greedy {greedy!r}"
+    for top_k in (2**63, 2**64 - 1):  # larger integer literals are floats to the JSON parser (a 400)
+        await ctx.chat(messages=HELLO, max_tokens=4, temperature=1.0, top_k=top_k)
+    last = ctx.counter.tok.num_real_tokens - 1
+    await ctx.chat(messages=HELLO, max_tokens=4, min_tokens=2, stop_token_ids=[last], temperature=1.0)
+    assert (await ctx.http.get("/health")).status_code == 200, "unhealthy after the extreme values"
 
 
 @check
@@ -248,6 +267,9 @@ def bad_requests(ctx: Ctx) -> list[tuple[str, str, object]]:
         ("max_tokens past the context", chat, {**ok, "max_tokens": ctx.max_model_len}),
         ("prompt longer than the context", chat, {**ok, "messages": [{"role": "user", "content": long_text}]}),
         ("temperature -1", chat, {**ok, "temperature": -1}),
+        ("temperature 100.5", chat, {**ok, "temperature": 100.5}),
+        ("temperature past float range", chat, {**ok, "temperature": 2**1100}),
+        ("temperature NaN", chat, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'),
         ("temperature a string", chat, {**ok, "temperature": "hot"}),
         ("top_p 0", chat, {**ok, "top_p": 0}), ("top_p 1.5", chat, {**ok, "top_p": 1.5}),
         ("n 2", chat, {**ok, "n": 2}), ("logprobs", chat, {**ok, "logprobs": True}),
@@ -255,7 +277,12 @@ def bad_requests(ctx: Ctx) -> list[tuple[str, str, object]]:
         ("tools", chat, {**ok, "tools": [{"type": "function", "function": {"name": "f"}}]}),
         ("5 stop strings", chat, {**ok, "stop": ["a", "b", "c", "d", "e"]}),
         ("stop a number", chat, {**ok, "stop": 12}),
-        ("seed a string", chat, {**ok, "seed": "abc"}), ("stream a string", chat, {**ok, "stream": "yes"}),
+        ("seed a string", chat, {**ok, "seed": "abc"}), ("seed past 64 bits", chat, {**ok, "seed": 2**64}),
+        ("stream a string", chat, {**ok, "stream": "yes"}),
+        ("stop_token_ids past the vocabulary", chat, {**ok, "stop_token_ids": [300000], "min_tokens": 2}),
+        ("stop_token_ids past 64 bits", chat, {**ok, "stop_token_ids": [2**64], "min_tokens": 2}),
+        ("top_k -2", chat, {**ok, "top_k": -2}),
+        ("min_tokens past max_tokens", chat, {**ok, "max_tokens": 2, "min_tokens": 3}),
         ("no prompt", cmpl, {"model": ctx.model}), ("empty prompt", cmpl, {"model": ctx.model, "prompt": ""}),
         ("negative token id", cmpl, {"model": ctx.model, "prompt": [1, -1]}),
         ("completion prompt too long", cmpl, {"model": ctx.model, "prompt": long_text}),
@@ -284,9 +311,14 @@ async def check_auth(ctx: Ctx) -> None:
             r = await bare.post("/v1/chat/completions", json=payload, headers={"Authorization": "Bearer whatever"})
             assert r.status_code == 200, f"HTTP {r.status_code} with an unconfigured key"
             return
-        for headers in ({}, {"Authorization": "Bearer wrong"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ctx.api_key},
+                        {"Authorization": f"Basic {ctx.api_key}"}):
             r = await bare.post("/v1/chat/completions", json=payload, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["message"], f"{headers}: HTTP {r.status_code}"
+        for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 7235)
+            r = await bare.post("/v1/chat/completions", json=payload,
+                                headers={"Authorization": f"{scheme} {ctx.api_key}"})
+            assert r.status_code == 200, f"'{scheme} KEY': HTTP {r.status_code}"
         assert (await bare.get("/health")).status_code == 200, "/health must not need the key"
 
 
@@ -348,8 +380,8 @@ async def run_checks(args) -> list[tuple[str, bool, str, float]]:
         raise SystemExit(f"unknown checks {sorted(unknown)}; choose from {', '.join(CHECKS)}")
     results = []
     async with client(args, args.concurrency) as http:
-        models = ok_json(await http.get("/v1/models"))["data"]
-        ctx = Ctx(http, Counter(args.tokenizer), await served_model(http, args.model), models[0]["max_model_len"],
+        models = await server_models(http)
+        ctx = Ctx(http, Counter(args.tokenizer), args.model or models[0]["id"], models[0]["max_model_len"],
                   args.api_key, args.concurrency, args.usage_tolerance)
         for name in names:
             t0 = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -15,7 +16,8 @@ from qwen35.tokenizer import load_tokenizer
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=os.environ.get("QWEN35_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: $QWEN35_API_KEY)")
     p.add_argument("--model", default=None, help="'model' field of the payloads (default: the server's first model)")
     p.add_argument("--tokenizer", default=None,
                    help="model directory whose tokenizer counts tokens client-side (default: the built-in Qwen3.5 one)")
@@ -28,12 +30,26 @@ def client(args, concurrency: int = 64) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=args.url.rstrip("/"), headers=headers, timeout=args.timeout, limits=limits)
 
 
+async def server_models(http: httpx.AsyncClient) -> list[dict]:
+    """GET /v1/models: the first request of every client, so an unreachable server or a missing key ends the run
+    with a one-line message instead of a traceback."""
+    try:
+        r = await http.get("/v1/models")
+    except httpx.TransportError as e:
+        raise SystemExit(f"cannot reach the server at {http.base_url}: {type(e).__name__}: {e}")
+    if r.status_code == 401:
+        raise SystemExit(f"{http.base_url} requires an API key: pass --api-key KEY or set QWEN35_API_KEY"
+                         + (" (the key sent was refused)" if "authorization" in http.headers else ""))
+    try:
+        r.raise_for_status()
+        return r.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"GET {http.base_url}/v1/models failed: HTTP {r.status_code}: {r.text[:200]}") from e
+
+
 async def served_model(http: httpx.AsyncClient, requested: str | None) -> str:
-    if requested:
-        return requested
-    r = await http.get("/v1/models")
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    models = await server_models(http)  # also when a model is named: it checks the server and the key first
+    return requested or models[0]["id"]
 
 
 @functools.lru_cache(maxsize=None)

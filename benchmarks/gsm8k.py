@@ -1,12 +1,14 @@
 """GSM8K correctness gate (serving contract section 4), against a running server.
 
-    python -m benchmarks.gsm8k --url http://127.0.0.1:8000 [--data ../shared/data/gsm8k] [--limit 200]
-        [--concurrency 8] [--samples-log gsm8k-samples.jsonl] [--out gsm8k.json] [--gate 0.875]
+    python -m benchmarks.gsm8k --url http://127.0.0.1:8000 [--data benchmarks/data/gsm8k] [--limit 200]
+        [--concurrency 8] [--samples-log benchmarks/results/gsm8k-samples.jsonl] [--out gsm8k.json] [--gate 0.875]
 
 8-shot chain of thought as multi-turn chat (user "Q: ...\\nA:", assistant "<reasoning> The answer is N.", then the
 question), temperature 0, max_tokens 256, the contract's stop strings and seed. Scores as lm-eval's gsm8k_cot:
 strict = first "The answer is N.", flexible = the last number in the answer; commas, "$" and a trailing "." are
 ignored; exact match against the number after "####". `--max-tokens` below 256 is for smoke tests only.
+The data (the first 200 test problems and the 8 exemplars, MIT licence) ships in benchmarks/data/gsm8k/; the
+per-sample log goes to benchmarks/results/ unless --samples-log says otherwise (never the working directory).
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ import sys
 
 from benchmarks.common import add_server_args, client, closed_loop, served_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_DATA = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "gsm8k"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_DATA = os.path.join(HERE, "data", "gsm8k")
+DEFAULT_SAMPLES_LOG = os.path.join(HERE, "results", "gsm8k-samples.jsonl")  # ignored by git
 STRICT = re.compile(r"The answer is (\-?[0-9\.\,]+).")
 FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 IGNORE = [re.compile(r) for r in (",", r"\$", r"(?s).*#### ", r"\.$")]
@@ -96,11 +99,12 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=200, help="first N test problems")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     p.add_argument("--max-tokens", type=int, default=256, help="the contract says 256; lower only for smoke tests")
-    p.add_argument("--samples-log", default="gsm8k-samples.jsonl", help="per-sample JSONL log")
+    p.add_argument("--samples-log", default=DEFAULT_SAMPLES_LOG, help="per-sample JSONL log")
     p.add_argument("--out", default=None, help="write the summary JSON here")
     p.add_argument("--gate", type=float, default=None, help="exit 1 when flexible and strict are both below this")
     args = p.parse_args(argv)
     summary, samples = asyncio.run(run(args))
+    os.makedirs(os.path.dirname(os.path.abspath(args.samples_log)), exist_ok=True)
     with open(args.samples_log, "w") as f:
         for s in samples:
             f.write(json.dumps(s) + "\n")

@@ -1,8 +1,9 @@
 """Throughput benchmark: the serving contract's section 3 workload, against a running server.
 
     python -m benchmarks.throughput --url http://127.0.0.1:8000 [--levels 1,2,4,8,16,32,64] [--num-requests 64]
-        [--prompt-len 1024] [--max-tokens 1024] [--ignore-eos] [--output-len-dist fixed:N|uniform:A-B|normal:MEAN,STD]
-        [--device-info "8x H200, TP=8"] [--out results.json]
+        [--prompt-len 1024] [--max-tokens 1024] [--ignore-eos]
+        [--output-len-dist exp:MEAN,CAP|fixed:N|uniform:A-B|normal:MEAN,STD|none]
+        [--device-info "8x H200, TP=8"] [--out benchmarks/results/throughput.json]
 
 Per level: 2 warm-up requests, then `--num-requests` timed ones in a closed loop (exactly c in flight). All but 2 are
 random-token prompts (a run of consecutive vocabulary ids from a random start, re-tokenized until it is exactly
@@ -11,7 +12,10 @@ which passes when "56" appears in the answer (with synthetic weights it fails: r
 tok/s = (prompt tokens of the rendered chat template + completion tokens re-tokenized from the content) / wall time;
 the score weights the levels 1,2,4,8,16,32,64 by 1,1,2,2,4,4,8.
 Synthetic weights never stop on their own: `--output-len-dist` fixes each request's length (max_tokens + ignore_eos);
-the lengths drawn are the same at every level and are recorded in the results.
+the lengths drawn are the same at every level and are recorded in the results. The default is the standard
+exp:290,1024 (see qwen35/workload.py: the users' completions average ~290 tokens, and the longest request of a level
+sets its wall time); fixed lengths make extra, labelled rows only. With real weights, `--output-len-dist none`
+lets every completion end on its own, as the users' harness does.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import statistics
 import sys
 
 from benchmarks.common import Counter, add_server_args, client, closed_loop, served_model
+from qwen35 import workload
 from qwen35.tokenizer import NUM_RANKS
 
 WEIGHTS = {1: 1, 2: 1, 4: 2, 8: 2, 16: 4, 32: 4, 64: 8}
@@ -54,23 +59,11 @@ def random_prompt(counter: Counter, length: int, rng: random.Random) -> str:
 
 
 def output_lengths(spec: str | None, n: int, default: int, rng: random.Random) -> list[int]:
-    if spec is None:
-        return [default] * n
-    kind, _, arg = spec.partition(":")
+    """qwen35.workload.output_lengths, with a bad spec a usage error."""
     try:
-        if kind == "fixed":
-            draw = lambda: int(arg)  # noqa: E731
-        elif kind == "uniform":
-            lo, hi = (int(x) for x in arg.split("-"))
-            draw = lambda: rng.randint(lo, hi)  # noqa: E731
-        elif kind == "normal":
-            mean, std = (float(x) for x in arg.split(","))
-            draw = lambda: round(rng.gauss(mean, std))  # noqa: E731
-        else:
-            raise ValueError(kind)
-    except ValueError:
-        raise SystemExit(f"--output-len-dist: expected fixed:N, uniform:A-B or normal:MEAN,STD, got {spec!r}")
-    return [max(1, draw()) for _ in range(n)]
+        return workload.output_lengths(spec, n, default, rng)
+    except ValueError as e:
+        raise SystemExit(f"--output-len-dist: {e}")
 
 
 def build_payloads(args, model: str, counter: Counter) -> tuple[list[dict], list[int], list[bool]]:
@@ -78,7 +71,9 @@ def build_payloads(args, model: str, counter: Counter) -> tuple[list[dict], list
     rng = random.Random(args.seed)
     n_random = args.num_requests - NUM_SPOT
     texts = [random_prompt(counter, args.prompt_len, rng) for _ in range(n_random)]
-    lengths = output_lengths(args.output_len_dist, args.num_requests, args.max_tokens, rng)
+    # --max-tokens is the harness's cap on every request, drawn lengths included
+    lengths = [min(n, args.max_tokens) for n in output_lengths(args.output_len_dist, args.num_requests,
+                                                               args.max_tokens, rng)]
     # the spot checks go to fixed places among the random prompts
     spot_at = {args.num_requests // 4, (3 * args.num_requests) // 4}
     payloads, counts, is_spot = [], [], []
@@ -166,13 +161,17 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=1024, help="tokens of each random prompt")
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (each request runs to max_tokens)")
-    p.add_argument("--output-len-dist", default=None,
-                   help="per-request lengths fixed:N, uniform:A-B or normal:MEAN,STD (implies ignore_eos)")
+    p.add_argument("--output-len-dist", default=workload.STANDARD_OUTPUT_LEN_DIST,
+                   help="per-request output lengths (implies ignore_eos): exp:MEAN,CAP (default "
+                        f"{workload.STANDARD_OUTPUT_LEN_DIST}, the standard for synthetic weights), fixed:N, "
+                        "uniform:A-B or normal:MEAN,STD; 'none': completions end on their own (real weights)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the output lengths")
     p.add_argument("--device-info", default="", help="what the server runs on, recorded in the results")
     p.add_argument("--notes", default="", help="free text recorded in the results")
     p.add_argument("--out", default=None, help="write the results JSON here")
     args = p.parse_args(argv)
+    if args.output_len_dist in ("none", ""):
+        args.output_len_dist = None
     if args.num_requests < NUM_SPOT + NUM_WARMUP:
         p.error(f"--num-requests must be at least {NUM_SPOT + NUM_WARMUP}")
     out = asyncio.run(run(args))

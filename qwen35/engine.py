@@ -4,17 +4,25 @@ Every rank builds an LLMEngine (after dist.parallel.init_distributed) and with i
 the tokenizer, the scheduler and the sampler; each rank-0 step() schedules, broadcasts the StepPlan, runs the
 forward, samples and updates outputs, while the other ranks sit in run_worker_loop() executing each plan they
 receive. AsyncEngine drives rank 0's step loop from a background thread for the asyncio HTTP server.
+
+Failure policy: what one request brings (its parameters, its text) fails that request alone, with finish_reason
+"error", and never the step loop; what breaks the step itself (a forward that raises, a collective that never
+returns because a rank is frozen or dead) ends the whole job, loudly, so torchrun exits non-zero and no server
+keeps saying it is healthy while it cannot serve.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import logging
 import os
 import queue
 import sys
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, fields
 
 import torch
@@ -29,7 +37,18 @@ from scheduler.plan import StepPlan
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 
-__all__ = ["EngineArgs", "LLMEngine", "AsyncEngine", "RequestOutput"]
+__all__ = ["EngineArgs", "LLMEngine", "AsyncEngine", "RequestOutput", "GenerationError"]
+log = logging.getLogger("qwen35.engine")
+
+
+class GenerationError(RuntimeError):
+    """A request ended by the engine instead of by its own stop condition: its own failure (500), or the engine
+    going away under it (shutdown, a stalled step loop: 503). `status` is the HTTP status a server answers with."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
 
 @dataclass
 class EngineArgs:
@@ -149,6 +168,8 @@ class LLMEngine:
             raise ValueError("prompt must contain at least one token")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.config.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        if params.stop_token_ids and max(params.stop_token_ids) >= self.config.vocab_size:
+            raise ValueError(f"stop_token_ids must be in [0, {self.config.vocab_size})")
         n = len(prompt_ids)
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
@@ -183,26 +204,40 @@ class LLMEngine:
             return []
         parallel.broadcast_object(plan)
         logits = self.runner.execute(plan)
-        rows = []
+        rows, ids = [], []
         for s in seqs:
             if s.request.is_prefilling:
                 self.total_prompt_tokens += s.num_tokens
             if s.want_logits:
                 t = self._tracked[s.request.request_id]
                 rows.append(SampleRow(t.request.params, t.generator, t.state.suppressed_ids()))
-        tokens = self.sampler.sample(logits, rows) if rows else []
-        self.total_completion_tokens += len(tokens)
-        outputs = []
-        for req in self.scheduler.update(seqs, tokens):
-            state = self._tracked[req.request_id].state
-            state.append(req.output_ids[-1])
-            if state.finished:
-                self.scheduler.finish(req, state.finish_reason)
-                del self._tracked[req.request_id]
-            outputs.append(state.take_output())
+                ids.append(s.request.request_id)
+        tokens = self.sampler.sample_each(logits, rows) if rows else []
+        errors = {rid: t for rid, t in zip(ids, tokens) if isinstance(t, Exception)}
+        # a failed row gets a placeholder token to keep update() aligned; its request ends below, never feeding it
+        tokens = [0 if isinstance(t, Exception) else t for t in tokens]
+        self.total_completion_tokens += len(tokens) - len(errors)
+        outputs = [self._take_token(req, errors.get(req.request_id)) for req in self.scheduler.update(seqs, tokens)]
         self.num_steps += 1
         self.last_step_time = time.perf_counter() - t0
         return outputs
+
+    def _take_token(self, req: Request, error: Exception | None) -> RequestOutput:
+        """Hand the request's new token to its output state; an error of this request alone (from sampling, or
+        raised by its own output handling) ends it with finish_reason "error" and frees it."""
+        state = self._tracked[req.request_id].state
+        if error is None:
+            try:
+                state.append(req.output_ids[-1])
+            except Exception as e:
+                error = e
+        if error is not None:
+            log.error("request %s failed: %s: %s", req.request_id, type(error).__name__, error)
+            state.fail(error)
+        if state.finished:
+            self.scheduler.finish(req, state.finish_reason)
+            del self._tracked[req.request_id]
+        return state.take_output()
 
     def heartbeat(self) -> None:
         """Tell idle worker ranks we are alive (their broadcast wait would otherwise hit the group timeout)."""
@@ -245,7 +280,8 @@ class LLMEngine:
 class RequestStream:
     """Async iterator of one request's RequestOutputs (`async for`); `await` on it returns itself, so both
     `async for o in engine.generate(...)` and `s = await engine.generate(...)` work. Leaving it early (a cancelled
-    task, aclose(), or dropping it) aborts the request."""
+    task, aclose(), or dropping it) aborts the request. A request the engine ends with an error (its own failure,
+    a shutdown, a stalled engine) raises GenerationError after the outputs it did produce."""
 
     def __init__(self, owner: "AsyncEngine", request_id: str):
         self.request_id = request_id
@@ -268,65 +304,111 @@ class RequestStream:
         except BaseException:  # CancelledError: the client went away
             self._leave()
             raise
-        if isinstance(out, Exception) or out.finished:
-            self._done = True
-            self._owner._active.discard(self.request_id)
         if isinstance(out, Exception):
+            self._leave()  # frees it in the engine too (a no-op when the engine never had it)
             raise out
+        if out.finished:
+            self._done = True
+            self._owner._streams.pop(self.request_id, None)
+            if out.finish_reason == "error":
+                raise GenerationError(f"generation failed: {out.error}")
         return out
 
     async def aclose(self) -> None:
         self._leave()
 
+    def fail(self, error: GenerationError) -> None:
+        """End the stream with `error` after what is already queued (event loop thread)."""
+        if not self._done:
+            self._queue.put_nowait(error)
+
     def _leave(self) -> None:
         if not self._done:
             self._done = True
-            self._owner._active.discard(self.request_id)
+            self._owner._streams.pop(self.request_id, None)
             self._owner.abort(self.request_id)
 
     def __del__(self):
         self._leave()
 
 
+def exit_job(grace_s: float = 2.0) -> None:
+    """What a stalled AsyncEngine does by default: give the error responses a moment to go out, then exit non-zero
+    at once (the loop thread is stuck in a collective and can never be joined); torchrun then ends the other ranks
+    and exits non-zero itself."""
+    time.sleep(grace_s)
+    sys.stderr.flush()
+    os._exit(1)
+
+
 class AsyncEngine:
     """Rank 0 front end for asyncio code: the step loop runs in a background thread; results are handed to each
     caller's event loop. add/abort requests travel to the loop thread through a queue, so the event loop never
     waits for a forward step. The loop thread sleeps on that queue while there is no work (the worker ranks then
-    wait in their broadcast; a heartbeat reaches them every `heartbeat_s`)."""
+    wait in their broadcast; a heartbeat reaches them every `heartbeat_s`).
 
-    def __init__(self, engine: LLMEngine, heartbeat_s: float = 60.0):
+    Liveness: with `step_timeout_s`, a watchdog thread times every step and collective of the loop thread. One that
+    lasts longer means a rank is frozen or gone (rank 0 would otherwise wait in the collective for the process
+    group's 30-minute timeout while /health said 200): the engine stops being ready (/health 503), every request
+    in flight ends with an error, and `on_stall` runs (default exit_job: the process exits non-zero)."""
+
+    def __init__(self, engine: LLMEngine, heartbeat_s: float = 60.0, step_timeout_s: float | None = None,
+                 on_stall=exit_job):
         self.engine = engine
         self.heartbeat_s = heartbeat_s
+        self.step_timeout_s = step_timeout_s
+        self._on_stall = on_stall
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe even from __del__
-        self._active: set[str] = set()   # ids with a live stream (touched on the event loop thread)
+        # live streams by id (event loop thread); weak, so that dropping a stream reaches __del__ and aborts
+        self._streams: weakref.WeakValueDictionary[str, RequestStream] = weakref.WeakValueDictionary()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the callers' event loop (the server has one)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # loop thread only
+        self._failure: GenerationError | None = None  # set once the engine no longer serves (shutdown, stall)
+        self._busy_since: float | None = None  # monotonic time the loop thread entered a step or collective
         self._stats = engine.stats()
         self._running = True
         self._thread = threading.Thread(target=self._main, name="qwen35-engine", daemon=True)
         self._thread.start()
+        if step_timeout_s:
+            threading.Thread(target=self._watchdog, name="qwen35-watchdog", daemon=True).start()
 
     @property
     def ready(self) -> bool:
-        return self._running and self._thread.is_alive()
+        return self._running and self._failure is None and self._thread.is_alive()
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Start a request; ValueError (nothing queued) when it is invalid or its id is in use.
-        Must be called from a running event loop."""
+        """Start a request; ValueError (nothing queued) when it is invalid or its id is in use, GenerationError
+        (status 503) once the engine has stopped serving. Must be called from a running event loop."""
+        if self._failure is not None:
+            raise GenerationError(str(self._failure), self._failure.status)
         if not self.ready:
             raise RuntimeError("engine is not running")
-        if request_id in self._active:
+        if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         prompt_ids = [int(t) for t in prompt_ids]
         self.engine.check_request(prompt_ids, params)
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id)
-        self._active.add(request_id)
+        self._streams[request_id] = stream
         # the loop thread holds only the queue, so dropping the stream reaches __del__ and aborts
         self._commands.put(("add", request_id, prompt_ids, params, loop, stream._queue))
         return stream
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        """Stop serving: every request in flight ends with GenerationError(message, status) (streams after what
+        they already produced), new ones are refused and /health turns 503. Thread-safe: the server calls it on
+        the event loop when it shuts down, the watchdog from its own thread."""
+        self._failure = GenerationError(message, status)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is waiting any more
+                self._loop.call_soon_threadsafe(self._fail_streams)
+
+    def _fail_streams(self) -> None:
+        for stream in list(self._streams.values()):
+            stream.fail(GenerationError(str(self._failure), self._failure.status))
 
     def stats(self) -> dict:
         return dict(self._stats)
@@ -338,6 +420,30 @@ class AsyncEngine:
             self._thread.join()
         self._running = False
 
+    # ---- watchdog thread ----------------------------------------------------------------------------------------
+    def _watchdog(self) -> None:
+        period = min(1.0, self.step_timeout_s / 4)
+        while self._thread.is_alive():
+            time.sleep(period)
+            since = self._busy_since
+            if since is not None and time.monotonic() - since > self.step_timeout_s:
+                message = (f"engine stalled: a step made no progress for {self.step_timeout_s:g} s (step "
+                           f"{self.engine.num_steps + 1}, {self._stats['num_running']} requests running); a rank "
+                           f"is frozen, dead or unreachable")
+                log.error("%s; failing every request and ending the job", message)
+                self.fail_all(message)
+                self._on_stall()
+                return
+
+    @contextlib.contextmanager
+    def _timed(self):
+        """Mark the loop thread as inside a step or a collective, which the watchdog times."""
+        self._busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._busy_since = None
+
     # ---- loop thread --------------------------------------------------------------------------------------------
     def _main(self) -> None:
         try:
@@ -345,7 +451,9 @@ class AsyncEngine:
                 torch.cuda.set_device(self.engine.device)  # the current device is per thread
             while self._apply_commands(block=not self.engine.has_unfinished()):
                 if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
+                    with self._timed():
+                        outputs = self.engine.step()
+                    self._deliver(outputs)
                 self._stats = self.engine.stats()
         except BaseException:
             # a broken step loop must not leave clients or worker ranks hanging: die loudly, torchrun kills the rest
@@ -361,15 +469,17 @@ class AsyncEngine:
             except queue.Empty:
                 if not block:
                     return True
-                self.engine.heartbeat()
+                with self._timed():
+                    self.engine.heartbeat()
                 continue
             block = False
             if cmd[0] == "add":
                 _, rid, prompt_ids, params, loop, q = cmd
                 try:
                     self.engine.add_request(rid, prompt_ids, params)
-                except ValueError as e:  # validated in generate(); this is a safety net, not a crash
-                    loop.call_soon_threadsafe(q.put_nowait, e)
+                except Exception as e:  # validated in generate(); a safety net: this request fails, not the loop
+                    status = 400 if isinstance(e, ValueError) else 500
+                    loop.call_soon_threadsafe(q.put_nowait, GenerationError(f"{type(e).__name__}: {e}", status))
                     continue
                 self._sinks[rid] = (loop, q)
             elif cmd[0] == "abort":
@@ -378,7 +488,8 @@ class AsyncEngine:
                     self._deliver([out])
             else:
                 self._running = False
-                self.engine.shutdown()
+                with self._timed():
+                    self.engine.shutdown()
                 return False
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

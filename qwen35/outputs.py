@@ -19,9 +19,10 @@ class RequestOutput:
     text: str                    # new text since the previous output
     token_ids: list[int]         # new token ids since the previous output (a stop token included, its text not)
     finished: bool
-    finish_reason: str | None    # "stop" | "length" | "abort" | None
+    finish_reason: str | None    # "stop" | "length" | "abort" | "error" | None
     num_prompt_tokens: int
     num_completion_tokens: int   # all tokens generated so far, a final stop token included
+    error: str | None = None     # why, when finish_reason is "error"
 
 
 @dataclass
@@ -42,6 +43,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage = field(default_factory=lambda: Usage(0, 0))
+    error: str | None = None     # why, when finish_reason is "error"
 
 
 class OutputState:
@@ -64,6 +66,7 @@ class OutputState:
         self._sent_chars = 0
         self._sent_tokens = 0
         self.finish_reason: str | None = None
+        self.error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -105,10 +108,15 @@ class OutputState:
     def abort(self) -> None:
         self.finish_reason = "abort"
 
+    def fail(self, error: Exception) -> None:
+        """End the request with an error of its own; the text already sent stands, held-back text is dropped."""
+        self.text = self.text[:self._sent_chars]
+        self.finish_reason, self.error = "error", f"{type(error).__name__}: {error}"
+
     def take_output(self) -> RequestOutput:
         """The delta since the previous call."""
         end = len(self.text) if self.finished else max(self._sent_chars, len(self.text) - self._hold)
         text, self._sent_chars = self.text[self._sent_chars:end], end
         ids, self._sent_tokens = self.token_ids[self._sent_tokens:], len(self.token_ids)
         return RequestOutput(self.request_id, text, ids, self.finished, self.finish_reason,
-                             self.num_prompt_tokens, len(self.token_ids))
+                             self.num_prompt_tokens, len(self.token_ids), self.error)
