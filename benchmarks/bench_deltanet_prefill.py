@@ -1,0 +1,125 @@
+"""GPU micro-benchmark of the DeltaNet prefill ops (layers/deltanet_prefill.py): torch oracle vs Triton, one layer
+at the Qwen3.5-35B-A3B shapes of one rank, bf16 inputs, fp32 states, fresh sequences.
+
+    python -m benchmarks.bench_deltanet_prefill [--tp 1] [--sweep] [--out results.json]
+
+Workloads as the engine runs them: S sequences of L tokens packed in steps of at most --step-tokens tokens (8192),
+each step one call per op; times are for all steps of one layer, "x layers" for all DeltaNet layers of the model.
+--sweep also times the state kernel's launch settings (block of value columns, warps, dot precision).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton.testing
+
+from layers import deltanet_prefill as dp
+from qwen35.config import ModelConfig
+from qwen35.synth import PRESETS
+
+WORKLOADS = [(1, 1024), (8, 1024), (64, 1024)]
+
+
+def shapes(tp: int) -> dict:
+    cfg = ModelConfig.from_dict({"text_config": dict(PRESETS["qwen3.5-35b-a3b"]["text_config"])})
+    Hk, Hv = cfg.linear_num_key_heads // tp, cfg.linear_num_value_heads // tp
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return dict(Hk=Hk, Hv=Hv, dk=dk, dv=dv, K=cfg.linear_conv_kernel_dim, C=2 * Hk * dk + Hv * dv,
+                layers=len(cfg.linear_attention_layers))
+
+
+def step_inputs(s: dict, seqs: int, length: int, gen: torch.Generator) -> dict:
+    """One step: `seqs` fresh sequences of `length` tokens, conv output laid out as the layer splits it."""
+    N, dev = seqs * length, "cuda"
+    u = torch.randn(N, s["C"], generator=gen, device=dev).bfloat16()
+    q, k, v = u.split([s["Hk"] * s["dk"], s["Hk"] * s["dk"], s["Hv"] * s["dv"]], -1)
+    return dict(
+        u=u, weight=torch.randn(s["C"], 1, s["K"], generator=gen, device=dev).bfloat16() * 0.5,
+        q=q.view(N, s["Hk"], s["dk"]), k=k.view(N, s["Hk"], s["dk"]), v=v.view(N, s["Hv"], s["dv"]),
+        g=torch.nn.functional.logsigmoid(torch.randn(N, s["Hv"], generator=gen, device=dev) - 1.0),
+        beta=torch.rand(N, s["Hv"], generator=gen, device=dev),
+        cu=torch.arange(0, N + 1, length, dtype=torch.int32, device=dev),
+        start=torch.zeros(seqs, dtype=torch.int32, device=dev), slots=torch.arange(seqs, device=dev),
+        conv_state=torch.zeros(seqs, s["C"], s["K"] - 1, dtype=torch.bfloat16, device=dev),
+        ssm_state=torch.zeros(seqs, s["Hv"], s["dk"], s["dv"], dtype=torch.float32, device=dev))
+
+
+def conv_call(fn, x):
+    return lambda: fn(x["u"], x["cu"], x["start"], x["conv_state"], x["slots"], x["weight"])
+
+
+def delta_call(fn, x, scale):
+    return lambda: fn(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["start"], x["ssm_state"], x["slots"],
+                      scale)
+
+
+def bench(fn, rep_ms: int) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=rep_ms)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1, help="local shapes of one rank at this TP degree")
+    ap.add_argument("--step-tokens", type=int, default=8192)
+    ap.add_argument("--sweep", action="store_true", help="also time the state kernel's launch settings")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    s = shapes(args.tp)
+    scale = s["dk"] ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, TP={args.tp}: Hk={s['Hk']} Hv={s['Hv']} dk={s['dk']} dv={s['dv']} "
+          f"C={s['C']}, {s['layers']} DeltaNet layers; fast config {dp.FAST_CONFIG}")
+    print(f"{'op':<12}{'seqs x len':>12}{'steps':>6}{'torch ms':>10}{'fast ms':>9}{'x':>7}{'GB/s':>7}"
+          f"{'fast ms x layers':>18}{'tok/s x layers':>16}")
+    rows = []
+    for seqs, length in WORKLOADS:
+        per_step = max(1, min(seqs, args.step_tokens // length))
+        steps = -(-seqs // per_step)
+        x = step_inputs(s, per_step, length, gen)
+        tokens = seqs * length
+        conv_bytes = 2 * x["u"].numel() * x["u"].element_size()         # read u, write the output
+        for op, call in (("conv1d", lambda fn: conv_call(fn, x)), ("delta_rule", lambda fn: delta_call(fn, x, scale))):
+            torch_fn = getattr(dp, "causal_conv1d_varlen_torch" if op == "conv1d" else "chunk_delta_rule_varlen_torch")
+            fast_fn = getattr(dp, "causal_conv1d_varlen_fast" if op == "conv1d" else "chunk_delta_rule_varlen_fast")
+            t_torch = bench(call(torch_fn), 200) * steps
+            t_fast = bench(call(fast_fn), 200) * steps
+            gbs = conv_bytes * steps / t_fast / 1e6 if op == "conv1d" else None  # the delta rule is not memory-bound
+            total = t_fast * s["layers"]
+            print(f"{op:<12}{f'{seqs} x {length}':>12}{steps:>6}{t_torch:>10.3f}{t_fast:>9.3f}"
+                  f"{t_torch / t_fast:>7.1f}{'-' if gbs is None else f'{gbs:.0f}':>7}{total:>18.2f}"
+                  f"{tokens / total * 1e3:>16.0f}")
+            rows.append(dict(op=op, seqs=seqs, len=length, steps=steps, torch_ms=t_torch, fast_ms=t_fast,
+                             gb_s=gbs, layers_ms=total))
+        if args.sweep:
+            sweep(x, scale, steps, f"{seqs} x {length}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp, "config": dp.FAST_CONFIG,
+                       "rows": rows}, f, indent=1)
+
+
+def sweep(x, scale, steps, label):
+    """State-kernel settings for one workload (fast ms of the whole delta rule, all steps of one layer)."""
+    saved = dict(dp.FAST_CONFIG)
+    results = []
+    for precision in ("tf32", "tf32x3", "ieee"):
+        for block_v in (16, 32, 64):
+            for warps in (4, 8):
+                dp.FAST_CONFIG.update(precision=precision, block_v=block_v, warps_state=warps)
+                try:
+                    t = bench(delta_call(dp.chunk_delta_rule_varlen_fast, x, scale), 100) * steps
+                except Exception as e:  # a setting this Triton cannot compile (e.g. out of shared memory)
+                    print(f"  {precision}/bv{block_v}/w{warps}: {type(e).__name__}")
+                    continue
+                results.append((t, precision, block_v, warps))
+    dp.FAST_CONFIG.clear()
+    dp.FAST_CONFIG.update(saved)
+    results.sort()
+    print(f"  sweep {label}: " + ", ".join(f"{p}/bv{b}/w{w} {t:.3f}" for t, p, b, w in results[:6]) + " ...; "
+          f"ieee best {min((r for r in results if r[1] == 'ieee'), default=(float('nan'),))[0]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
