@@ -1,14 +1,11 @@
-"""The batched decode paths (DeltaNet step, paged decode attention, sync-free grouped experts, CUDA-graph replay)
-against the per-sequence reference paths they replace.
+"""The batched decode paths (DeltaNet step, CUDA-graph replay; paged attention is in tests/test_kernels_attention.py,
+the MoE kernels in tests/test_kernels_moe.py) against the per-sequence reference paths they replace.
 
 CPU, fp32: every fast path equals its reference to 1e-5 max abs (rounding only), on random inputs, random state
-slots and random, shuffled, partly garbage block tables. The grouped experts' sorting/offset logic runs on the CPU
-through a stand-in for torch._grouped_mm with the CUDA kernel's contract (rows past the last offset left unwritten:
-here NaN, so that any use of them shows).
+slots and random, shuffled, partly garbage block tables.
 
-GPU (`-m gpu`; tests/test_gpu.py holds the basic ones: Triton kernels, grouped experts, graph vs eager at fixed
-slots): grouped experts of a rank owning part of the experts at decode sizes, and graph replay vs eager decode with a
-batch that changes every step (sequences leave and come back, random slots, padded sizes 3, 5, 6). Tolerances:
+GPU (`-m gpu`; tests/test_gpu.py holds the basic ones: Triton kernels, graph vs eager at fixed slots): graph
+replay vs eager decode with a batch that changes every step (sequences leave and come back, random slots, padded sizes 3, 5, 6). Tolerances:
 - fp32 dense model, graph vs eager <= 1e-3: the same kernels on the same values; only GEMM row counts differ
   (padding), which changes fp32 rounding (~1e-6) and nothing else. Any slot/table/padding mistake is O(0.1).
 - bf16 MoE, <= 3e-2 on logits up to ~3: 1e-3 is below one bf16 ulp of such logits (2^-7..2^-6), so it could only pass
@@ -24,8 +21,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from layers import moe
-from layers.attention import paged_attention_ref, paged_decode_attention
 from layers.deltanet import GatedDeltaNet
 from layers.forward_batch import ForwardBatch
 from qwen35.config import ModelConfig
@@ -91,71 +86,6 @@ def test_deltanet_decode_equals_reference(hk, hv, dk, dv, kernel):
     assert torch.equal(fast_states[1][untouched], ssm0[untouched])
 
 
-# ------------------------------------------------------------------------------------ paged decode attention
-@pytest.mark.parametrize("heads,kv", [(6, 2), (4, 4), (4, 1)])
-def test_paged_decode_attention_equals_reference(heads, kv):
-    """Batched decode attention against the per-sequence reference. Table rows are random blocks, and the columns
-    past each context hold random (valid, filled) blocks: only the context_len mask may hide them."""
-    gen = torch.Generator().manual_seed(heads * 10 + kv)
-    bs, D, n_blocks, width = 4, 16, 40, 9
-    k_cache = torch.randn(n_blocks, bs, kv, D, generator=gen)
-    v_cache = torch.randn(n_blocks, bs, kv, D, generator=gen)
-    lens = [1, 4, 5, 36, 17, 8]  # one token, whole blocks, a full table, partial blocks
-    tables = [torch.randperm(n_blocks, generator=gen)[:width].tolist() for _ in lens]
-    batch = decode_batch(list(range(len(lens))), lens, tables, bs)
-    q = torch.randn(len(lens), heads, D, generator=gen)
-    fast = paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, D ** -0.5)
-    ref = paged_attention_ref(q, k_cache, v_cache, batch, D ** -0.5)
-    assert max_diff(fast, ref) <= TOL
-
-
-# ---------------------------------------------------------------------------------------------- grouped experts
-def grouped_mm_standin(x, w, offs):
-    """torch._grouped_mm's CUDA contract on the CPU: rows offs[i-1]:offs[i] of x times w[i]; rows past offs[-1]
-    are not written (NaN here)."""
-    assert offs.dtype == torch.int32 and offs.shape == (w.shape[0],)
-    assert bool((offs.diff() >= 0).all()) and int(offs[-1]) <= x.shape[0]
-    out = torch.full((x.shape[0], w.shape[-1]), float("nan"), dtype=x.dtype)
-    start = 0
-    for i, end in enumerate(offs.tolist()):
-        out[start:end] = x[start:end] @ w[i]
-        start = end
-    return out
-
-
-def make_experts(num_experts, hidden, inter, start, num_local, gen, dtype=torch.float32, device="cpu"):
-    """One rank's Experts: it owns experts [start, start + num_local) of num_experts."""
-    ex = moe.Experts(num_experts, hidden, inter, dtype=dtype, device=device)
-    ex.start, ex.num_local = start, num_local
-    ex.gate_up_proj.data = (torch.randn(num_local, 2 * inter, hidden, generator=gen) * 0.1).to(dtype).to(device)
-    ex.down_proj.data = (torch.randn(num_local, hidden, inter, generator=gen) * 0.1).to(dtype).to(device)
-    return ex
-
-
-@pytest.mark.parametrize("T,start,num_local,routed", [
-    (37, 0, 8, "any"),        # TP=1
-    (37, 2, 4, "any"),        # a middle rank: entries below and above its range
-    (1, 6, 2, "any"),         # one token (most groups empty)
-    (9, 0, 8, "one"),         # every token on expert 5
-    (9, 4, 4, "foreign"),     # no entry for this rank: its output is all zeros
-])
-def test_grouped_experts_sorting_equals_loop(monkeypatch, T, start, num_local, routed):
-    gen = torch.Generator().manual_seed(T + start)
-    ex = make_experts(8, 32, 16, start, num_local, gen)
-    x = torch.randn(T, 32, generator=gen)
-    if routed == "one":
-        ids = torch.stack([torch.tensor([5, int(torch.randint(0, 5, (1,), generator=gen))]) for _ in range(T)])
-    else:
-        high = 4 if routed == "foreign" else 8
-        ids = torch.stack([torch.randperm(high, generator=gen)[:2] for _ in range(T)])
-    w = torch.rand(T, 2, generator=gen)
-    monkeypatch.setattr(torch, "_grouped_mm", grouped_mm_standin, raising=False)
-    grouped, loop = ex.forward_grouped(x, ids, w), ex.forward_loop(x, ids, w)
-    assert torch.isfinite(grouped).all()
-    assert max_diff(grouped, loop) <= TOL
-    assert (loop.abs().max() > 0.01) == (routed != "foreign")
-
-
 # ------------------------------------------------------------------------------------------------ whole model
 def decode_schedule(seed: int, num_seqs: int = 6, steps: int = 20, num_blocks: int = 128):
     """A prefill of num_seqs prompts in random slots and scattered blocks, then `steps` decode plans, each a random
@@ -197,15 +127,12 @@ def make_runner(path, **kw):
 
 
 def model_logits(runner, batch, fast: bool) -> torch.Tensor:
-    """Logits of every row through the decode fast paths (grouped experts via the stand-in) or the references."""
+    """Logits of every row through the decode fast paths or the references."""
     with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
         if fast:
             assert batch.is_decode
-            patch.setattr(torch, "_grouped_mm", grouped_mm_standin, raising=False)
-            patch.setattr(moe, "use_grouped_mm", lambda x: True)
         else:
             batch = dataclasses.replace(batch, is_decode=False)
-            patch.setattr(moe, "use_grouped_mm", lambda x: False)
             patch.setattr(GatedDeltaNet, "_mixed_batched", GatedDeltaNet._mixed)
         return runner.model.compute_logits(runner.model(batch))
 
@@ -253,21 +180,6 @@ def test_padded_rows_touch_only_scratch(moe_dir):
 
 
 # ------------------------------------------------------------------------------------------------------- GPU
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 3, 64, 300])
-def test_grouped_experts_partial_rank_bf16(T):
-    """Real torch._grouped_mm, bf16, for rank 1 of 4 (64 of 256 experts): decode-size batches leave most groups
-    empty and put most entries past the last offset. Within 2e-2 relative of the loop."""
-    gen = torch.Generator().manual_seed(T)
-    ex = make_experts(256, 512, 256, 64, 64, gen, dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(T, 512, generator=gen).to("cuda", torch.bfloat16)
-    ids = torch.stack([torch.randperm(256, generator=gen)[:8] for _ in range(T)]).cuda()
-    w = torch.rand(T, 8, generator=gen).to("cuda", torch.bfloat16)
-    grouped, loop = ex.forward_grouped(x, ids, w), ex.forward_loop(x, ids, w)
-    assert loop.norm() > 0 and torch.isfinite(grouped).all()
-    assert ((grouped - loop).norm() / loop.norm()).item() <= 2e-2
-
-
 def run_schedule(runner, seed: int) -> list[torch.Tensor]:
     prefill, decodes = decode_schedule(seed)
     runner.execute(prefill)

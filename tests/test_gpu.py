@@ -19,34 +19,6 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("heads,kv,block", [(16, 2, 16), (4, 1, 16), (8, 8, 16)])
-def test_triton_paged_decode_equals_torch(heads, kv, block):
-    from layers.attention import paged_decode_attention, paged_decode_attention_triton
-    torch.manual_seed(0)
-    B, D, nblocks, width = 7, 256, 200, 40
-    k = torch.randn(nblocks, block, kv, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    q = torch.randn(B, heads, D, device="cuda", dtype=torch.bfloat16)
-    tables = torch.randint(0, nblocks, (B, width), device="cuda", dtype=torch.int32)
-    lens = torch.tensor([1, 15, 16, 17, 300, 640, 33], device="cuda", dtype=torch.int32)
-    ref = paged_decode_attention(q, k, v, tables, lens, D ** -0.5)
-    out = paged_decode_attention_triton(q, k, v, tables, lens, D ** -0.5)
-    assert torch.isfinite(out).all()
-    assert rel(out, ref) <= 2e-2
-
-
-def test_grouped_experts_equal_loop_bf16():
-    from layers.moe import Experts
-    torch.manual_seed(0)
-    experts = Experts(64, 2048, 512, dtype=torch.bfloat16, device="cuda")
-    experts.gate_up_proj.data.normal_(0, 0.02)
-    experts.down_proj.data.normal_(0, 0.02)
-    x = torch.randn(300, 2048, device="cuda", dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(64, device="cuda")[:8] for _ in range(300)])
-    w = torch.rand(300, 8, device="cuda").to(torch.bfloat16)
-    assert rel(experts.forward_grouped(x, ids, w), experts.forward_loop(x, ids, w)) <= 2e-2
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("gpu-tiny"))
