@@ -101,24 +101,35 @@ def main():
 
 
 def sweep(x, scale, steps, label):
-    """State-kernel settings for one workload (fast ms of the whole delta rule, all steps of one layer)."""
+    """Launch settings for one workload (ms of the whole delta rule, all steps of one layer): the state kernel's
+    dot precision, block of value columns and warps, then the W/U kernel's warps at the best of those."""
     saved = dict(dp.FAST_CONFIG)
     results = []
+
+    def run(**settings):
+        dp.FAST_CONFIG.update(saved, **settings)
+        try:
+            t = bench(delta_call(dp.chunk_delta_rule_varlen_fast, x, scale), 100) * steps
+        except Exception as e:  # a setting this Triton cannot compile (e.g. out of shared memory)
+            print(f"  {settings}: {type(e).__name__}")
+            return
+        results.append((t, dict(settings)))
+
     for precision in ("tf32", "tf32x3", "ieee"):
         for block_v in (16, 32, 64):
             for warps in (4, 8):
-                dp.FAST_CONFIG.update(precision=precision, block_v=block_v, warps_state=warps)
-                try:
-                    t = bench(delta_call(dp.chunk_delta_rule_varlen_fast, x, scale), 100) * steps
-                except Exception as e:  # a setting this Triton cannot compile (e.g. out of shared memory)
-                    print(f"  {precision}/bv{block_v}/w{warps}: {type(e).__name__}")
-                    continue
-                results.append((t, precision, block_v, warps))
+                run(precision=precision, block_v=block_v, warps_state=warps)
+    best = min(results, key=lambda r: r[0])[1] if results else {}
+    for warps in (4, 8):
+        run(**best, warps_prep=warps)
     dp.FAST_CONFIG.clear()
     dp.FAST_CONFIG.update(saved)
-    results.sort()
-    print(f"  sweep {label}: " + ", ".join(f"{p}/bv{b}/w{w} {t:.3f}" for t, p, b, w in results[:6]) + " ...; "
-          f"ieee best {min((r for r in results if r[1] == 'ieee'), default=(float('nan'),))[0]:.3f}")
+    results.sort(key=lambda r: r[0])
+    print(f"  sweep {label}:")
+    for t, settings in results[:5]:
+        print(f"    {t:8.3f} ms  {settings}")
+    ieee = [t for t, st in results if st.get("precision") == "ieee"]
+    print(f"    best with ieee dots: {min(ieee, default=float('nan')):.3f} ms")
 
 
 if __name__ == "__main__":

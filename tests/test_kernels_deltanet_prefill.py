@@ -3,8 +3,8 @@ against independent references (a per-sequence F.conv1d; the token-by-token recu
 
 CPU (fp32, tiny shapes, Triton through the interpreter; on a GPU machine the same tests run the compiled kernels on
 CUDA with the state kernel's dots in "ieee" precision):
-- conv: fast == torch to 1e-6 (same fp32 summation order, then one rounding); tails and checkpoint tails bit-exact
-  (raw copies). torch == F.conv1d to 1e-5.
+- conv: fast == torch to 1e-5 (same fp32 summation order, then one rounding; the GPU fuses multiply-adds, a wrong tap
+  or tail is O(1)); tails and checkpoint tails bit-exact (raw copies). torch == F.conv1d to 1e-5.
 - delta rule: fast vs torch <= 2e-4 max abs on outputs and states of magnitude O(1) (the chunk solve and the sums run
   in a different order; a wrong slot, decay or chunk boundary is O(0.1)); torch vs the recurrence <= 2e-4.
 GPU (`-m gpu`, real Qwen3.5-35B-A3B shapes at TP=1 and TP=8 local, bf16 inputs, fp32 states, default precision):
@@ -114,7 +114,7 @@ def test_conv_fast_equals_torch(monkeypatch, C, K, block_t, lens, starts):
     ref_state = state.clone()
     want = dp.causal_conv1d_varlen_torch(u, cu, sp, ref_state, slots, weight)
     got = dp.causal_conv1d_varlen_fast(u, cu, sp, state, slots, weight)
-    assert max_diff(got, want) < 1e-6
+    assert max_diff(got, want) < 1e-5
     assert torch.equal(state, ref_state)                      # tails in place, untouched slots unchanged
 
 
@@ -129,7 +129,7 @@ def test_conv_checkpoints():
     before, ref_state = state.clone(), state.clone()
     want = dp.causal_conv1d_varlen_torch(u, cu, sp, ref_state, slots, weight, ck)
     got = dp.causal_conv1d_varlen_fast(u, cu, sp, state, slots, weight, ck)
-    assert max_diff(got, want) < 1e-6
+    assert max_diff(got, want) < 1e-5
     assert torch.equal(state, ref_state)
     for b, p, dst in ck.tolist():  # the oracle's checkpoint is the tail of the same sequence cut at p
         lo, n = cu[b].item(), p - starts[b]
