@@ -260,25 +260,25 @@ def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: 
     block_d = triton.next_power_of_2(D)
     assert q.stride(2) == 1 and gate.stride(2) == 1
     _decode_split_kernel[(B, n_kv, splits)](
-        q, kc, vc, block_tables, context_lens, gate, out, lse, part, scale,
+        q, kc, vc, block_tables, context_lens, gate, out, lse, part, scale, splits,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0), gate.stride(0), gate.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        TILE=tile, MIN_TILES=min_tiles, SPLITS=splits, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        TILE=tile, MIN_TILES=min_tiles, ONE_SPLIT=splits == 1, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2)
     if splits > 1:
         _decode_combine_kernel[(B, H)](
-            lse, part, context_lens, gate, out, gate.stride(0), gate.stride(1),
-            H=H, D=D, BLOCK_D=block_d, TILE=tile, MIN_TILES=min_tiles, SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), num_warps=max(1, min(4, block_d // 128)))
+            lse, part, context_lens, gate, out, splits, gate.stride(0), gate.stride(1),
+            H=H, D=D, BLOCK_D=block_d, TILE=tile, MIN_TILES=min_tiles, BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=max(1, min(4, block_d // 128)))
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _split_tokens(ctx, TILE: tl.constexpr, MIN_TILES: tl.constexpr, SPLITS: tl.constexpr):
+    def _split_tokens(ctx, splits, TILE: tl.constexpr, MIN_TILES: tl.constexpr):
         """Tokens per split for a context of ctx tokens: the context spread evenly over the splits in whole tiles,
         but at least MIN_TILES tiles each (a short context uses fewer splits; the rest are empty)."""
-        return tl.maximum(MIN_TILES, tl.cdiv(tl.cdiv(ctx, TILE), SPLITS)) * TILE
+        return tl.maximum(MIN_TILES, tl.cdiv(tl.cdiv(ctx, TILE), splits)) * TILE
 
     @triton.jit
     def _apply_gate(o, gate):
@@ -289,10 +289,10 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, gate_ptr, out_ptr, lse_ptr, part_ptr, scale,
-                             sq_b, sq_h, s_slot, s_kvh, st_b, sg_b, sg_h,
+                             splits, sq_b, sq_h, s_slot, s_kvh, st_b, sg_b, sg_h,
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MIN_TILES: tl.constexpr,
-                             SPLITS: tl.constexpr, PREC: tl.constexpr):
+                             ONE_SPLIT: tl.constexpr, PREC: tl.constexpr):
         """Program (b, kv head, split): the GROUP query heads of one KV head over one contiguous part of sequence
         b's context, TILE tokens at a time (gathered through the block table), with an online softmax in fp32.
         One split: normalise, gate and store the output. Several: store the part's normalised output and its
@@ -302,7 +302,7 @@ if triton is not None:
         split = tl.program_id(2)
         H = tl.num_programs(1) * GROUP
         ctx = tl.load(lens_ptr + b)
-        per = _split_tokens(ctx, TILE, MIN_TILES, SPLITS)
+        per = _split_tokens(ctx, splits, TILE, MIN_TILES)
         start = split * per
         end = tl.minimum(ctx, start + per)
         g = tl.arange(0, BLOCK_G)
@@ -332,26 +332,26 @@ if triton is not None:
             m = m_new
         l_safe = tl.where(l > 0, l, 1.0)
         o = acc / l_safe[:, None]
-        if SPLITS == 1:
+        if ONE_SPLIT:
             gate = tl.load(gate_ptr + b * sg_b + heads[:, None] * sg_h + d[None, :], mask=mask, other=0.0)
             tl.store(out_ptr + b * H * D + heads[:, None] * D + d[None, :], _apply_gate(o, gate), mask=mask)
         else:
-            rows = (b * H + heads) * SPLITS + split
+            rows = (b * H + heads) * splits + split
             tl.store(lse_ptr + rows, tl.where(l > 0, m + tl.log(l_safe), float("-inf")), mask=g < GROUP)
             if end > start:
                 tl.store(part_ptr + rows[:, None] * D + d[None, :], o, mask=mask)
 
     @triton.jit
-    def _decode_combine_kernel(lse_ptr, part_ptr, lens_ptr, gate_ptr, out_ptr, sg_b, sg_h,
+    def _decode_combine_kernel(lse_ptr, part_ptr, lens_ptr, gate_ptr, out_ptr, splits, sg_b, sg_h,
                                H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
-                               MIN_TILES: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                               MIN_TILES: tl.constexpr, BLOCK_S: tl.constexpr):
         """Program (b, head): merge the non-empty parts (their count follows from the context length exactly as
         the split kernel cut them) weighted by exp(lse), then apply the gate."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         ctx = tl.load(lens_ptr + b)
-        n = tl.cdiv(ctx, _split_tokens(ctx, TILE, MIN_TILES, SPLITS))
-        row = (b * H + h) * SPLITS
+        n = tl.cdiv(ctx, _split_tokens(ctx, splits, TILE, MIN_TILES))
+        row = (b * H + h) * splits
         s_idx = tl.arange(0, BLOCK_S)
         lse = tl.load(lse_ptr + row + s_idx, mask=s_idx < n, other=float("-inf"))
         top = tl.max(lse, 0)

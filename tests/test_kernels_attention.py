@@ -24,7 +24,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dist import parallel
 from layers import attention as A

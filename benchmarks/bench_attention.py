@@ -1,0 +1,137 @@
+"""GPU micro-benchmark of the gated-attention decode ops (layers/attention.py): torch oracle vs Triton, one layer at
+the Qwen3.5-35B-A3B shapes of one rank, bf16, timed by CUDA-graph replay (as decode steps run).
+
+    python -m benchmarks.bench_attention [--tp 1] [--out results.json]
+
+Rows:
+- norm_rope_cache: q/k RMSNorm + partial RoPE + paged K/V write for a decode batch (one token per sequence);
+- decode_attn: paged decode attention with the output gate, at context 1024 for batches 1..64, and long contexts at
+  small batches; "1 split ms" is the fast kernel forced to one program per (sequence, KV head), i.e. without
+  flash-decoding; GB/s counts the K/V bytes read (the floor of this op);
+- layer: the whole attention mixer's decode step (fused q|gate|k|v GEMM, the two ops above, o_proj);
+  "x layers" is that times the model's full-attention layers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton.testing
+
+from dist import parallel
+from layers import attention as A
+from layers import backend
+from layers.forward_batch import ForwardBatch
+from layers.rotary import RotaryEmbedding
+from qwen35.config import ModelConfig
+from qwen35.synth import PRESETS
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+CONTEXT = 1024
+LONG = [(1, 8192), (1, 32768), (2, 32768), (4, 32768)]
+BLOCK = 16
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig.from_dict({"text_config": dict(PRESETS["qwen3.5-35b-a3b"]["text_config"])})
+
+
+def bench(fn) -> float:
+    """ms per call, by CUDA-graph replay (NaN when the torch oracle does not fit in memory)."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=20)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return float("nan")
+
+
+def decode_batch(batch: int, ctx: int, gen: torch.Generator) -> ForwardBatch:
+    """`batch` sequences of `ctx` tokens (the last one new) in shuffled, disjoint blocks, plus one scratch block."""
+    width = math.ceil(ctx / BLOCK)
+    tables = torch.randperm(batch * width, generator=gen, device="cuda")[: batch * width].view(batch, width).int()
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    pos = (lens - 1).long()
+    rows = torch.arange(batch, device="cuda")
+    return ForwardBatch(
+        input_ids=torch.zeros(batch, dtype=torch.int64, device="cuda"), positions=pos,
+        slot_mapping=tables[rows, pos // BLOCK].long() * BLOCK + pos % BLOCK, cu_seqlens=None,
+        start_pos=pos.int(), context_lens=lens, block_tables=tables, state_slots=rows, logits_indices=None,
+        seq_lens_cpu=[1] * batch, start_pos_cpu=[ctx - 1] * batch, state_slots_cpu=list(range(batch)), is_decode=True)
+
+
+def build_layer(kernels: str, cfg, rotary, n_blocks: int, tp: int, gen: torch.Generator):
+    parallel._WORLD = tp  # rank 0's local shapes; one layer without its all-reduce needs no process group
+    try:
+        with backend.use_kernels(kernels):
+            m = A.GatedAttention(cfg, rotary, dtype=torch.bfloat16, device="cuda")
+    finally:
+        parallel._WORLD = 1
+    for p in m.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen, device="cuda") / math.sqrt(p.shape[-1]))
+    shape = (n_blocks, BLOCK, m.num_kv_heads, m.head_dim)
+    m.k_cache = torch.randn(shape, generator=gen, device="cuda").bfloat16()
+    m.v_cache = torch.randn(shape, generator=gen, device="cuda").bfloat16()
+    return m
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1, help="local shapes of one rank at this TP degree")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    cfg = model_config()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, max(c for _, c in LONG), device="cuda")
+    n_blocks = max(max(BATCHES) * math.ceil(CONTEXT / BLOCK), max(b * math.ceil(c / BLOCK) for b, c in LONG)) + 1
+    layers = {k: build_layer(k, cfg, rotary, n_blocks, args.tp, gen) for k in ("torch", "fast")}
+    m = layers["fast"]
+    H, KV, D = m.num_heads, m.num_kv_heads, m.head_dim
+    n_layers = len(cfg.full_attention_layers)
+    print(f"{torch.cuda.get_device_name()}, TP={args.tp}: {H} q heads, {KV} KV heads, head_dim {D}, rotary "
+          f"{cfg.rotary_dim}, block {BLOCK}; {n_layers} attention layers; tile {A.DECODE_TILE}, min tiles/split "
+          f"{A.MIN_TILES_PER_SPLIT}, max splits {A.MAX_SPLITS}")
+    print(f"{'op':<16}{'batch':>6}{'ctx':>7}{'splits':>7}{'torch ms':>10}{'fast ms':>9}{'1 split ms':>11}"
+          f"{'GB/s':>7}{'fast ms x layers':>18}")
+    rows = []
+
+    def row(op, batch, ctx, splits, t_torch, t_fast, t_one=None, nbytes=None):
+        gbs = nbytes / t_fast / 1e6 if nbytes else None
+        print(f"{op:<16}{batch:>6}{ctx:>7}{splits:>7}{t_torch:>10.4f}{t_fast:>9.4f}"
+              f"{'-' if t_one is None else f'{t_one:.4f}':>11}{'-' if gbs is None else f'{gbs:.0f}':>7}"
+              f"{t_fast * n_layers:>18.3f}")
+        rows.append(dict(op=op, batch=batch, ctx=ctx, splits=splits, torch_ms=t_torch, fast_ms=t_fast,
+                         one_split_ms=t_one, gb_s=gbs, layers_ms=t_fast * n_layers))
+
+    with torch.inference_mode():
+        for batch, ctx in [(b, CONTEXT) for b in BATCHES] + LONG:
+            fb = decode_batch(batch, ctx, gen)
+            x = torch.randn(batch, cfg.hidden_size, generator=gen, device="cuda").bfloat16()
+            qkv = torch.nn.functional.linear(x, m.qkv_weight)
+            gate = A.split_qkv(qkv, KV, D)[1]
+            norm_args = (qkv, fb.positions, fb.slot_mapping, m.q_norm.weight, m.k_norm.weight, rotary.cos,
+                         rotary.sin, m.k_cache, m.v_cache, m.eps)
+            q = A.qk_norm_rope_cache_fast(*norm_args)
+            attn_args = (q, m.k_cache, m.v_cache, fb.block_tables, fb.context_lens, m.scale, gate)
+            splits = A.decode_splits(batch, KV, fb.block_tables.shape[1] * BLOCK, q.device)
+            kv_bytes = 2 * batch * ctx * KV * D * 2
+            if ctx == CONTEXT:
+                norm_bytes = qkv.numel() * 2 + q.numel() * 2 + 2 * batch * KV * D * 2
+                row("norm_rope_cache", batch, ctx, 1, bench(lambda: A.qk_norm_rope_cache_torch(*norm_args)),
+                    bench(lambda: A.qk_norm_rope_cache_fast(*norm_args)), nbytes=norm_bytes)
+            row("decode_attn", batch, ctx, splits, bench(lambda: A.paged_decode_attention_torch(*attn_args)),
+                bench(lambda: A.paged_decode_attention_fast(*attn_args)),
+                bench(lambda: A.paged_decode_launch(*attn_args, 1)), nbytes=kv_bytes)
+            if ctx == CONTEXT:
+                row("layer", batch, ctx, splits, bench(lambda: layers["torch"](x, fb)),
+                    bench(lambda: layers["fast"](x, fb)))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp, "rows": rows,
+                       "config": dict(tile=A.DECODE_TILE, min_tiles=A.MIN_TILES_PER_SPLIT,
+                                      max_splits=A.MAX_SPLITS, programs_per_sm=A.PROGRAMS_PER_SM)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
