@@ -1,22 +1,69 @@
 """Dense SwiGLU MLP: the feed-forward of the dense Qwen3.5 models and the MoE's shared expert.
 
 TP split by the intermediate dimension: gate/up rows and down columns; the caller all-reduces the partial sums.
+gate_proj and up_proj read the same input, so their local shards live in one [2 * I_local, hidden] tensor
+(`gate_up`, rows gate then up: layers/linear.py fuse_rows) and one GEMM computes both.
+
+    mlp_torch  GEMM, silu, mul, GEMM (the oracle)
+    mlp_fast   GEMM, one Triton kernel for silu(gate) * up, GEMM
 """
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dist import parallel
-from layers.linear import Linear, even_split
+from layers import backend
+from layers.backend import tl, triton
+from layers.linear import Linear, even_split, fuse_rows
+
+
+def mlp_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def mlp_fast(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return F.linear(silu_mul_fast(F.linear(x, gate_up)), down)
+
+
+def silu_mul_fast(h: torch.Tensor) -> torch.Tensor:
+    """silu(h[..., :I]) * h[..., I:], rounded to h's dtype where the torch path rounds (after silu, after the mul)."""
+    inter = h.shape[-1] // 2
+    h2 = h.reshape(-1, 2 * inter)
+    out = torch.empty(h2.shape[0], inter, dtype=h.dtype, device=h.device)
+    if h2.shape[0]:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(h2.shape[0], triton.cdiv(inter, block))](h2, out, inter, h2.stride(0), BLOCK=block)
+    return out.view(*h.shape[:-1], inter)
+
+
+if triton is not None:
+    @triton.jit
+    def _silu_mul_kernel(h_ptr, out_ptr, inter, sh, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        g = tl.load(h_ptr + row * sh + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + row * sh + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        s = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+        tl.store(out_ptr + row * inter + cols, (s * u).to(dt), mask=mask)
 
 
 class MLP(nn.Module):
+    """sync_free: no implementation needs the host (CUDA graphs may capture it)."""
+    sync_free = True
+
     def __init__(self, hidden: int, intermediate: int, dtype=None, device=None):
         super().__init__()
         start, size = even_split(intermediate, parallel.tp_rank(), parallel.tp_size())
         self.gate_proj = Linear(hidden, intermediate, rows=[(start, size)], dtype=dtype, device=device)
         self.up_proj = Linear(hidden, intermediate, rows=[(start, size)], dtype=dtype, device=device)
         self.down_proj = Linear(intermediate, hidden, cols=[(start, size)], dtype=dtype, device=device)
+        self.gate_up = fuse_rows(self.gate_proj, self.up_proj)  # [2 * size, hidden]; the loader fills the views
+        self._mlp = mlp_fast if backend.use_fast() else mlp_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self._mlp(x, self.gate_up, self.down_proj.weight)

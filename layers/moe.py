@@ -2,33 +2,458 @@
 scaled by a per-token sigmoid gate.
 
 TP split: expert parallel. Rank r owns a contiguous block of E/tp experts (fused [E, 2I, H] / [E, H, I] tensors are
-sliced on dim 0) and adds the contributions of its experts only; the router is replicated so every rank routes
-identically. The shared expert is split by its intermediate dimension (an even share of its work on every rank,
-rather than a replica computed on one). The caller's all-reduce sums the partial outputs.
+sliced on dim 0) and adds the contributions of its experts only; entries routed to other ranks' experts are dropped
+here. The router is replicated so every rank routes identically. The shared expert is split by its intermediate
+dimension (an even share of its work on every rank). The caller's all-reduce sums the partial outputs.
+
+The router and the shared-expert gate read the same input: their weights live in one [E + 1, H] tensor (fuse_rows),
+so one GEMM gives the logits [T, E + 1] (column E is the shared gate's). Two implementations of each step
+(layers/backend.py), bound once when the layer is built:
+
+    route_torch / route_fast      softmax (fp32) over the logits rounded to the model dtype, top-k, renormalise
+    experts_torch / experts_fast  routed experts + sigmoid(shared gate) * shared expert, in the model dtype
+
+experts_torch is the oracle: one expert at a time, with host syncs (eager only). experts_fast is four Triton
+launches with no host sync and buffers sized from T alone, so CUDA graphs capture it:
+
+    _align_kernel    (token, slot) pairs of this rank's experts grouped by expert into a sorted layout (below)
+    _gate_up_kernel  grouped GEMM x @ [W_gate | W_up]^T with silu(gate) * up in the epilogue -> act [rows, I]
+    _down_kernel     grouped GEMM act @ W_down^T times the routing weight in the epilogue -> y [rows, H]
+    _combine_kernel  per token: the k routed rows in top-k order, then the shared row, summed in fp32 -> [T, H]
+
+A decode step of one MoE layer is therefore 6 launches: router GEMM (cuBLAS), _route_kernel and the four above.
+
+Sorted layout: rows grouped in blocks of BLOCK_M rows that belong to one expert each. The shared expert is one
+more expert (index num_local, its own weight pointers; its intermediate size may differ: 64 per rank at TP=8 vs the
+routed experts' 512) and comes first: rows [0, S), S = T rounded up to BLOCK_M, row t = token t. Then each local
+expert's pairs (pair p = t * k + slot), the group padded to a multiple of BLOCK_M with pair -1. Buffers are sized
+by the worst case for T, so nothing depends on the routing on the host. Within a group the rows are placed by
+integer atomics, so their order may vary between runs; no result depends on it (every output row is computed from
+its own input row, and the combine kernel sums each token's rows in a fixed order), so the output is bitwise
+deterministic: no floating-point atomics anywhere.
+
+The router GEMM, the kernels' tiles and the fp32 accumulation differ from the oracle's only in rounding; the fast
+kernels round to the model dtype where the oracle does (GEMM outputs, silu, the products with the weights).
 """
 from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dist import parallel
-from layers.linear import Linear, even_split, make_param
-from layers.mlp import MLP
+from layers import backend
+from layers.backend import tl, triton
+from layers.linear import Linear, even_split, fuse_rows, make_param
+from layers.mlp import MLP, mlp_torch
+
+CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_configs.json")
 
 
+class ExpertWeights(NamedTuple):
+    """This rank's expert weights: routed [num_local, 2I, H] / [num_local, H, I] for experts start.. and the shared
+    expert's local shard [2 I_s, H] (gate rows then up rows) / [H, I_s]."""
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    start: int
+    shared_gate_up: torch.Tensor
+    shared_down: torch.Tensor
+
+
+# ------------------------------------------------------------------------------------------------------ routing
+def route_torch(logits: torch.Tensor, top_k: int):
+    """logits [T, E + 1] (router | shared gate) in the model dtype -> ids [T, k] int64, weights [T, k] and
+    sigmoid(shared gate) [T, 1] in the model dtype.
+
+    Ties go to the lowest expert id (a stable sort): torch.topk leaves the order of equal values unspecified, and
+    on the CPU it does not pick the lowest ids."""
+    probs = torch.softmax(logits[:, :-1], dim=-1, dtype=torch.float32)
+    weights, ids = probs.sort(dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(logits.dtype), torch.sigmoid(logits[:, -1:])
+
+
+def route_fast(logits: torch.Tensor, top_k: int):
+    """route_torch in one Triton kernel (one program per token); ids are int32."""
+    T, num_experts = logits.shape[0], logits.shape[1] - 1
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    shared_gate = torch.empty(T, 1, dtype=logits.dtype, device=logits.device)
+    if T:
+        block = triton.next_power_of_2(num_experts)
+        _route_kernel[(T,)](logits, ids, weights, shared_gate, num_experts, logits.stride(0), TOP_K=top_k,
+                            K_POW2=triton.next_power_of_2(top_k), BLOCK_E=block, num_warps=max(1, min(4, block // 128)))
+    return ids, weights, shared_gate
+
+
+# ------------------------------------------------------------------------------------------------------ experts
+def experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared_gate: torch.Tensor,
+                  w: ExpertWeights) -> torch.Tensor:
+    """Routed experts of this rank one at a time (needs the per-expert counts on the host), summed in fp32 in expert
+    order, plus shared_gate * shared expert; cast to the model dtype. x: [T, H]; ids, weights: [T, k]."""
+    T, k = ids.shape
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    num_local = w.gate_up.shape[0]
+    local = ids.flatten().long() - w.start
+    entry = ((local >= 0) & (local < num_local)).nonzero().squeeze(1)
+    experts = local[entry]
+    order = torch.argsort(experts, stable=True)
+    entry, experts = entry[order], experts[order]
+    counts = torch.bincount(experts, minlength=num_local).tolist()
+    tokens = entry // k
+    entry_weights = weights.flatten()[entry]
+    offset = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = tokens[offset: offset + n]
+        y = mlp_torch(x[tok], w.gate_up[e], w.down[e]) * entry_weights[offset: offset + n, None]
+        out.index_add_(0, tok, y.float())
+        offset += n
+    shared = shared_gate * mlp_torch(x, w.shared_gate_up, w.shared_down)
+    return (out + shared.float()).to(x.dtype)
+
+
+class Layout(NamedTuple):
+    """The sorted layout of one call (see the module docstring); every tensor lives on the device."""
+    sorted_pairs: torch.Tensor  # [rows] int32: pair t * k + slot per routed row, -1 for pad rows (shared rows unused)
+    block_expert: torch.Tensor  # [rows // BLOCK_M] int32: local expert of each block, num_local for the shared one
+    inverse: torch.Tensor       # [T * k] int32: row of each pair, -1 if another rank's expert
+    total: torch.Tensor         # [1] int32: rows in use; blocks past it exit at once
+    rows: int                   # worst-case rows for T (host int, from shapes only)
+    block_m: int
+    top_k: int
+
+
+def max_rows(T: int, top_k: int, num_local: int, block_m: int) -> int:
+    """Rows the sorted layout may need: the shared rows, every pair, and fewer than block_m pad rows per non-empty
+    group (a multiple of block_m, so the bound rounds down)."""
+    pairs = T * top_k
+    routed = (pairs + min(num_local, pairs) * (block_m - 1)) // block_m * block_m
+    return triton.cdiv(T, block_m) * block_m + routed
+
+
+def align(ids: torch.Tensor, start: int, num_local: int, block_m: int) -> Layout:
+    """The sorted layout for ids [T, k] (global expert ids) on a rank owning experts [start, start + num_local)."""
+    T, k = ids.shape
+    dev = ids.device
+    rows = max_rows(T, k, num_local, block_m)
+    layout = Layout(torch.empty(rows, dtype=torch.int32, device=dev),
+                    torch.empty(rows // block_m, dtype=torch.int32, device=dev),
+                    torch.empty(T * k, dtype=torch.int32, device=dev),
+                    torch.empty(1, dtype=torch.int32, device=dev), rows, block_m, k)
+    bins = triton.next_power_of_2(num_local)
+    scratch = torch.empty(2 * bins, dtype=torch.int32, device=dev)  # counts, then cursors, per local expert
+    _align_kernel[(1,)](ids.contiguous(), layout.sorted_pairs, layout.block_expert, layout.inverse, layout.total,
+                        scratch, T, start, num_local, TOP_K=k, BLOCK_M=block_m, BINS=bins,
+                        CHUNK=min(1024, triton.next_power_of_2(T * k)),
+                        NB_CHUNK=min(64, triton.next_power_of_2(triton.cdiv(T, block_m))), num_warps=8)
+    return layout
+
+
+def experts_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared_gate: torch.Tensor,
+                 w: ExpertWeights) -> torch.Tensor:
+    """experts_torch in four Triton launches, no host sync (see the module docstring)."""
+    T, H = x.shape
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    num_local, inter = w.gate_up.shape[0], w.down.shape[2]
+    cfg = moe_config(T, num_local, H, inter, w.shared_down.shape[1], x.device)
+    layout = align(ids, w.start, num_local, cfg["BLOCK_M"])
+    act = gate_up_fast(x.contiguous(), w, layout, cfg["gate_up"])
+    y = down_fast(act, w, layout, weights, shared_gate, cfg["down"])
+    block_h = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, block_h))](y, layout.inverse, out, H, y.stride(0), out.stride(0),
+                                                  TOP_K=ids.shape[1], BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 models multiply in full fp32 (Triton's default would be tf32); bf16/fp16 operands ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def gate_up_fast(x: torch.Tensor, w: ExpertWeights, layout: Layout, tile: dict) -> torch.Tensor:
+    """act [rows, max(I, I_s)]: silu(x W_gate^T) * (x W_up^T) for every row of the layout (pad rows 0)."""
+    num_local, two_i, H = w.gate_up.shape
+    inter, shared_inter = two_i // 2, w.shared_gate_up.shape[0] // 2
+    width = max(inter, shared_inter)
+    act = torch.empty(layout.rows, width, dtype=x.dtype, device=x.device)
+    grid = (layout.rows // layout.block_m, triton.cdiv(width, tile["BLOCK_N"]))
+    _gate_up_kernel[grid](x, w.gate_up, w.shared_gate_up, act, layout.sorted_pairs, layout.block_expert,
+                          layout.total, x.shape[0], H, inter, shared_inter, num_local, x.stride(0),
+                          w.gate_up.stride(0), w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0),
+                          TOP_K=layout.top_k, BLOCK_M=layout.block_m,
+                          BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], PRECISION=_precision(x.dtype),
+                          num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+    return act
+
+
+def down_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, weights: torch.Tensor,
+              shared_gate: torch.Tensor, tile: dict) -> torch.Tensor:
+    """y [rows, H]: (act W_down^T) * routing weight (sigmoid(shared gate) for the shared rows), model dtype."""
+    num_local, H, inter = w.down.shape
+    T, k = weights.shape
+    y = torch.empty(layout.rows, H, dtype=act.dtype, device=act.device)
+    grid = (layout.rows // layout.block_m, triton.cdiv(H, tile["BLOCK_N"]))
+    _down_kernel[grid](act, w.down, w.shared_down, y, layout.sorted_pairs, layout.block_expert, layout.total,
+                       weights, shared_gate, T, H, inter, w.shared_down.shape[1], num_local, act.stride(0),
+                       w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), y.stride(0), weights.stride(0),
+                       shared_gate.stride(0), TOP_K=k, BLOCK_M=layout.block_m, BLOCK_N=tile["BLOCK_N"],
+                       BLOCK_K=tile["BLOCK_K"], PRECISION=_precision(act.dtype), num_warps=tile["num_warps"],
+                       num_stages=tile["num_stages"])
+    return y
+
+
+# ------------------------------------------------------------------------------------------------- tile configs
+def _pow2_bucket(T: int) -> int:
+    """Configs are keyed by T rounded up to a power of two: a decode batch padded for a CUDA graph (qwen35/
+    cuda_graphs.py pads to 1, 2, 4, 8 or a multiple of 8, never past the next power of two) gets the same tiles as
+    the same batch run eagerly, so both give identical outputs."""
+    return triton.next_power_of_2(max(1, T))
+
+
+def config_key(num_local: int, hidden: int, inter: int) -> str:
+    return f"E{num_local}_H{hidden}_I{inter}"
+
+
+@functools.lru_cache(maxsize=None)
+def _table(device_name: str) -> dict:
+    """The tuned configs for this GPU (benchmarks/tune_moe.py writes them), {} when there are none."""
+    try:
+        with open(CONFIG_FILE) as f:
+            return json.load(f).get(device_name, {})
+    except FileNotFoundError:
+        return {}
+
+
+def default_config(T: int) -> dict:
+    """Tiles when the table has no entry. Decode (few rows per expert): BLOCK_M 16, one row block per expert, so
+    each weight tile is read once; narrow N tiles so that the few active experts still spread over all SMs.
+    Prefill: larger tiles that reuse each weight tile over many rows."""
+    if T <= 128:
+        return {"BLOCK_M": 16, "gate_up": dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
+                "down": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)}
+    block_m = 32 if T <= 1024 else 64
+    return {"BLOCK_M": block_m, "gate_up": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+            "down": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)}
+
+
+def moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: int, device: torch.device) -> dict:
+    """Tiles for T tokens: the table's entry for the smallest tuned bucket >= T's bucket (else the largest), else
+    default_config; N/K tiles capped at the (power-of-two rounded) matrix sizes so that tiny models work too."""
+    cfg = default_config(T)
+    if device.type == "cuda":
+        entries = _table(torch.cuda.get_device_name(device)).get(config_key(num_local, hidden, inter), {})
+        if entries:
+            buckets = sorted(int(b) for b in entries)
+            bucket = next((b for b in buckets if b >= _pow2_bucket(T)), buckets[-1])
+            cfg = entries[str(bucket)]
+    width = triton.next_power_of_2(max(inter, shared_inter))
+    return {"BLOCK_M": cfg["BLOCK_M"],
+            "gate_up": _cap(cfg["gate_up"], width, triton.next_power_of_2(hidden)),
+            "down": _cap(cfg["down"], triton.next_power_of_2(hidden), width)}
+
+
+def _cap(tile: dict, n: int, k: int) -> dict:
+    return dict(tile, BLOCK_N=max(16, min(tile["BLOCK_N"], n)), BLOCK_K=max(16, min(tile["BLOCK_K"], k)))
+
+
+# ------------------------------------------------------------------------------------------------ Triton kernels
+if triton is not None:
+    @triton.jit
+    def _route_kernel(logits_ptr, ids_ptr, w_ptr, sg_ptr, E, sl, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                      BLOCK_E: tl.constexpr):
+        """One token: softmax in fp32, top-k by repeated argmax (ties -> lowest id), renormalise; sigmoid of the
+        shared gate's logit (column E)."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_E)
+        row = logits_ptr + t * sl
+        logit = tl.load(row + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
+        num = tl.exp(logit - tl.max(logit, 0))
+        p = num / tl.sum(num, 0)
+        p = tl.where(cols < E, p, -1.0)
+        slot = tl.arange(0, K_POW2)
+        ids = tl.zeros([K_POW2], dtype=tl.int32)
+        vals = tl.zeros([K_POW2], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(p, 0)
+            i = tl.min(tl.where(p == best, cols, BLOCK_E), 0)
+            ids = tl.where(slot == j, i, ids)
+            vals = tl.where(slot == j, best, vals)
+            p = tl.where(cols == i, -1.0, p)
+        w = vals / tl.sum(vals, 0)
+        tl.store(ids_ptr + t * TOP_K + slot, ids, mask=slot < TOP_K)
+        tl.store(w_ptr + t * TOP_K + slot, w.to(w_ptr.dtype.element_ty), mask=slot < TOP_K)
+        g = tl.load(row + E).to(tl.float32)
+        tl.store(sg_ptr + t, tl.sigmoid(g).to(sg_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _local_expert(ids_ptr, p, n, start, num_local):
+        """(local expert, mine) of pairs p: mine is False past n and for other ranks' experts (expert then 0)."""
+        e = tl.load(ids_ptr + p, mask=p < n, other=-1).to(tl.int32) - start
+        mine = (p < n) & (e >= 0) & (e < num_local)
+        return tl.where(mine, e, 0), mine
+
+    @triton.jit
+    def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, inv_ptr, total_ptr, scratch_ptr, T, start, num_local,
+                      TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr,
+                      NB_CHUNK: tl.constexpr):
+        """One program. Counts per local expert (integer atomics), padded group offsets after the shared rows,
+        then a row per pair from per-expert cursors; the block table and pad rows; the number of rows in use.
+        Scratch is read back with volatile loads (past L1), after a barrier."""
+        n = T * TOP_K
+        bins = tl.arange(0, BINS)
+        tl.store(scratch_ptr + bins, tl.zeros([BINS], dtype=tl.int32))
+        tl.debug_barrier()
+        for c0 in range(0, n, CHUNK):
+            e, mine = _local_expert(ids_ptr, c0 + tl.arange(0, CHUNK), n, start, num_local)
+            tl.atomic_add(scratch_ptr + e, 1, mask=mine)
+        tl.debug_barrier()
+        counts = tl.load(scratch_ptr + bins, volatile=True)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        shared_rows = (T + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        offs = tl.cumsum(padded, 0) - padded + shared_rows
+        tl.store(scratch_ptr + BINS + bins, offs)
+        tl.debug_barrier()
+        for c0 in range(0, n, CHUNK):
+            p = c0 + tl.arange(0, CHUNK)
+            e, mine = _local_expert(ids_ptr, p, n, start, num_local)
+            pos = tl.atomic_add(scratch_ptr + BINS + e, 1, mask=mine)
+            tl.store(sorted_ptr + pos, p, mask=mine)
+            tl.store(inv_ptr + p, tl.where(mine, pos, -1), mask=p < n)
+        tl.store(total_ptr, shared_rows + tl.sum(padded, 0))
+        # block table: the shared expert's blocks, then each group's padded[g] / BLOCK_M blocks
+        for b0 in range(0, shared_rows // BLOCK_M, NB_CHUNK):
+            b = b0 + tl.arange(0, NB_CHUNK)
+            tl.store(block_expert_ptr + b, tl.zeros([NB_CHUNK], dtype=tl.int32) + num_local,
+                     mask=b < shared_rows // BLOCK_M)
+        first, nblocks = offs // BLOCK_M, padded // BLOCK_M
+        for j0 in range(0, (T + BLOCK_M - 1) // BLOCK_M, NB_CHUNK):  # a group holds at most T pairs
+            j = j0 + tl.arange(0, NB_CHUNK)
+            tl.store(block_expert_ptr + first[:, None] + j[None, :],
+                     tl.broadcast_to(bins[:, None], (BINS, NB_CHUNK)), mask=j[None, :] < nblocks[:, None])
+        pad = (offs + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(sorted_ptr + pad, tl.full((BINS, BLOCK_M), -1, tl.int32), mask=pad < (offs + padded)[:, None])
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, sw_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, T, H, I, I_s,
+                        num_local, sx, swe, swn, sswn, sa, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """Columns [n, n + BLOCK_N) of silu(x W_gate^T) * (x W_up^T) for one block of rows of one expert; gate and
+        up of those columns are rows n.. and n + inter.. of the expert's [2 inter, H] weight."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e = tl.load(block_expert_ptr + pid_m)
+        shared = e == num_local
+        inter = tl.where(shared, I_s, I)
+        if (pid_m * BLOCK_M >= tl.load(total_ptr)) | (pid_n * BLOCK_N >= inter):
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if shared:
+            tok = rows
+            valid = rows < T
+            w = sw_ptr
+            wn = sswn
+        else:
+            pair = tl.load(sorted_ptr + rows)
+            tok = pair // TOP_K
+            valid = pair >= 0
+            w = w_ptr + e.to(tl.int64) * swe
+            wn = swn
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < inter
+        ks = tl.arange(0, BLOCK_K)
+        xp = x_ptr + tok.to(tl.int64)[:, None] * sx + ks[None, :]
+        gp = w + cols.to(tl.int64)[None, :] * wn + ks[:, None]
+        up = gp + inter.to(tl.int64) * wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kmask = k0 + ks < H
+            a = tl.load(xp + k0, mask=valid[:, None] & kmask[None, :], other=0.0)
+            wmask = kmask[:, None] & cmask[None, :]
+            acc_g = tl.dot(a, tl.load(gp + k0, mask=wmask, other=0.0), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, tl.load(up + k0, mask=wmask, other=0.0), acc_u, input_precision=PRECISION)
+        dt = act_ptr.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+        out = (s * acc_u.to(dt).to(tl.float32)).to(dt)  # pad rows: silu(0) * 0 = 0
+        tl.store(act_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], out, mask=cmask[None, :])
+
+    @triton.jit
+    def _down_kernel(act_ptr, w_ptr, sw_ptr, y_ptr, sorted_ptr, block_expert_ptr, total_ptr, rw_ptr, sg_ptr,
+                     T, H, I, I_s, num_local, sa, swe, swh, sswh, sy, srw, ssg, TOP_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """Columns [n, n + BLOCK_N) of (act W_down^T) * routing weight for one block of rows of one expert."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if e == num_local:
+            valid = rows < T
+            rw = tl.load(sg_ptr + rows * ssg, mask=valid, other=0.0)
+            w = sw_ptr
+            wh = sswh
+            inter = I_s
+        else:
+            pair = tl.load(sorted_ptr + rows)
+            valid = pair >= 0
+            rw = tl.load(rw_ptr + (pair // TOP_K).to(tl.int64) * srw + pair % TOP_K, mask=valid, other=0.0)
+            w = w_ptr + e.to(tl.int64) * swe
+            wh = swh
+            inter = I
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < H
+        ks = tl.arange(0, BLOCK_K)
+        ap = act_ptr + rows.to(tl.int64)[:, None] * sa + ks[None, :]
+        wp = w + cols.to(tl.int64)[None, :] * wh + ks[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            kmask = k0 + ks < inter
+            a = tl.load(ap + k0, mask=kmask[None, :], other=0.0)
+            acc = tl.dot(a, tl.load(wp + k0, mask=kmask[:, None] & cmask[None, :], other=0.0), acc,
+                         input_precision=PRECISION)
+        dt = y_ptr.dtype.element_ty
+        y = (acc.to(dt).to(tl.float32) * rw.to(tl.float32)[:, None]).to(dt)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * sy + cols[None, :], y, mask=valid[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _combine_kernel(y_ptr, inv_ptr, out_ptr, H, sy, so, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+        """out[t] = sum of token t's routed rows in top-k order, then its shared row (row t), in fp32: a fixed
+        order, so no atomics and the same bits on every run."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = cols < H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            pos = tl.load(inv_ptr + t * TOP_K + j).to(tl.int64)
+            hit = cols < tl.where(pos >= 0, H, 0)  # pairs of other ranks' experts add nothing
+            acc += tl.load(y_ptr + pos * sy + cols, mask=hit, other=0.0).to(tl.float32)
+        acc += tl.load(y_ptr + t * sy + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * so + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------------ modules
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Grouped GEMMs on Hopper GPUs in bf16. The CPU keeps forward_loop: its torch._grouped_mm exists only from
-    torch 2.9 and is itself a loop of per-group matmuls with a host sync each (measured within ~15% of forward_loop)."""
-    return (hasattr(torch, "_grouped_mm") and device.type == "cuda" and dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-def use_grouped_mm(x: torch.Tensor) -> bool:
-    return grouped_mm_supported(x.device, x.dtype)
+    """Kept for qwen35/runner.py's CUDA-graph check until it reads `sync_free`: the experts bound are sync-free
+    exactly when the fast kernel set is chosen (the runner sets it before this is called)."""
+    return backend.use_fast()
 
 
 class Experts(nn.Module):
+    """This rank's routed experts (parameters and per-expert loading) and the bound experts implementation.
+
+    sync_free: True when the bound implementation never waits for the host (experts_fast), so CUDA graphs may
+    capture it; the torch oracle reads per-expert counts on the host."""
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype=None, device=None):
         super().__init__()
         self.start, self.num_local = even_split(num_experts, parallel.tp_rank(), parallel.tp_size())
@@ -36,6 +461,8 @@ class Experts(nn.Module):
         local = [(self.start, self.num_local)]
         self.gate_up_proj = make_param((num_experts, 2 * intermediate, hidden), [local, None, None], dtype, device)
         self.down_proj = make_param((num_experts, hidden, intermediate), [local, None, None], dtype, device)
+        self.sync_free = backend.use_fast()
+        self._experts = experts_fast if self.sync_free else experts_torch
 
     def load_expert(self, src, expert: int, proj: str) -> bool:
         """Load one per-expert tensor (`experts.{e}.{gate,up,down}_proj.weight`); False if not this rank's expert."""
@@ -52,59 +479,11 @@ class Experts(nn.Module):
         target.copy_(src.read((slice(None), slice(None))))
         return True
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Sum over this rank's experts of weight * expert(x), accumulated in fp32. x: [T, H]; topk_*: [T, k]."""
-        if use_grouped_mm(x):
-            return self.forward_grouped(x, topk_ids, topk_weights)
-        return self.forward_loop(x, topk_ids, topk_weights)
-
-    def forward_grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """All local experts in two grouped GEMMs, with no host sync (CUDA-graph safe).
-
-        (token, expert) entries are sorted by local expert; entries of other ranks' experts get the sentinel group
-        num_local, sort last, lie past the last group offset (rows the grouped GEMM leaves unwritten) and are
-        zeroed before the scatter."""
-        T, k = topk_ids.shape
-        local = topk_ids.flatten() - self.start
-        valid = (local >= 0) & (local < self.num_local)
-        group = torch.where(valid, local, self.num_local)
-        order = torch.argsort(group, stable=True)
-        counts = torch.zeros(self.num_local + 1, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, group, torch.ones_like(group, dtype=torch.int32))
-        offs = counts[: self.num_local].cumsum(0, dtype=torch.int32)
-        tokens = order // k
-        h = torch._grouped_mm(x[tokens], self.gate_up_proj.transpose(1, 2), offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
-        w = topk_weights.flatten()[order]
-        y = torch.where(valid[order, None], y * w[:, None], 0).float()
-        return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tokens, y)
-
-    def forward_loop(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Reference: one expert at a time (needs the per-expert counts on the host)."""
-        T, k = topk_ids.shape
-        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        local = topk_ids.flatten() - self.start
-        mine = (local >= 0) & (local < self.num_local)
-        entry = mine.nonzero().squeeze(1)
-        if entry.numel() == 0:
-            return out
-        experts = local[entry]
-        order = torch.argsort(experts, stable=True)
-        entry, experts = entry[order], experts[order]
-        counts = torch.bincount(experts, minlength=self.num_local).tolist()
-        tokens = entry // k
-        weights = topk_weights.flatten()[entry]
-        offset = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = tokens[offset: offset + n]
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[offset: offset + n, None]
-            out.index_add_(0, tok, y.float())
-            offset += n
-        return out
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared_gate: torch.Tensor,
+                shared: MLP) -> torch.Tensor:
+        """Routed experts + shared_gate * shared(x), in the model dtype (the shared expert shares the launches)."""
+        w = ExpertWeights(self.gate_up_proj, self.down_proj, self.start, shared.gate_up, shared.down_proj.weight)
+        return self._experts(x, ids, weights, shared_gate, w)
 
 
 class SparseMoE(nn.Module):
@@ -116,16 +495,11 @@ class SparseMoE(nn.Module):
         self.experts = Experts(cfg.num_experts, H, cfg.moe_intermediate_size, dtype=dtype, device=device)
         self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, dtype=dtype, device=device)
         self.shared_expert_gate = Linear(H, 1, dtype=dtype, device=device)           # replicated
-
-    def route(self, x: torch.Tensor):
-        logits = self.gate(x)                                # model dtype, as the reference rounds them
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+        self.router = fuse_rows(self.gate, self.shared_expert_gate)                 # [E + 1, H]: one GEMM
+        self.sync_free = self.experts.sync_free
+        self._route = route_fast if backend.use_fast() else route_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
-        routed = self.experts(x, ids, weights)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return (routed + shared.float()).to(x.dtype)
+        logits = F.linear(x, self.router)  # model dtype, as the reference rounds them
+        ids, weights, shared_gate = self._route(logits, self.top_k)
+        return self.experts(x, ids, weights, shared_gate, self.shared_expert)

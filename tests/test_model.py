@@ -139,7 +139,7 @@ def test_tensor_parallel_2_equals_1(reference, tmp_path):
 
 
 def test_batched_decode_paths_equal_reference(reference):
-    """The decode fast paths (batched DeltaNet step, batched paged attention, grouped experts) against the
+    """The decode fast paths (batched DeltaNet step, batched paged attention) against the
     per-sequence reference on the same caches: logits and every cache entry they write."""
     import dataclasses
     _, _, path = reference
@@ -160,23 +160,6 @@ def test_batched_decode_paths_equal_reference(reference):
     assert (fast - slow).abs().max().item() <= TOL_SELF
     for a, b in zip(fast_caches, caches(runner)):
         assert (a - b).abs().max().item() <= TOL_SELF
-
-
-@pytest.mark.parametrize("start,num_local", [(0, 8), (2, 4)])
-def test_grouped_experts_equal_loop(start, num_local):
-    """Sync-free grouped experts against the per-expert loop, including a rank that owns only some experts."""
-    from layers.moe import Experts
-    torch.manual_seed(0)
-    experts = Experts(8, 64, 32, dtype=torch.float32)
-    experts.start, experts.num_local = start, num_local
-    experts.gate_up_proj.data = torch.randn(num_local, 64, 64) * 0.1
-    experts.down_proj.data = torch.randn(num_local, 64, 32) * 0.1
-    x = torch.randn(37, 64)
-    ids = torch.stack([torch.randperm(8)[:2] for _ in range(37)])
-    w = torch.rand(37, 2)
-    grouped, loop = experts.forward_grouped(x, ids, w), experts.forward_loop(x, ids, w)
-    assert loop.abs().max() > 0.01
-    assert (grouped - loop).abs().max().item() <= TOL_SELF
 
 
 def test_batched_prefill_equals_per_sequence_reference(reference, monkeypatch):

@@ -1,0 +1,299 @@
+"""The MoE and MLP kernels (layers/moe.py, layers/mlp.py): each fast kernel against its torch oracle.
+
+CPU (Triton interpreter, fp32, tiny shapes): routing ids equal, weights and gates <= 1e-6 (fp32 rounding of a
+softmax and a division: a few ulps of values <= 1); expert outputs <= 1e-5 max abs on outputs of magnitude ~1-5
+(fp32 GEMMs summed in another order; a wrong row, weight or expert is O(0.1)). The sorted layout is checked
+directly (every local pair once, one expert per block, pads marked). Shapes cover a TP=1 rank, middle and last
+ranks owning part of the experts, a rank with no routed pair, every token on one expert, odd hidden/intermediate
+sizes, a shared expert narrower than the routed ones (its TP=8 shard), and batch sizes 1..37.
+
+GPU (`-m gpu`, bf16, Qwen3.5-35B-A3B shapes: 256 experts, top-8, hidden 2048, expert intermediate 512; shared
+intermediate 512 at TP=1 and 64 per rank at TP=8 with 32 local experts): routing ids equal except at exact ties
+(checked separately), weights within one bf16 ulp of values <= 1 (4e-3); expert outputs within 1e-2 relative
+(Frobenius) of the oracle: both round every intermediate to bf16 where the reference does, so the difference is
+fp32 accumulation order flipping some of those roundings (measured ~3e-3); a wrong block or weight is > 0.1.
+Padded batches, repeated runs and CUDA-graph replay must give identical bits.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from layers import backend, moe
+from layers.mlp import MLP, mlp_fast, mlp_torch
+
+TOL_ROUTE = 1e-6
+TOL = 1e-5
+
+
+def max_diff(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def make_weights(num_local, hidden, inter, shared_inter, start, gen, dtype=torch.float32, device="cpu", scale=0.2):
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
+    return moe.ExpertWeights(rand(num_local, 2 * inter, hidden), rand(num_local, hidden, inter), start,
+                             rand(2 * shared_inter, hidden), rand(hidden, shared_inter))
+
+
+def make_routing(T, num_experts, top_k, gen, routed="any", device="cpu", dtype=torch.float32):
+    """ids [T, k] (distinct per token), weights [T, k] summing to 1, shared gate [T, 1] in (0, 1).
+    routed: "any" expert, "low" (only the first half: the upper ranks get nothing), "one" (every token on expert
+    num_experts // 2 plus others)."""
+    if routed == "one":
+        rest = [torch.randperm(num_experts - 1, generator=gen)[:top_k - 1] for _ in range(T)]
+        ids = torch.stack([torch.cat([torch.tensor([num_experts // 2]), r + (r >= num_experts // 2)]) for r in rest])
+    else:
+        high = num_experts // 2 if routed == "low" else num_experts
+        ids = torch.stack([torch.randperm(high, generator=gen)[:top_k] for _ in range(T)])
+    w = torch.rand(T, top_k, generator=gen) + 0.1
+    w = w / w.sum(-1, keepdim=True)
+    gate = torch.sigmoid(torch.randn(T, 1, generator=gen))
+    return ids.to(device), w.to(device, dtype), gate.to(device, dtype)
+
+
+# ------------------------------------------------------------------------------------------------------ routing
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (5, 12, 3), (37, 8, 2), (16, 64, 8)])
+def test_route_fast_equals_torch(T, E, k):
+    gen = torch.Generator().manual_seed(T * 100 + E)
+    logits = torch.randn(T, E + 1, generator=gen) * 2
+    ids, w, g = moe.route_torch(logits, k)
+    fids, fw, fg = moe.route_fast(logits, k)
+    assert torch.equal(fids.long(), ids)
+    assert max_diff(fw, w) <= TOL_ROUTE and max_diff(fg, g) <= TOL_ROUTE
+    assert torch.allclose(fw.sum(-1), torch.ones(T), atol=1e-6)
+    assert torch.equal(ids, torch.topk(logits[:, :E], k).indices)  # no ties here: same as plain topk
+
+
+def test_route_ties_go_to_lowest_id():
+    """Logits with many exact ties: both implementations take the lowest ids among equal values."""
+    gen = torch.Generator().manual_seed(7)
+    T, E, k = 9, 16, 4
+    logits = torch.randint(0, 3, (T, E + 1), generator=gen).float()
+    ids, w, _ = moe.route_torch(logits, k)
+    fids, fw, _ = moe.route_fast(logits, k)
+    expected = torch.tensor([sorted(range(E), key=lambda e: (-logits[t, e].item(), e))[:k] for t in range(T)])
+    assert torch.equal(ids, expected) and torch.equal(fids.long(), expected)
+    assert max_diff(fw, w) <= TOL_ROUTE
+
+
+# ------------------------------------------------------------------------------------------------ sorted layout
+@pytest.mark.parametrize("T,E,k,start,num_local,block_m", [(1, 8, 2, 0, 8, 16), (37, 8, 2, 2, 4, 16),
+                                                          (20, 16, 4, 12, 4, 32), (9, 8, 2, 4, 4, 16)])
+def test_align_layout(T, E, k, start, num_local, block_m):
+    """Every local pair has exactly one row, inside a block of its expert and after the shared rows; pad rows are
+    -1; other ranks' pairs map to -1; the blocks in use cover exactly `total` rows."""
+    gen = torch.Generator().manual_seed(T + start)
+    ids, _, _ = make_routing(T, E, k, gen, routed="low" if T == 9 else "any")
+    lay = moe.align(ids, start, num_local, block_m)
+    total = int(lay.total)
+    assert total % block_m == 0 and total <= lay.rows
+    shared_rows = -(-T // block_m) * block_m
+    blocks = lay.block_expert[: total // block_m].long()
+    assert (blocks[: shared_rows // block_m] == num_local).all()
+    assert bool((blocks[shared_rows // block_m:].diff() > 0).all())  # each expert's group once, in order
+    flat = ids.flatten() - start
+    mine = (flat >= 0) & (flat < num_local)
+    inv = lay.inverse.long()
+    assert torch.equal(inv < 0, ~mine)
+    rows = inv[mine]
+    assert len(set(rows.tolist())) == len(rows) and bool((rows >= shared_rows).all())
+    assert torch.equal(lay.sorted_pairs.long()[rows], mine.nonzero().squeeze(1))
+    assert torch.equal(blocks[rows // block_m], flat[mine])
+    routed_rows = torch.arange(shared_rows, total)
+    pads = routed_rows[~torch.isin(routed_rows, rows)]
+    assert bool((lay.sorted_pairs[pads] == -1).all())
+    assert len(pads) < block_m * max(1, len(blocks) - shared_rows // block_m)
+
+
+# ------------------------------------------------------------------------------------------------------ experts
+EXPERT_CASES = [  # T, E, k, H, I, I_s, start, num_local, routed
+    (37, 8, 2, 32, 16, 16, 0, 8, "any"),    # TP=1: shared expert as wide as the routed ones
+    (37, 8, 2, 48, 24, 12, 2, 4, "any"),    # a middle rank, odd sizes, shared expert half as wide (its TP shard)
+    (1, 8, 2, 32, 16, 8, 6, 2, "any"),      # one token, last rank
+    (9, 8, 2, 32, 16, 16, 0, 8, "one"),     # every token on expert 4
+    (9, 8, 2, 32, 16, 8, 4, 4, "low"),      # no routed pair on this rank: shared expert only
+    (3, 16, 4, 40, 48, 16, 4, 8, "any"),    # routed experts wider than 32, k = 4
+]
+
+
+@pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local,routed", EXPERT_CASES)
+def test_experts_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, routed):
+    gen = torch.Generator().manual_seed(T * 7 + start)
+    w = make_weights(num_local, H, I, I_s, start, gen)
+    x = torch.randn(T, H, generator=gen)
+    ids, wts, gate = make_routing(T, E, k, gen, routed)
+    ref = moe.experts_torch(x, ids, wts, gate, w)
+    fast = moe.experts_fast(x, ids, wts, gate, w)
+    assert ref.abs().max() > 0.3 and torch.isfinite(fast).all()
+    assert max_diff(fast, ref) <= TOL
+    if routed == "low":  # only the shared expert contributes on this rank
+        shared = gate * mlp_torch(x, w.shared_gate_up, w.shared_down)
+        assert max_diff(ref, shared) <= TOL
+
+
+def test_experts_fast_int32_ids_deterministic_and_padding_free():
+    """Route ids as route_fast gives them (int32); two runs give the same bits; rows added past the batch (graph
+    padding: they route like any token) leave the real rows' outputs unchanged."""
+    gen = torch.Generator().manual_seed(5)
+    w = make_weights(8, 32, 16, 16, 0, gen)
+    x = torch.randn(8, 32, generator=gen)
+    ids, wts, gate = make_routing(8, 8, 2, gen)
+    a = moe.experts_fast(x[:5], ids[:5].int(), wts[:5], gate[:5], w)
+    b = moe.experts_fast(x[:5], ids[:5].int(), wts[:5], gate[:5], w)
+    padded = moe.experts_fast(x, ids.int(), wts, gate, w)
+    assert torch.equal(a, b)
+    assert max_diff(padded[:5], a) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------------------- layers
+def tiny_cfg(**kw):
+    base = dict(hidden_size=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                shared_expert_intermediate_size=16)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def build(cls, kernels, *args, seed=0):
+    with backend.use_kernels(kernels):
+        m = cls(*args, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    for p in m.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)  # in place: fused views stay views
+    return m
+
+
+@pytest.mark.parametrize("T", [1, 4, 13])
+def test_sparse_moe_fast_equals_torch(T):
+    """The whole block, both kernel sets on the same weights; the one-GEMM router and shared gate|up read the
+    parameters the loader fills (views), and `sync_free` tells which set may be graph-captured."""
+    cfg = tiny_cfg()
+    ref, fast = build(moe.SparseMoE, "torch", cfg), build(moe.SparseMoE, "fast", cfg)
+    assert not ref.sync_free and fast.sync_free and fast.experts.sync_free
+    assert torch.equal(fast.router[:8], fast.gate.weight) and torch.equal(fast.router[8:], fast.shared_expert_gate.weight)
+    assert fast.router.data_ptr() == fast.gate.weight.data_ptr()
+    assert fast.shared_expert.gate_up.data_ptr() == fast.shared_expert.gate_proj.weight.data_ptr()
+    x = torch.randn(T, 32, generator=torch.Generator().manual_seed(T))
+    want = ref(x)
+    assert want.abs().max() > 0.3
+    assert max_diff(fast(x), want) <= TOL
+
+
+@pytest.mark.parametrize("T,H,I", [(1, 32, 16), (7, 48, 40)])
+def test_mlp_fast_equals_torch(T, H, I):
+    torch_mlp, fast_mlp = build(MLP, "torch", H, I), build(MLP, "fast", H, I)
+    assert fast_mlp.gate_up.shape == (2 * I, H) and fast_mlp.sync_free
+    assert torch.equal(fast_mlp.gate_up[I:], fast_mlp.up_proj.weight)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+    want = torch_mlp(x)
+    manual = torch_mlp.down_proj(torch.nn.functional.silu(torch_mlp.gate_proj(x)) * torch_mlp.up_proj(x))
+    assert max_diff(want, manual) <= TOL
+    assert max_diff(fast_mlp(x), want) <= TOL
+    assert max_diff(mlp_fast(x, fast_mlp.gate_up, fast_mlp.down_proj.weight), want) <= TOL
+
+
+# ------------------------------------------------------------------------------------------------- tile configs
+def test_padded_graph_batches_share_tiles():
+    """A decode batch and its CUDA-graph padding (1, 2, 4, 8, then multiples of 8) get the same tiles, hence the
+    same bits; tiles never exceed the (power-of-two rounded) matrices."""
+    from qwen35.cuda_graphs import capture_sizes
+    sizes = capture_sizes(128)
+    for T in range(1, 129):
+        padded = next(s for s in sizes if s >= T)
+        assert moe.moe_config(T, 32, 2048, 512, 64, torch.device("cpu")) == \
+            moe.moe_config(padded, 32, 2048, 512, 64, torch.device("cpu"))
+    tiny = moe.moe_config(3000, 4, 40, 24, 8, torch.device("cpu"))
+    assert tiny["gate_up"]["BLOCK_N"] <= 32 and tiny["down"]["BLOCK_K"] <= 32 and tiny["gate_up"]["BLOCK_K"] <= 64
+
+
+def test_max_rows_is_an_upper_bound():
+    """The padded rows of any routing fit: skewed routings (from uniform to nearly all tokens on a few experts)
+    make many small groups or a few full ones."""
+    gen = torch.Generator().manual_seed(0)
+    for T, k, num_local, block_m in [(1, 8, 256, 16), (64, 8, 32, 16), (300, 8, 256, 64), (5, 2, 3, 16)]:
+        E = num_local * 2
+        for skew in (0.0, 0.5, 2.0, 8.0):
+            popularity = torch.exp(-skew * torch.arange(E, dtype=torch.float32) / 4)
+            ids = torch.stack([torch.multinomial(popularity, k, generator=gen) for _ in range(T)])
+            counts = torch.bincount(ids.flatten(), minlength=E)[:num_local]
+            need = -(-T // block_m) * block_m + int(((counts + block_m - 1) // block_m * block_m).sum())
+            assert need <= moe.max_rows(T, k, num_local, block_m)
+
+
+# ------------------------------------------------------------------------------------------------------- GPU
+def real_shapes(tp: int):
+    """(num_local, start of the last rank, shared intermediate per rank) of Qwen3.5-35B-A3B at TP=tp."""
+    return 256 // tp, 256 - 256 // tp, 512 // tp
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 1000])
+def test_route_fast_bf16(T):
+    gen = torch.Generator().manual_seed(T)
+    logits = (torch.randn(T, 257, generator=gen) * 2).to("cuda", torch.bfloat16)
+    ids, w, g = moe.route_torch(logits, 8)
+    fids, fw, fg = moe.route_fast(logits, 8)
+    probs = torch.softmax(logits[:, :256].float(), -1)
+    assert torch.equal(fids.long(), ids)  # both take the lowest id among ties
+    assert torch.equal(probs.gather(1, fids.long()), probs.gather(1, ids))
+    assert max_diff(fw, w) <= 4e-3 and max_diff(fg, g) <= 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("T", [1, 2, 7, 64, 300, 2048])
+def test_experts_fast_bf16_real_shapes(tp, T):
+    num_local, start, shared_inter = real_shapes(tp)
+    gen = torch.Generator().manual_seed(T + tp)
+    w = make_weights(num_local, 2048, 512, shared_inter, start, gen, torch.bfloat16, "cuda", scale=0.02)
+    x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
+    ids, wts, gate = make_routing(T, 256, 8, gen, device="cuda", dtype=torch.bfloat16)
+    ref = moe.experts_torch(x, ids, wts, gate, w)
+    fast = moe.experts_fast(x, ids.int(), wts, gate, w)
+    assert torch.isfinite(fast).all() and ref.float().norm() > 0
+    assert rel(fast, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+def test_experts_fast_bits_padding_and_graph_replay(tp):
+    """Identical bits: two eager runs; a batch of 3 vs the same rows padded to 4 (a graph size); a CUDA-graph
+    replay of route + experts vs eager on new inputs."""
+    num_local, start, shared_inter = real_shapes(tp)
+    gen = torch.Generator().manual_seed(tp)
+    w = make_weights(num_local, 2048, 512, shared_inter, start, gen, torch.bfloat16, "cuda", scale=0.02)
+    logits = (torch.randn(4, 257, generator=gen) * 2).to("cuda", torch.bfloat16)
+    x = torch.randn(4, 2048, generator=gen).to("cuda", torch.bfloat16)
+
+    def step(x, logits):
+        ids, wts, gate = moe.route_fast(logits, 8)
+        return moe.experts_fast(x, ids, wts, gate, w)
+
+    eager = step(x, logits)
+    assert torch.equal(step(x, logits), eager)
+    assert torch.equal(step(x[:3], logits[:3]), eager[:3])
+    static_x, static_logits = x.clone(), logits.clone()
+    step(static_x, static_logits)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(static_x, static_logits)
+    x2 = torch.randn(4, 2048, generator=gen).to("cuda", torch.bfloat16)
+    logits2 = (torch.randn(4, 257, generator=gen) * 2).to("cuda", torch.bfloat16)
+    static_x.copy_(x2)
+    static_logits.copy_(logits2)
+    graph.replay()
+    assert torch.equal(out, step(x2, logits2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,I", [(1, 2048, 64), (64, 2048, 512), (300, 4096, 1536)])
+def test_mlp_fast_bf16(T, H, I):
+    gen = torch.Generator().manual_seed(T)
+    gate_up = (torch.randn(2 * I, H, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+    down = (torch.randn(H, I, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+    x = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
+    assert rel(mlp_fast(x, gate_up, down), mlp_torch(x, gate_up, down)) <= 1e-2
