@@ -152,8 +152,7 @@ def align(ids: torch.Tensor, start: int, num_local: int, block_m: int) -> Layout
     scratch = torch.empty(2 * bins, dtype=torch.int32, device=dev)  # counts, then cursors, per local expert
     _align_kernel[(1,)](ids.contiguous(), layout.sorted_pairs, layout.block_expert, layout.inverse, layout.total,
                         scratch, T, start, num_local, TOP_K=k, BLOCK_M=block_m, BINS=bins,
-                        CHUNK=min(1024, triton.next_power_of_2(T * k)),
-                        NB_CHUNK=min(64, triton.next_power_of_2(triton.cdiv(T, block_m))), num_warps=8)
+                        CHUNK=min(1024, triton.next_power_of_2(T * k)), NB_CHUNK=16, num_warps=8)
     return layout
 
 
@@ -225,11 +224,11 @@ def config_key(num_local: int, hidden: int, inter: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _table(device_name: str) -> dict:
-    """The tuned configs for this GPU (benchmarks/tune_moe.py writes them), {} when there are none."""
+def _table(device_index: int) -> dict:
+    """The tuned configs for this GPU model (benchmarks/tune_moe.py writes them), {} when there are none."""
     try:
         with open(CONFIG_FILE) as f:
-            return json.load(f).get(device_name, {})
+            return json.load(f).get(torch.cuda.get_device_name(device_index), {})
     except FileNotFoundError:
         return {}
 
@@ -251,7 +250,8 @@ def moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: in
     default_config; N/K tiles capped at the (power-of-two rounded) matrix sizes so that tiny models work too."""
     cfg = default_config(T)
     if device.type == "cuda":
-        entries = _table(torch.cuda.get_device_name(device)).get(config_key(num_local, hidden, inter), {})
+        entries = _table(device.index if device.index is not None else torch.cuda.current_device()).get(
+            config_key(num_local, hidden, inter), {})
         if entries:
             buckets = sorted(int(b) for b in entries)
             bucket = next((b for b in buckets if b >= _pow2_bucket(T)), buckets[-1])
@@ -302,7 +302,7 @@ if triton is not None:
         mine = (p < n) & (e >= 0) & (e < num_local)
         return tl.where(mine, e, 0), mine
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
     def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, inv_ptr, total_ptr, scratch_ptr, T, start, num_local,
                       TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr,
                       NB_CHUNK: tl.constexpr):
@@ -343,7 +343,7 @@ if triton is not None:
         pad = (offs + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
         tl.store(sorted_ptr + pad, tl.full((BINS, BLOCK_M), -1, tl.int32), mask=pad < (offs + padded)[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
     def _gate_up_kernel(x_ptr, w_ptr, sw_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, T, H, I, I_s,
                         num_local, sx, swe, swn, sswn, sa, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -387,7 +387,7 @@ if triton is not None:
         out = (s * acc_u.to(dt).to(tl.float32)).to(dt)  # pad rows: silu(0) * 0 = 0
         tl.store(act_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], out, mask=cmask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
     def _down_kernel(act_ptr, w_ptr, sw_ptr, y_ptr, sorted_ptr, block_expert_ptr, total_ptr, rw_ptr, sg_ptr,
                      T, H, I, I_s, num_local, sa, swe, swh, sswh, sy, srw, ssg, TOP_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -442,12 +442,6 @@ if triton is not None:
 
 
 # ------------------------------------------------------------------------------------------------------ modules
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Kept for qwen35/runner.py's CUDA-graph check until it reads `sync_free`: the experts bound are sync-free
-    exactly when the fast kernel set is chosen (the runner sets it before this is called)."""
-    return backend.use_fast()
-
-
 class Experts(nn.Module):
     """This rank's routed experts (parameters and per-expert loading) and the bound experts implementation.
 

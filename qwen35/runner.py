@@ -17,7 +17,6 @@ from layers import backend
 from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
 from layers.forward_batch import ForwardBatch
-from layers.moe import grouped_mm_supported
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
 from qwen35.model import Qwen35Model
@@ -95,9 +94,9 @@ class ModelRunner:
         self._allocate_caches(gpu_memory_utilization, num_kv_blocks)
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
-            if config.is_moe and not grouped_mm_supported(self.device, self.dtype):
-                # the per-expert loop needs host syncs, which a CUDA graph cannot hold
-                log.warning("no CUDA graphs: sync-free experts need bf16 on a Hopper GPU (running eager)")
+            if not all(getattr(m, "sync_free", True) for m in self.model.modules()):
+                # the torch experts loop over the experts a batch hits, a host sync a CUDA graph cannot hold
+                log.warning("no CUDA graphs: kernels %r wait for the host (use --kernels fast)", self.kernels)
             else:
                 from qwen35.cuda_graphs import DecodeGraphs
                 self.graphs = DecodeGraphs(self)
