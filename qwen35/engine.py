@@ -66,6 +66,7 @@ class EngineArgs:
     enforce_eager: bool = False
     seed: int = 0
     prefix_cache_slots: int = 64              # whole-prompt prefix cache entries (0: off)
+    kernels: str | None = None                # "torch" | "fast"; None: $QWEN35_KERNELS, else fast on CUDA, torch on CPU
 
     @property
     def device_type(self) -> str:
@@ -99,6 +100,9 @@ class EngineArgs:
         g.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and unseeded sampling")
         g.add_argument("--prefix-cache-slots", type=int, default=64,
                        help="prompts whose state is kept for reuse by a request with the same prompt (0: off)")
+        g.add_argument("--kernels", default=None, choices=["torch", "fast"],
+                       help="torch: reference ops; fast: fused Triton kernels (default: $QWEN35_KERNELS, else fast "
+                            "on CUDA, torch on the CPU)")
         return parser
 
     @classmethod
@@ -141,7 +145,7 @@ class LLMEngine:
             device=self.device_type, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
             num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager, seed=args.seed,
-            num_snapshot_slots=args.prefix_cache_slots)
+            num_snapshot_slots=args.prefix_cache_slots, kernels=args.kernels)
         self._shut_down = False
         if not parallel.is_driver():
             return
