@@ -1,0 +1,113 @@
+"""GPU micro-benchmark of the sparse MoE block (layers/moe.py): torch oracle vs Triton, one layer at the
+Qwen3.5-35B-A3B shapes of one rank (rank 0 of --tp), bf16, random weights and routing of random inputs.
+
+    python -m benchmarks.bench_moe [--tp 1] [--out results.json]
+
+Rows, for decode batches 1..64 and prefill sizes:
+- route: the router|shared-gate GEMM and the routing (softmax, top-k, renormalise, sigmoid);
+- experts: everything after routing (the torch per-expert loop vs align + gate_up + down + combine);
+- moe: the whole block (router GEMM, routing, experts).
+"torch ms" and "fast ms" are eager (triton.testing.do_bench; the torch loop syncs with the host, so it cannot be
+graph-captured); "graph ms" is the fast path replayed from a CUDA graph, as decode steps run. GB/s: bytes the fast
+path must move (the distinct local experts hit, the shared expert and router weights, activations in and out) over
+the graph time; the floor of a decode MoE layer is those bytes at the GPU's copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from layers import moe
+from qwen35.config import ModelConfig
+from qwen35.synth import PRESETS
+
+DECODE = [1, 2, 4, 8, 16, 32, 64]
+PREFILL = [512, 2048, 8192]
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig.from_dict({"text_config": dict(PRESETS["qwen3.5-35b-a3b"]["text_config"])})
+
+
+class Layer:
+    """One rank's MoE weights (random, std 0.02) and the two implementations as plain functions."""
+
+    def __init__(self, cfg: ModelConfig, tp: int):
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        num_local, shared = E // tp, cfg.shared_expert_intermediate_size // tp
+
+        def rand(*shape):
+            return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 0.02
+        self.top_k, self.hidden = cfg.num_experts_per_tok, H
+        self.router = rand(E + 1, H)
+        self.w = moe.ExpertWeights(rand(num_local, 2 * I, H), rand(num_local, H, I), 0, rand(2 * shared, H),
+                                   rand(H, shared))
+        self.expert_bytes = 3 * I * H * 2
+
+    def moe(self, x, route, experts):
+        ids, weights, gate = route(F.linear(x, self.router), self.top_k)
+        return experts(x, ids, weights, gate, self.w)
+
+    def bytes(self, x, ids) -> int:
+        """Weights the step must read (each local expert hit once, the shared expert, the router), x and out."""
+        hit = torch.unique(ids[(ids >= self.w.start) & (ids < self.w.start + self.w.gate_up.shape[0])]).numel()
+        shared = (self.w.shared_gate_up.numel() + self.w.shared_down.numel()) * 2
+        return hit * self.expert_bytes + shared + self.router.numel() * 2 + 2 * x.numel() * 2
+
+
+def eager_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=20)
+
+
+def graph_ms(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=20)
+
+
+def rows_for(layer: Layer, T: int, gen: torch.Generator) -> list[dict]:
+    x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    logits = F.linear(x, layer.router)
+    ids, weights, gate = moe.route_fast(logits, layer.top_k)
+    ops = {
+        "route": (lambda: moe.route_torch(F.linear(x, layer.router), layer.top_k),
+                  lambda: moe.route_fast(F.linear(x, layer.router), layer.top_k), None),
+        "experts": (lambda: moe.experts_torch(x, ids, weights, gate, layer.w),
+                    lambda: moe.experts_fast(x, ids, weights, gate, layer.w), layer.bytes(x, ids)),
+        "moe": (lambda: layer.moe(x, moe.route_torch, moe.experts_torch),
+                lambda: layer.moe(x, moe.route_fast, moe.experts_fast), layer.bytes(x, ids)),
+    }
+    out = []
+    for name, (torch_fn, fast_fn, nbytes) in ops.items():
+        t_torch, t_fast, t_graph = eager_ms(torch_fn), eager_ms(fast_fn), graph_ms(fast_fn)
+        out.append(dict(op=name, batch=T, torch_ms=t_torch, fast_ms=t_fast, graph_ms=t_graph,
+                        gb_s=nbytes / t_graph / 1e6 if nbytes else None))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=1, help="time rank 0 of this tensor-parallel degree")
+    ap.add_argument("--out", help="also write the rows as JSON here")
+    args = ap.parse_args()
+    cfg = model_config()
+    layer = Layer(cfg, args.tp)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, TP={args.tp}: {layer.w.gate_up.shape[0]} local experts, "
+          f"shared intermediate {layer.w.shared_down.shape[1]}, {cfg.num_hidden_layers} MoE layers")
+    print(f"{'op':<8} {'batch':>6} {'torch ms':>9} {'fast ms':>8} {'graph ms':>9} {'GB/s':>7}")
+    rows = []
+    for T in DECODE + PREFILL:
+        for r in rows_for(layer, T, gen):
+            rows.append(r)
+            gbs = f"{r['gb_s']:7.0f}" if r["gb_s"] else f"{'':>7}"
+            print(f"{r['op']:<8} {T:>6} {r['torch_ms']:9.3f} {r['fast_ms']:8.3f} {r['graph_ms']:9.3f} {gbs}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Tune the fused MoE expert kernels' tiles on this GPU and write them to layers/moe_configs.json.
+
+    python -m benchmarks.tune_moe [--tp 1 2 4 8] [--batches 1 2 ... 8192] [--quick]
+
+For each tensor-parallel degree (the per-rank expert count and shared-expert width of Qwen3.5-35B-A3B at that
+degree) and each token-count bucket (powers of two: layers/moe.py keys its table by T rounded up to one), routing
+of random inputs is laid out once per BLOCK_M candidate, then the gate_up and down kernels are timed separately
+over their tile candidates; the entry kept is the BLOCK_M whose best gate_up + best down is fastest. The file
+keeps other GPUs' tables and other shapes' entries; this GPU's entries for the swept shapes are replaced.
+Triton caches compiled kernels, so a second run is mostly timing (a full sweep takes minutes).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from benchmarks.bench_moe import Layer, model_config
+from layers import moe
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+
+
+def block_m_candidates(T: int) -> list[int]:
+    if T <= 64:
+        return [16]
+    if T <= 512:
+        return [16, 32]
+    return [32, 64] if T <= 2048 else [64, 128]
+
+
+def tile_candidates(T: int, quick: bool) -> list[dict]:
+    if T <= 128:  # few rows per expert: memory-bound, the N tile sets how many programs stream weights
+        grid = dict(BLOCK_N=[16, 32, 64, 128], BLOCK_K=[64, 128, 256], num_warps=[4], num_stages=[3, 4, 5])
+    else:
+        grid = dict(BLOCK_N=[64, 128], BLOCK_K=[64, 128], num_warps=[4, 8], num_stages=[3, 4])
+    if quick:
+        grid = {k: v[:2] for k, v in grid.items()}
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def time_ms(fn) -> float:
+    """ms per call, inf when the tile does not fit (shared memory, registers) or fails to compile."""
+    try:
+        fn()
+        return triton.testing.do_bench(fn, warmup=3, rep=10)
+    except Exception as e:  # triton.runtime.errors.OutOfResources and compile errors of oversized tiles
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            raise
+        return float("inf")
+
+
+def best_tile(fn, T: int, quick: bool) -> tuple[float, dict]:
+    return min(((time_ms(lambda: fn(tile)), tile) for tile in tile_candidates(T, quick)), key=lambda r: r[0])
+
+
+def tune_bucket(layer: Layer, T: int, quick: bool, gen: torch.Generator) -> dict:
+    x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    ids, weights, gate = moe.route_fast(F.linear(x, layer.router), layer.top_k)
+    best = None
+    for block_m in block_m_candidates(T):
+        lay = moe.align(ids, layer.w.start, layer.w.gate_up.shape[0], block_m)
+        t_up, up = best_tile(lambda tile: moe.gate_up_fast(x, layer.w, lay, tile), T, quick)
+        act = moe.gate_up_fast(x, layer.w, lay, up)
+        t_down, down = best_tile(lambda tile: moe.down_fast(act, layer.w, lay, weights, gate, tile), T, quick)
+        if best is None or t_up + t_down < best[0]:
+            best = (t_up + t_down, {"BLOCK_M": block_m, "gate_up": up, "down": down})
+        print(f"  T={T:<5} BLOCK_M={block_m:<3} gate_up {t_up * 1e3:8.1f} us {up}  down {t_down * 1e3:8.1f} us {down}",
+              flush=True)
+    return best[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES, help="token counts (powers of two)")
+    ap.add_argument("--quick", action="store_true", help="a smaller tile grid")
+    ap.add_argument("--out", default=moe.CONFIG_FILE)
+    args = ap.parse_args()
+    cfg = model_config()
+    device = torch.cuda.get_device_name()
+    table = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            table = json.load(f)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for tp in args.tp:
+        layer = Layer(cfg, tp)
+        key = moe.config_key(layer.w.gate_up.shape[0], cfg.hidden_size, cfg.moe_intermediate_size)
+        print(f"{device} TP={tp}: {key}, shared intermediate {layer.w.shared_down.shape[1]}", flush=True)
+        entries = table.setdefault(device, {}).setdefault(key, {})
+        for T in args.batches:
+            entries[str(T)] = tune_bucket(layer, T, args.quick, gen)
+        del layer
+        torch.cuda.empty_cache()
+        with open(args.out, "w") as f:  # after each degree, so an interrupted sweep keeps what it found
+            json.dump(table, f, indent=1, sort_keys=True)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
