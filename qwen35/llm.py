@@ -65,5 +65,5 @@ class LLM:
                 r.text += out.text
                 r.token_ids += out.token_ids
                 r.usage.completion_tokens = out.num_completion_tokens
-                r.finish_reason = out.finish_reason
+                r.finish_reason, r.error = out.finish_reason, out.error
         return list(results.values())

@@ -338,6 +338,56 @@ def test_tp2_matches_tp1(engine, hf_tokens, tiny_dir, cache_dir, tmp_path):
     assert got["seeded"] == tp1["seeded"][0]
 
 
+def run_broken(engine, requests, break_params) -> dict:
+    """Add the requests, then break_params() (what validation would have refused), then run them all to the end;
+    {rid: (token_ids, finish_reason, error)}."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    break_params()
+    got = {rid: [] for rid, _, _ in requests}
+    final = {}
+    for _ in range(200):
+        for o in engine.step():
+            got[o.request_id] += o.token_ids
+            if o.finished:
+                final[o.request_id] = (got[o.request_id], o.finish_reason, o.error)
+        if not engine.has_unfinished():
+            return final
+    raise AssertionError("requests did not finish")
+
+
+def test_a_failing_request_fails_alone(engine, hf_tokens, monkeypatch):
+    """The step loop's last line of defence: an exception raised for one request inside the step (its sampling, its
+    output handling) ends that request with finish_reason "error" and frees it; the others go on as if it were not
+    there, and the engine keeps serving."""
+    broken = SamplingParams(temperature=1.0, max_tokens=8)
+    append = OutputState.append
+
+    def append_or_fail(self, token_id):
+        if self.request_id == "broken-output":
+            raise UnicodeError("the detokenizer broke")
+        append(self, token_id)
+
+    monkeypatch.setattr(OutputState, "append", append_or_fail)
+    reqs = [("ok", PROMPTS[0], GREEDY), ("broken-sampling", PROMPTS[1], broken),
+            ("broken-output", PROMPTS[5], SamplingParams(max_tokens=8)), ("ok3", PROMPTS[3], GREEDY)]
+    done = run_broken(engine, reqs, lambda: setattr(broken, "top_p", "0.9"))  # torch refuses it in the step
+    assert done["ok"][:2] == (hf_tokens[0], "length") and done["ok3"][:2] == (hf_tokens[3], "length")
+    assert done["broken-sampling"][1] == done["broken-output"][1] == "error"
+    assert "TypeError" in done["broken-sampling"][2] and "detokenizer broke" in done["broken-output"][2]
+    assert_pools_empty(engine)
+    monkeypatch.undo()
+    again, _ = run(engine, [("after", PROMPTS[0], GREEDY)])
+    assert again["after"][0] == hf_tokens[0]
+    assert_pools_empty(engine)
+
+
+def test_stop_token_ids_past_the_vocabulary_are_refused(engine):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request("r", PROMPTS[0], SamplingParams(stop_token_ids=[300000], min_tokens=2, max_tokens=4))
+    assert_pools_empty(engine)
+
+
 # ---- AsyncEngine --------------------------------------------------------------------------------------------------
 
 async def collect(it):

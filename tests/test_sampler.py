@@ -155,3 +155,45 @@ def test_out_of_range_temperature_is_rejected():
         with pytest.raises(ValueError, match="temperature"):
             SamplingParams(temperature=bad)
     assert SamplingParams(temperature=100).temperature == 100.0
+
+
+# ---- edge values and the last line of defence ------------------------------------------------------------------
+
+def test_near_zero_temperature_is_greedy():
+    # logits / 1e-40 is inf in float32, and softmax of inf is NaN: below GREEDY_TEMPERATURE a row samples as greedy
+    rows = [SampleRow(SamplingParams(temperature=t, seed=1)) for t in (1e-40, 1e-30, 1e-6, 0.0)]
+    assert Sampler(REAL, "cpu").sample(known_logits(4), rows) == [IDS[0]] * 4
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
+def test_top_k_past_the_vocabulary_keeps_everything():
+    params = SamplingParams(temperature=1.0)
+    params.top_k = 2**63  # what validation lets through is bounded; the sampler still clamps to the vocabulary
+    assert_close(draw(params), expected(dict(enumerate(PROBS))))
+
+
+def test_suppress_ids_outside_the_logits_are_ignored():
+    # a stop id past the vocabulary can never be sampled, so there is nothing to suppress (indexing it would fail,
+    # and on a GPU that is a device-side assert that ends the process)
+    rows = [SampleRow(SamplingParams(temperature=t), suppress_ids=(V + 5, IDS[0], 10**12)) for t in (0.0, 1.0)]
+    out = Sampler(REAL, "cpu").sample(known_logits(2), rows)
+    assert out[0] == IDS[1] and out[1] != IDS[0]
+
+
+def test_sample_each_fails_only_the_broken_row():
+    broken = SamplingParams(temperature=1.0, seed=3)
+    broken.top_p = "0.9"  # past validation: sampling this row raises
+    rows = [SampleRow(SamplingParams(temperature=0.0)), SampleRow(broken), SampleRow(SamplingParams(temperature=0.0))]
+    out = Sampler(REAL, "cpu").sample_each(known_logits(3), rows)
+    assert out[0] == out[2] == IDS[0] and isinstance(out[1], TypeError)
+    ok = [SampleRow(SamplingParams(temperature=0.0))] * 2
+    assert Sampler(REAL, "cpu").sample_each(known_logits(2), ok) == [IDS[0]] * 2
+
+
+def test_integer_fields_are_bounded():
+    for bad in (dict(top_k=2**63), dict(top_k=-1), dict(seed=2**64), dict(seed=-2**63 - 1), dict(max_tokens=2**63),
+                dict(stop_token_ids=[-1]), dict(stop_token_ids=[2**63]), dict(stop_token_ids=[True]),
+                dict(temperature=10**400), dict(top_p=None)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    assert SamplingParams(seed=-2**63, top_k=2**63 - 1).seed == -2**63
