@@ -6,8 +6,13 @@ qk-head j // (Hv/Hk), so a block of Hv/tp value heads maps onto a block of Hk/tp
 blocks of in_proj_qkv (and the conv channels, which follow them one to one) are each split that way; z, b, a,
 A_log and dt_bias follow the value heads; out_proj is split by input columns and all-reduced by the caller.
 
-Two algorithms, as in the reference: a chunked (UT transform) form for any call that feeds several tokens, and the
-token-by-token recurrence for single-token decode on an existing state. Both compute the same function.
+The four input projections read the same x: one GEMM computes proj = u | z | b | a (layers/linear.py fuse_rows),
+with u = q | k | v the conv's input. Then:
+- decode (every sequence feeds one token onto its state): one op, `decode_torch` (the oracle) or `decode_fast`
+  (two Triton kernels: conv step + SiLU; l2-norms, decay and beta, delta rule in place, readout, gated RMSNorm);
+- any other step (`mixed_torch`, the per-sequence reference, or `mixed_fast`): the decode rows take the decode op
+  in one batch; the other sequences take the chunked (UT transform) form, stacked into one call.
+The recurrent and chunked forms compute the same function (as the reference, which uses each in its phase).
 """
 from __future__ import annotations
 
@@ -15,20 +20,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # Triton comes with CUDA builds of torch; the CPU path never needs it
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
 from dist import parallel
+from layers import backend
+from layers.backend import tl, triton
 from layers.forward_batch import ForwardBatch
-from layers.linear import Linear, even_split, make_param
-from layers.norm import GatedRMSNorm
+from layers.linear import Linear, even_split, fuse_rows, make_param
+from layers.norm import GatedRMSNorm, gated_rms_norm_torch
+
+L2_EPS = 1e-6  # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
+# Launch settings of decode_fast (module level so that the benchmark can sweep them; the signatures stay equal).
+# delta_warps: warps of the one program per (sequence, value head); its fp32 state tile [dk, dv] is spread over
+# them (128 x 128 over 8 warps is 64 registers per thread), capped at one warp per 2048 state elements.
+DECODE_CONFIG = {"conv_block_c": 256, "conv_warps": 4, "delta_warps": 8}
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+# ------------------------------------------------------------------------------------------- shared torch math
+def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def split_proj(proj: torch.Tensor, conv_dim: int, num_v_heads: int, dv: int):
+    """proj [T, conv_dim + Hv*dv + 2*Hv] -> views u [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv]."""
+    u, z, b, a = proj.split([conv_dim, num_v_heads * dv, num_v_heads, num_v_heads], -1)
+    return u, z.unflatten(-1, (num_v_heads, dv)), b, a
+
+
+def gates_torch(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """(g, beta) in fp32: g = -exp(A_log) * softplus(a + dt_bias) (the log decay, <= 0, all fp32);
+    beta = sigmoid(b) in the model dtype, then fp32 (spec §3.2)."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.sigmoid().float()
+
+
+def split_qkv(c: torch.Tensor, num_k_heads: int, num_v_heads: int, dk: int, dv: int):
+    """Conv output [n, C] -> q (l2-normed, scaled by dk^-0.5), k (l2-normed), v in fp32, per value head: [n, Hv, d]."""
+    n = c.shape[0]
+    q, k, v = c.split([num_k_heads * dk, num_k_heads * dk, num_v_heads * dv], -1)
+    rep = num_v_heads // num_k_heads
+    q = (l2norm(q.float().view(n, -1, dk)) * dk ** -0.5).repeat_interleave(rep, dim=1)
+    k = l2norm(k.float().view(n, -1, dk)).repeat_interleave(rep, dim=1)
+    return q, k, v.float().view(n, -1, dv)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state):
@@ -79,6 +110,69 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
     return out, state
 
 
+# -------------------------------------------------------------------------------------------------- decode op
+def _dims(conv_state: torch.Tensor, ssm_state: torch.Tensor):
+    """(Hk, Hv, dk, dv, conv_dim) of this rank, read off the caches: the op needs no config."""
+    conv_dim, (Hv, dk, dv) = conv_state.shape[1], ssm_state.shape[1:]
+    return (conv_dim - Hv * dv) // (2 * dk), Hv, dk, dv, conv_dim
+
+
+def decode_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float):
+    """One token for each of B sequences on existing states -> y [B, Hv*dv] in proj's dtype, ready for out_proj.
+
+    proj [B, conv_dim + Hv*dv + 2*Hv] is the fused projection u | z | b | a; conv_state [slots, conv_dim, K-1]
+    (raw inputs, oldest first) and ssm_state [slots, Hv, dk, dv] (fp32) are updated in place at `slots` [B].
+    All sequences at once, no host sync (CUDA-graph safe)."""
+    Hk, Hv, dk, dv, conv_dim = _dims(conv_state, ssm_state)
+    u, z, b, a = split_proj(proj, conv_dim, Hv, dv)
+    g, beta = gates_torch(a, b, A_log, dt_bias)
+    window = torch.cat([conv_state[slots], u.unsqueeze(-1)], dim=-1)              # [B, C, K]
+    conv_state[slots] = window[..., 1:]
+    # the conv's last output column, accumulated in fp32 and rounded like a conv1d in the model dtype
+    c = F.silu((window.float() * conv_weight[:, 0, :].float()).sum(-1).to(u.dtype))
+    q, k, v = split_qkv(c, Hk, Hv, dk, dv)
+    state = ssm_state[slots] * g.exp()[:, :, None, None]                           # [B, H, dk, dv]
+    delta = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta[..., None]
+    state = state + k[..., None] * delta[:, :, None, :]
+    ssm_state[slots] = state
+    o = torch.einsum("bhkv,bhk->bhv", state, q).to(u.dtype)
+    return gated_rms_norm_torch(o, z, norm_weight, eps).flatten(1)
+
+
+def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float):
+    """decode_torch in two kernels: (1) the conv step + SiLU over the q|k|v channels, the tail shifted in place;
+    (2) one program per (sequence, value head) does the rest with the state read once and written once in place.
+
+    Why one program holds a whole head's [dk, dv] state (64 KB fp32 at 128 x 128) rather than a block of value
+    columns: the gated RMSNorm needs the sum of squares of all dv outputs of the head, which a split would have to
+    combine across programs (atomics and fences inside one launch, or a third kernel). B * Hv programs fill the GPU
+    from batch ~4 at TP=1; below that each program keeps its whole 64 KB tile in flight at once, which keeps the
+    per-SM bandwidth high, and the state of one sequence (2 MiB per layer) takes microseconds either way."""
+    Hk, Hv, dk, dv, conv_dim = _dims(conv_state, ssm_state)
+    B = proj.shape[0]
+    y = torch.empty(B, Hv * dv, dtype=proj.dtype, device=proj.device)
+    if B == 0:
+        return y
+    cfg = DECODE_CONFIG
+    c = torch.empty(B, conv_dim, dtype=proj.dtype, device=proj.device)
+    K = conv_weight.shape[-1]
+    block_c = min(cfg["conv_block_c"], triton.next_power_of_2(conv_dim))
+    _conv_step_kernel[(B, triton.cdiv(conv_dim, block_c))](
+        proj, conv_state, conv_weight, slots, c, conv_dim, proj.stride(0), conv_state.stride(0),
+        conv_state.stride(1), conv_state.stride(2), conv_weight.stride(0), conv_weight.stride(2),
+        KERNEL=K, BLOCK_C=block_c, num_warps=cfg["conv_warps"])
+    BK, BV = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    z_off = conv_dim
+    b_off = z_off + Hv * dv
+    _delta_step_kernel[(B, Hv)](
+        c, proj, ssm_state, slots, A_log, dt_bias, norm_weight, y,
+        c.stride(0), proj.stride(0), *ssm_state.stride(), y.stride(0),
+        Hk * dk, 2 * Hk * dk, z_off, b_off, b_off + Hv, dk ** -0.5, L2_EPS, eps,
+        REP=Hv // Hk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=min(cfg["delta_warps"], max(1, BK * BV // 2048)))
+    return y
+
+
+# -------------------------------------------------------------------------------------------------- the layer
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg, dtype=None, device=None):
         super().__init__()
@@ -97,6 +191,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = Linear(hidden, vd, rows=[(v_start * dv, self.num_v_heads * dv)], dtype=dtype, device=device)
         self.in_proj_b = Linear(hidden, Hv, rows=v_heads, dtype=dtype, device=device)
         self.in_proj_a = Linear(hidden, Hv, rows=v_heads, dtype=dtype, device=device)
+        # [conv_dim + Hv*dv + 2*Hv, hidden]: one GEMM gives proj = u | z | b | a (split_proj); the loader fills views
+        self.in_proj = fuse_rows(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         self.conv1d = nn.Module()
         self.conv1d.weight = make_param((2 * kd + vd, 1, self.kernel), [qkv_rows, None, None], dtype, device)
         # A_log is released in fp32 and kept so (as vLLM/SGLang do); the decay is computed in fp32
@@ -108,114 +204,86 @@ class GatedDeltaNet(nn.Module):
         # conv_state [slots, conv_dim, kernel-1] (raw pre-conv inputs), ssm_state [slots, Hv_local, dk, dv] fp32
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        fast = backend.use_fast()
+        self._decode_op = decode_fast if fast else decode_torch
+        self._mixed = self.mixed_fast if fast else self.mixed_torch
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        T = x.shape[0]
-        u = self.in_proj_qkv(x)                                   # [T, conv_dim]
-        z = self.in_proj_z(x).view(T, self.num_v_heads, self.dv)
-        beta = self.in_proj_b(x).sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        if batch.is_decode:
-            decode = self._decode_triton if (triton is not None and x.is_cuda) else self._decode
-            out = decode(u, g, beta, batch.state_slots)
-        else:
-            out = self._mixed_batched(u, g, beta, batch)
-        y = self.norm(out, z).reshape(T, -1)
+        proj = F.linear(x, self.in_proj)
+        y = self.decode(proj, batch.state_slots) if batch.is_decode else self._mixed(proj, batch)
         return self.out_proj(y)
 
-    def _split_qkv(self, c: torch.Tensor):
-        """Conv output [n, C] -> q (l2-normed, scaled), k (l2-normed), v in fp32, per value head: [n, Hv, d]."""
-        n = c.shape[0]
-        q, k, v = c.split([self.num_k_heads * self.dk, self.num_k_heads * self.dk, self.num_v_heads * self.dv], -1)
-        rep = self.num_v_heads // self.num_k_heads
-        q = (l2norm(q.float().view(n, -1, self.dk)) * self.dk ** -0.5).repeat_interleave(rep, dim=1)
-        k = l2norm(k.float().view(n, -1, self.dk)).repeat_interleave(rep, dim=1)
-        return q, k, v.float().view(n, -1, self.dv)
+    def decode(self, proj: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The decode op of this layer's kernel set on its caches and weights: proj [B, ...] -> y [B, Hv*dv]."""
+        return self._decode_op(proj, self.conv_state, self.ssm_state, slots, self.conv1d.weight, self.A_log,
+                               self.dt_bias, self.norm.weight, self.norm.eps)
 
-    def _decode(self, u: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token for each of B sequences on existing states, all at once: no host sync, no per-sequence loop
-        (CUDA-graph safe). Gathers each sequence's conv tail and recurrent state by slot, steps, scatters back."""
-        window = torch.cat([self.conv_state[slots], u.unsqueeze(-1)], dim=-1)       # [B, C, kernel]
-        self.conv_state[slots] = window[..., 1:]
-        # the conv's last output column, accumulated in fp32 and rounded like a conv1d in the model dtype
-        c = F.silu((window.float() * self.conv1d.weight[:, 0, :].float()).sum(-1).to(u.dtype))
-        q, k, v = self._split_qkv(c)
-        state = self.ssm_state[slots] * g.exp()[:, :, None, None]                   # [B, H, dk, dv]
-        delta = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta[..., None]
-        state = state + k[..., None] * delta[:, :, None, :]
-        self.ssm_state[slots] = state
-        return torch.einsum("bhkv,bhk->bhv", state, q).to(u.dtype)
-
-    def _decode_triton(self, u: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """_decode in two kernels that update the conv tail and the recurrent state in place: the state is read and
-        written once (the torch version moves it about ten times), and ~40 small launches become 2."""
-        B, C = u.shape
-        c = torch.empty_like(u)
-        w = self.conv1d.weight
-        _conv_step_kernel[(B, triton.cdiv(C, 512))](
-            u, self.conv_state, w, slots, c, C, u.stride(0), self.conv_state.stride(0), self.conv_state.stride(1),
-            w.stride(0), c.stride(0), KERNEL=self.kernel, BLOCK_C=512)
-        out = torch.empty(B, self.num_v_heads, self.dv, dtype=u.dtype, device=u.device)
-        st = self.ssm_state
-        block_v = min(32, self.dv)
-        _delta_step_kernel[(B, self.num_v_heads, self.dv // block_v)](
-            c, g, beta, st, slots, out, c.stride(0), g.stride(0), st.stride(0), st.stride(1), st.stride(2),
-            out.stride(0), out.stride(1), self.num_k_heads * self.dk, 2 * self.num_k_heads * self.dk,
-            self.dk ** -0.5, REP=self.num_v_heads // self.num_k_heads, DK=self.dk, DV=self.dv, BV=block_v)
-        return out
-
-    def _mixed(self, u: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Reference: sequence by sequence, chunked for several tokens, recurrent for one token on a state."""
-        out = torch.empty(u.shape[0], self.num_v_heads, self.dv, dtype=u.dtype, device=u.device)
+    def mixed_torch(self, proj: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Reference for any step, sequence by sequence: the chunked rule for new sequences and chunks, the recurrent
+        rule for one token on a state (as the reference model does in each phase). proj [T, ...] -> y [T, Hv*dv]."""
+        u, z, b, a = split_proj(proj, self.conv_dim, self.num_v_heads, self.dv)
+        g, beta = gates_torch(a, b, self.A_log, self.dt_bias)
+        o = torch.empty(proj.shape[0], self.num_v_heads, self.dv, dtype=proj.dtype, device=proj.device)
         offset = 0
-        for i, (n, start) in enumerate(zip(batch.seq_lens_cpu, batch.start_pos_cpu)):
+        for n, start, slot in zip(batch.seq_lens_cpu, batch.start_pos_cpu, batch.state_slots_cpu):
             sl = slice(offset, offset + n)
-            slot = batch.state_slots_cpu[i]
-            q, k, v = self._split_qkv(self._conv(u[sl], slot, fresh=start == 0))
-            if start == 0:
-                state = torch.zeros(self.num_v_heads, self.dk, self.dv, dtype=torch.float32, device=u.device)
-            else:
-                state = self.ssm_state[slot]
+            offset += n
+            q, k, v = self._qkv(self._conv(u[sl], slot, fresh=start == 0))
+            state = self._zero_state(proj.device) if start == 0 else self.ssm_state[slot]
             rule = recurrent_gated_delta_rule if (n == 1 and start > 0) else chunk_gated_delta_rule
-            o, state = rule(q, k, v, g[sl], beta[sl], state)
-            self.ssm_state[slot] = state
-            out[sl] = o.to(u.dtype)
-            offset += n
-        return out
+            o_seq, self.ssm_state[slot] = rule(q, k, v, g[sl], beta[sl], state)
+            o[sl] = o_seq.to(proj.dtype)
+        return gated_rms_norm_torch(o, z, self.norm.weight, self.norm.eps).flatten(1)
 
-    def _mixed_batched(self, u: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """_mixed with one chunked delta rule for all multi-token sequences: they are padded to the longest and
-        stacked along the head axis (heads are independent), so the chunk loop runs once, not once per sequence.
-        Padding steps have k = v = beta = 0 and g = 0, which leave the state unchanged."""
+    def mixed_fast(self, proj: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """mixed_torch batched by kind of row (host lists only, no device sync): the decode rows (one token on a
+        state) through the decode op in one call, the other sequences through one stacked chunked rule."""
+        y = torch.empty(proj.shape[0], self.num_v_heads * self.dv, dtype=proj.dtype, device=proj.device)
+        offsets = [0]
+        for n in batch.seq_lens_cpu:
+            offsets.append(offsets[-1] + n)
+        seqs = range(batch.num_seqs)
+        decodes = [i for i in seqs if batch.seq_lens_cpu[i] == 1 and batch.start_pos_cpu[i] > 0]
+        chunked = [i for i in seqs if not (batch.seq_lens_cpu[i] == 1 and batch.start_pos_cpu[i] > 0)]
+        if decodes:
+            rows = _device_index([offsets[i] for i in decodes], proj.device)
+            y[rows] = self.decode(proj[rows], _device_index([batch.state_slots_cpu[i] for i in decodes], proj.device))
+        if chunked:
+            rows = _device_index([t for i in chunked for t in range(offsets[i], offsets[i + 1])], proj.device)
+            y[rows] = self._chunked(proj, batch, chunked, offsets)
+        return y
+
+    def _chunked(self, proj, batch: ForwardBatch, seqs: list[int], offsets: list[int]) -> torch.Tensor:
+        """One chunked delta rule for the sequences `seqs`: padded to the longest and stacked along the head axis
+        (heads are independent), so the chunk loop runs once, not once per sequence. Padding steps have
+        k = v = beta = 0 and g = 0, which leave the state unchanged. -> y of their rows, in order [sum n, Hv*dv]."""
         H = self.num_v_heads
-        out = torch.empty(u.shape[0], H, self.dv, dtype=u.dtype, device=u.device)
-        chunked, offset = [], 0
-        for i, (n, start) in enumerate(zip(batch.seq_lens_cpu, batch.start_pos_cpu)):
-            sl, slot = slice(offset, offset + n), batch.state_slots_cpu[i]
-            q, k, v = self._split_qkv(self._conv(u[sl], slot, fresh=start == 0))
-            offset += n
-            if n == 1 and start > 0:  # a decode inside a mixed step: the recurrent form, as the reference
-                o, self.ssm_state[slot] = recurrent_gated_delta_rule(q, k, v, g[sl], beta[sl], self.ssm_state[slot])
-                out[sl] = o.to(u.dtype)
-            else:
-                chunked.append((sl, slot, start, q, k, v))
-        if not chunked:
-            return out
-        L = max(c[3].shape[0] for c in chunked)
+        u, z, b, a = split_proj(proj, self.conv_dim, H, self.dv)
+        g, beta = gates_torch(a, b, self.A_log, self.dt_bias)
+        parts = []  # (slice, slot, start, q, k, v) per sequence
+        for i in seqs:
+            sl, slot, start = slice(offsets[i], offsets[i + 1]), batch.state_slots_cpu[i], batch.start_pos_cpu[i]
+            parts.append((sl, slot, start, *self._qkv(self._conv(u[sl], slot, fresh=start == 0))))
+        L = max(p[0].stop - p[0].start for p in parts)
 
         def stack(xs):  # [n_i, H, ...] each -> [L, len * H, ...], zero-padded at the end
             return torch.cat([F.pad(x, (0, 0) * (x.dim() - 1) + (0, L - x.shape[0])) for x in xs], dim=1)
 
-        zeros = torch.zeros(H, self.dk, self.dv, dtype=torch.float32, device=u.device)
-        init = torch.cat([zeros if start == 0 else self.ssm_state[slot] for _, slot, start, *_ in chunked])
+        zeros = self._zero_state(proj.device)
+        init = torch.cat([zeros if start == 0 else self.ssm_state[slot] for _, slot, start, *_ in parts])
         o, state = chunk_gated_delta_rule(
-            stack([c[3] for c in chunked]), stack([c[4] for c in chunked]), stack([c[5] for c in chunked]),
-            stack([g[c[0]] for c in chunked]), stack([beta[c[0]] for c in chunked]), init)
-        slots = torch.tensor([c[1] for c in chunked], device=u.device)
-        self.ssm_state[slots] = state.view(len(chunked), H, self.dk, self.dv)
-        for j, (sl, *_rest) in enumerate(chunked):
-            out[sl] = o[: sl.stop - sl.start, j * H:(j + 1) * H].to(u.dtype)
-        return out
+            stack([p[3] for p in parts]), stack([p[4] for p in parts]), stack([p[5] for p in parts]),
+            stack([g[p[0]] for p in parts]), stack([beta[p[0]] for p in parts]), init)
+        self.ssm_state[_device_index([p[1] for p in parts], proj.device)] = state.view(len(parts), H, self.dk, self.dv)
+        o = torch.cat([o[: p[0].stop - p[0].start, j * H:(j + 1) * H] for j, p in enumerate(parts)]).to(proj.dtype)
+        z_rows = torch.cat([z[p[0]] for p in parts])
+        return gated_rms_norm_torch(o, z_rows, self.norm.weight, self.norm.eps).flatten(1)
+
+    def _qkv(self, c: torch.Tensor):
+        return split_qkv(c, self.num_k_heads, self.num_v_heads, self.dk, self.dv)
+
+    def _zero_state(self, device) -> torch.Tensor:
+        return torch.zeros(self.num_v_heads, self.dk, self.dv, dtype=torch.float32, device=device)
 
     def _conv(self, u: torch.Tensor, slot, fresh: bool) -> torch.Tensor:
         """Causal depthwise conv of one sequence's new inputs u [n, C] after its cached tail; updates the tail."""
@@ -227,51 +295,80 @@ class GatedDeltaNet(nn.Module):
         return F.silu(y).t()
 
 
+def _device_index(values: list[int], device) -> torch.Tensor:
+    """A host list as an int64 index on `device`, copied asynchronously (no wait for the GPU)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
+# ------------------------------------------------------------------------------------------------ Triton kernels
 if triton is not None:
     @triton.jit
-    def _conv_step_kernel(u_ptr, state_ptr, w_ptr, slots_ptr, out_ptr, C, su_b, ss_slot, ss_c, sw_c, so_b,
+    def _conv_step_kernel(proj_ptr, state_ptr, w_ptr, slots_ptr, out_ptr, C, sp_b, ss_slot, ss_c, ss_t, sw_c, sw_t,
                           KERNEL: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Causal depthwise conv of one new column per sequence: taps 0..K-2 read the cached tail (oldest first),
-        tap K-1 the new input; the tail shifts left by one in place. Output silu(conv), rounded as the model's."""
-        b, cb = tl.program_id(0), tl.program_id(1)
+        """Causal depthwise conv of one new column per sequence over channels [0, C) of its proj row: taps 0..K-2
+        read the cached tail (oldest first), tap K-1 the new input, accumulated in fp32 in that order; the tail
+        shifts left by one in place. Output silu(conv rounded to the model dtype), rounded again, as conv1d + silu."""
+        b, cb = tl.program_id(0).to(tl.int64), tl.program_id(1)
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = c < C
         slot = tl.load(slots_ptr + b).to(tl.int64)
-        base = state_ptr + slot * ss_slot + c * ss_c
-        x_new = tl.load(u_ptr + b * su_b + c, mask=mask, other=0.0)
-        acc = x_new.to(tl.float32) * tl.load(w_ptr + c * sw_c + (KERNEL - 1), mask=mask, other=0.0).to(tl.float32)
+        tail = state_ptr + slot * ss_slot + c * ss_c
+        w = w_ptr + c * sw_c
+        x_new = tl.load(proj_ptr + b * sp_b + c, mask=mask, other=0.0)
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         for j in tl.static_range(KERNEL - 1):
-            acc += tl.load(base + j, mask=mask, other=0.0).to(tl.float32) * \
-                tl.load(w_ptr + c * sw_c + j, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.load(tail + j * ss_t, mask=mask, other=0.0).to(tl.float32) * \
+                tl.load(w + j * sw_t, mask=mask, other=0.0).to(tl.float32)
+        acc += x_new.to(tl.float32) * tl.load(w + (KERNEL - 1) * sw_t, mask=mask, other=0.0).to(tl.float32)
         for j in tl.static_range(KERNEL - 2):
-            tl.store(base + j, tl.load(base + j + 1, mask=mask), mask=mask)
-        tl.store(base + (KERNEL - 2), x_new, mask=mask)
+            tl.store(tail + j * ss_t, tl.load(tail + (j + 1) * ss_t, mask=mask), mask=mask)
+        tl.store(tail + (KERNEL - 2) * ss_t, x_new, mask=mask)
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + b * so_b + c, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + b * C + c, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _delta_step_kernel(c_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, out_ptr, sc_b, sg_b, ss_slot, ss_h, ss_k,
-                           so_b, so_h, key_off, val_off, scale,
-                           REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
-        """One gated delta-rule step for (sequence, value head, block of BV value columns), state in place (fp32):
-        S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q, with q, k l2-normalised (q also scaled)."""
-        b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    def _log1p(x):
+        """log(1 + x) without losing small x: log(w) * x / (w - 1) with w = 1 + x rounded (Goldberg)."""
+        w = 1.0 + x
+        d = w - 1.0
+        return tl.where(d == 0.0, x, tl.log(w) * (x / tl.where(d == 0.0, 1.0, d)))
+
+    @triton.jit
+    def _delta_step_kernel(c_ptr, proj_ptr, state_ptr, slots_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, y_ptr,
+                           sc_b, sp_b, ss_slot, ss_h, ss_k, ss_v, sy_b, k_off, v_off, z_off, b_off, a_off,
+                           scale, l2_eps, eps,
+                           REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                           BV: tl.constexpr):
+        """One decode step of value head h of sequence b, from the conv output c and the raw proj row (z, b, a):
+            q, k = l2norm(q) * scale, l2norm(k) of qk-head h // REP;  g = -exp(A_log) softplus(a + dt_bias);
+            beta = sigmoid(b) (model dtype);  S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q;
+            y = (o / rms(o), rounded) * w * silu(z)   (gated RMSNorm, spec §2.1)
+        with the fp32 state S [DK, DV] read once and written once in place at the sequence's slot."""
+        b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         hk = h // REP
-        kk = tl.arange(0, DK)
-        vv = vb * BV + tl.arange(0, BV)
+        kk, vv = tl.arange(0, BK), tl.arange(0, BV)
+        km, vm = kk < DK, vv < DV
         slot = tl.load(slots_ptr + b).to(tl.int64)
         row = c_ptr + b * sc_b
-        q = tl.load(row + hk * DK + kk).to(tl.float32)
-        k = tl.load(row + key_off + hk * DK + kk).to(tl.float32)
-        v = tl.load(row + val_off + h * DV + vv).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-        decay = tl.exp(tl.load(g_ptr + b * sg_b + h))
-        beta = tl.load(beta_ptr + b * sg_b + h)
-        ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :]
-        S = tl.load(ptrs) * decay
+        q = tl.load(row + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
+        k = tl.load(row + k_off + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
+        v = tl.load(row + v_off + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + l2_eps) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + l2_eps)
+        prow = proj_ptr + b * sp_b
+        x = tl.load(prow + a_off + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, _log1p(tl.exp(tl.minimum(x, 20.0))))
+        decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
+        b_raw = tl.load(prow + b_off + h)
+        beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+        ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
+        smask = km[:, None] & vm[None, :]
+        S = tl.load(ptrs, mask=smask, other=0.0) * decay
         delta = (v - tl.sum(S * k[:, None], 0)) * beta
         S = S + k[:, None] * delta[None, :]
-        tl.store(ptrs, S)
-        o = tl.sum(S * q[:, None], 0)
-        tl.store(out_ptr + b * so_b + h * so_h + vv, o.to(out_ptr.dtype.element_ty))
+        tl.store(ptrs, S, mask=smask)
+        o = tl.sum(S * q[:, None], 0).to(y_ptr.dtype.element_ty).to(tl.float32)
+        o = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
+        z = tl.load(prow + z_off + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
+        w = tl.load(norm_w_ptr + vv, mask=vm, other=0.0).to(tl.float32)
+        tl.store(y_ptr + b * sy_b + h * DV + vv, ((w * o) * (z * tl.sigmoid(z))).to(y_ptr.dtype.element_ty), mask=vm)

@@ -163,9 +163,8 @@ def test_batched_decode_paths_equal_reference(reference):
 
 
 def test_batched_prefill_equals_per_sequence_reference(reference, monkeypatch):
-    """The stacked chunked delta rule for a mixed step (fresh prompts, a continuing chunk, a decode) against the
-    sequence-by-sequence reference, on the same caches."""
-    from layers.deltanet import GatedDeltaNet
+    """DeltaNet's batched mixed step (the decode row through the decode op, the rest through one stacked chunked
+    delta rule: mixed_fast) against the sequence-by-sequence reference (mixed_torch), on the same caches."""
     _, _, path = reference
     runner = make_runner(path)
     gen = torch.Generator().manual_seed(8)
@@ -174,11 +173,12 @@ def test_batched_prefill_equals_per_sequence_reference(reference, monkeypatch):
     plan = StepPlan([2, 5, 0, 7], [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (13, 1, 70, 2)],
                     [20, 9, 0, 0], [blocks_for(0, 40), blocks_for(1, 10), blocks_for(2, 70), blocks_for(3, 2)], [True] * 4)
 
-    def per_sequence():
-        monkeypatch.setattr(GatedDeltaNet, "_mixed_batched", GatedDeltaNet._mixed)
+    def run(mixed: str):
+        for m in runner.gdn_layers:
+            monkeypatch.setattr(m, "_mixed", getattr(m, mixed))
         return runner.execute(plan)
 
-    fast, fast_caches, slow = from_same_caches(runner, lambda: runner.execute(plan), per_sequence)
+    fast, fast_caches, slow = from_same_caches(runner, lambda: run("mixed_fast"), lambda: run("mixed_torch"))
     assert (fast - slow).abs().max().item() <= TOL_SELF
     for a, b in zip(fast_caches, caches(runner)):
         assert (a - b).abs().max().item() <= TOL_SELF
