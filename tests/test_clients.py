@@ -10,9 +10,11 @@ import sys
 
 import pytest
 
+from benchmarks import gsm8k, throughput
 from benchmarks.common import Counter
 from benchmarks.gsm8k import DEFAULT_DATA, extract_flexible, extract_strict, load_jsonl, messages_for, normalize
 from benchmarks.throughput import output_lengths, random_prompt
+from qwen35.workload import STANDARD_OUTPUT_LEN_DIST
 from test_server import ROOT, free_port, start_tiny, stop_tiny
 
 
@@ -44,8 +46,45 @@ def test_output_lengths():
     assert set(uniform) == set(range(5, 10))
     normal = output_lengths("normal:100,10", 500, 1024, rng)
     assert 95 < sum(normal) / len(normal) < 105 and min(normal) >= 1
-    with pytest.raises(SystemExit):
-        output_lengths("poisson:3", 2, 1024, rng)
+    for bad in ("poisson:3", "exp:290", "exp:-1,10", "fixed:x"):
+        with pytest.raises(SystemExit):
+            output_lengths(bad, 2, 1024, rng)
+
+
+def test_standard_output_lengths_are_exponential_capped_and_seeded():
+    assert STANDARD_OUTPUT_LEN_DIST == "exp:290,1024"
+    lengths = output_lengths("exp:290,1024", 20000, 0, random.Random(0))
+    assert lengths == output_lengths("exp:290,1024", 20000, 0, random.Random(0))  # seeded
+    assert min(lengths) >= 1 and max(lengths) == 1024  # capped: P(draw > 1024) = 2.9%
+    # mean of min(Exp(290), 1024) = 290 * (1 - exp(-1024 / 290)) = 281.5
+    assert 275 < sum(lengths) / len(lengths) < 288
+    assert sum(n == 1024 for n in lengths) / len(lengths) == pytest.approx(0.029, abs=0.005)
+
+
+def test_throughput_defaults_to_the_standard_lengths(monkeypatch):
+    seen = {}
+
+    async def fake_run(args):
+        seen.update(vars(args))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(throughput, "run", fake_run)
+    for argv, dist in (([], STANDARD_OUTPUT_LEN_DIST), (["--output-len-dist", "none"], None)):
+        with pytest.raises(SystemExit):
+            throughput.main(argv)
+        assert seen["output_len_dist"] == dist
+
+
+def test_gsm8k_data_ships_with_the_repo():
+    assert os.path.commonpath([DEFAULT_DATA, ROOT]) == ROOT
+    problems = load_jsonl(os.path.join(DEFAULT_DATA, "test.jsonl"))
+    shots = load_jsonl(os.path.join(DEFAULT_DATA, "cot_8shot.jsonl"))
+    assert len(problems) == 200 and len(shots) == 8 and all("####" in p["answer"] for p in problems)
+    assert "MIT License" in open(os.path.join(DEFAULT_DATA, "LICENSE")).read()
+    for path in ("benchmarks", "tests", "qwen35", "server.py", "start.sh"):  # nothing reads a folder beside the repo
+        r = subprocess.run(["grep", "-rEn", "--include=*.py", "--include=*.sh", "[.][.]/shared|[\"']shared[\"']",
+                            path], cwd=ROOT, capture_output=True, text=True)
+        assert r.stdout == "", r.stdout
 
 
 def test_gsm8k_scoring():
@@ -89,6 +128,18 @@ def test_gsm8k_end_to_end(url, tmp_path):
         assert row["error"] is None and row["target"] == normalize(problem["answer"])
         assert row["usage"]["prompt_tokens"] == counter.prompt(messages_for(shots, problem["question"]))
     assert json.loads(summary.read_text())["num_samples"] == 4
+
+
+def test_gsm8k_writes_its_samples_under_benchmarks_results(url, tmp_path, monkeypatch):
+    # by default the samples log goes to benchmarks/results/ (here redirected), never the working directory
+    default = tmp_path / "results" / "gsm8k-samples.jsonl"
+    assert gsm8k.DEFAULT_SAMPLES_LOG == os.path.join(ROOT, "benchmarks", "results", "gsm8k-samples.jsonl")
+    monkeypatch.setattr(gsm8k, "DEFAULT_SAMPLES_LOG", str(default))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert gsm8k.main(["--url", url, "--limit", "1", "--max-tokens", "4"]) == 0
+    assert len(default.read_text().splitlines()) == 1 and os.listdir(cwd) == []
 
 
 def test_check_server_cli(url):
