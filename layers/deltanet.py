@@ -16,6 +16,8 @@ The recurrent and chunked forms compute the same function (as the reference, whi
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,7 +32,7 @@ from layers.norm import GatedRMSNorm, gated_rms_norm_torch
 L2_EPS = 1e-6  # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
 # Launch settings of decode_fast (module level so that the benchmark can sweep them; the signatures stay equal).
 # delta_warps: warps of the one program per (sequence, value head); its fp32 state tile [dk, dv] is spread over
-# them (128 x 128 over 8 warps is 64 registers per thread), capped at one warp per 2048 state elements.
+# them (128 x 128 over 8 warps is 64 registers per thread), capped so that every thread holds 32 elements or more.
 DECODE_CONFIG = {"conv_block_c": 256, "conv_warps": 4, "delta_warps": 8}
 
 
@@ -145,9 +147,10 @@ def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
 
     Why one program holds a whole head's [dk, dv] state (64 KB fp32 at 128 x 128) rather than a block of value
     columns: the gated RMSNorm needs the sum of squares of all dv outputs of the head, which a split would have to
-    combine across programs (atomics and fences inside one launch, or a third kernel). B * Hv programs fill the GPU
-    from batch ~4 at TP=1; below that each program keeps its whole 64 KB tile in flight at once, which keeps the
-    per-SM bandwidth high, and the state of one sequence (2 MiB per layer) takes microseconds either way."""
+    combine across programs (atomics and fences inside one launch, or a third kernel). The B * Hv_local programs
+    (32 per sequence at TP=1, 4 at TP=8) fill an H200's 132 SMs from batch ~4 at TP=1; below that each program
+    keeps its whole 64 KB tile in flight at once, which keeps the per-SM bandwidth high, and the state of one
+    sequence (2 MiB per layer at TP=1) moves in microseconds either way."""
     Hk, Hv, dk, dv, conv_dim = _dims(conv_state, ssm_state)
     B = proj.shape[0]
     y = torch.empty(B, Hv * dv, dtype=proj.dtype, device=proj.device)
@@ -168,7 +171,7 @@ def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
         c, proj, ssm_state, slots, A_log, dt_bias, norm_weight, y,
         c.stride(0), proj.stride(0), *ssm_state.stride(), y.stride(0),
         Hk * dk, 2 * Hk * dk, z_off, b_off, b_off + Hv, dk ** -0.5, L2_EPS, eps,
-        REP=Hv // Hk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=min(cfg["delta_warps"], max(1, BK * BV // 2048)))
+        REP=Hv // Hk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=min(cfg["delta_warps"], max(1, BK * BV // 1024)))
     return y
 
 
@@ -239,12 +242,10 @@ class GatedDeltaNet(nn.Module):
         """mixed_torch batched by kind of row (host lists only, no device sync): the decode rows (one token on a
         state) through the decode op in one call, the other sequences through one stacked chunked rule."""
         y = torch.empty(proj.shape[0], self.num_v_heads * self.dv, dtype=proj.dtype, device=proj.device)
-        offsets = [0]
-        for n in batch.seq_lens_cpu:
-            offsets.append(offsets[-1] + n)
-        seqs = range(batch.num_seqs)
-        decodes = [i for i in seqs if batch.seq_lens_cpu[i] == 1 and batch.start_pos_cpu[i] > 0]
-        chunked = [i for i in seqs if not (batch.seq_lens_cpu[i] == 1 and batch.start_pos_cpu[i] > 0)]
+        offsets = [0, *itertools.accumulate(batch.seq_lens_cpu)]
+        on_state = [n == 1 and start > 0 for n, start in zip(batch.seq_lens_cpu, batch.start_pos_cpu)]
+        decodes = [i for i, d in enumerate(on_state) if d]
+        chunked = [i for i, d in enumerate(on_state) if not d]
         if decodes:
             rows = _device_index([offsets[i] for i in decodes], proj.device)
             y[rows] = self.decode(proj[rows], _device_index([batch.state_slots_cpu[i] for i in decodes], proj.device))
