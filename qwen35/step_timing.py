@@ -62,11 +62,16 @@ def decode_bytes(runner, batch: int, ctx: int) -> int:
 
 
 def decode_plan(runner, batch: int, ctx: int) -> StepPlan:
-    """`batch` sequences at context ctx - 1, each feeding one token (block tables disjoint, slots 0..batch-1)."""
+    """`batch` sequences at context ctx - 1, each feeding one token (block tables disjoint, slots 0..batch-1).
+
+    The tokens differ (seeded), so that the rows route to different experts as real requests do: identical rows
+    would all hit the same top-k experts and make a large batch look cheaper than it is."""
     nblk = math.ceil(ctx / runner.block_size)
     if batch * nblk > runner.num_kv_blocks or batch > runner.num_state_slots:
         raise ValueError(f"batch {batch} at context {ctx} does not fit the caches")
-    return StepPlan(state_slots=list(range(batch)), token_ids=[[7]] * batch, start_pos=[ctx - 1] * batch,
+    gen = torch.Generator().manual_seed(batch)
+    tokens = torch.randint(0, runner.config.vocab_size - 300, (batch, 1), generator=gen).tolist()
+    return StepPlan(state_slots=list(range(batch)), token_ids=tokens, start_pos=[ctx - 1] * batch,
                     block_tables=[list(range(i * nblk, (i + 1) * nblk)) for i in range(batch)],
                     want_logits=[True] * batch)
 
