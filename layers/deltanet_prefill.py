@@ -255,9 +255,9 @@ if triton is not None:
         i = blk * BLOCK_T + tl.arange(0, BLOCK_T)
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for j in tl.static_range(KERNEL):
-            x = _conv_inputs(u_ptr, tail, lo, i - (KERNEL - 1) + j, n, oldest, c, cmask, su_t, su_c, ss_k, KERNEL)
+            xin = _conv_inputs(u_ptr, tail, lo, i - (KERNEL - 1) + j, n, oldest, c, cmask, su_t, su_c, ss_k, KERNEL)
             wj = tl.load(w_ptr + c * sw_c + j * sw_k, mask=cmask, other=0.0).to(tl.float32)
-            acc += x.to(tl.float32) * wj[None, :]
+            acc += xin.to(tl.float32) * wj[None, :]
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         rows = (lo + i).to(tl.int64)
         tl.store(out_ptr + rows[:, None] * so_t + c[None, :], (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty),
@@ -270,13 +270,13 @@ if triton is not None:
                     rows_k = (tl.load(ck_ptr + 3 * e) == b).to(tl.int32) * (KERNEL - 1)  # 0: not this sequence's
                     rel = tl.load(ck_ptr + 3 * e + 1) - start
                     dst = state_ptr + tl.load(ck_ptr + 3 * e + 2) * ss_slot + c * ss_c
-                    x = _conv_inputs(u_ptr, tail, lo, rel - (KERNEL - 1) + jj, n, oldest, c, cmask,
-                                     su_t, su_c, ss_k, KERNEL)
-                    tl.store(dst[None, :] + jj[:, None] * ss_k, x, mask=(jj < rows_k)[:, None] & cmask[None, :])
-            x = _conv_inputs(u_ptr, tail, lo, n - (KERNEL - 1) + jj, n, oldest, c, cmask, su_t, su_c, ss_k,
-                             KERNEL)
+                    ck = _conv_inputs(u_ptr, tail, lo, rel - (KERNEL - 1) + jj, n, oldest, c, cmask,
+                                      su_t, su_c, ss_k, KERNEL)
+                    tl.store(dst[None, :] + jj[:, None] * ss_k, ck, mask=(jj < rows_k)[:, None] & cmask[None, :])
+            last = _conv_inputs(u_ptr, tail, lo, n - (KERNEL - 1) + jj, n, oldest, c, cmask, su_t, su_c, ss_k,
+                                KERNEL)
             tl.debug_barrier()
-            tl.store(tail[None, :] + jj[:, None] * ss_k, x, mask=jmask)
+            tl.store(tail[None, :] + jj[:, None] * ss_k, last, mask=jmask)
 
     @triton.jit
     def _unit_lower_inverse(A, n, CHUNK: tl.constexpr):
