@@ -399,14 +399,15 @@ if triton is not None:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         if e == num_local:
             valid = rows < T
-            rw = tl.load(sg_ptr + rows * ssg, mask=valid, other=0.0)
+            rw = tl.load(sg_ptr + rows * ssg, mask=valid, other=0.0).to(tl.float32)
             w = sw_ptr
             wh = sswh
             inter = I_s
         else:
             pair = tl.load(sorted_ptr + rows)
             valid = pair >= 0
-            rw = tl.load(rw_ptr + (pair // TOP_K).to(tl.int64) * srw + pair % TOP_K, mask=valid, other=0.0)
+            rw = tl.load(rw_ptr + (pair // TOP_K).to(tl.int64) * srw + pair % TOP_K, mask=valid,
+                         other=0.0).to(tl.float32)
             w = w_ptr + e.to(tl.int64) * swe
             wh = swh
             inter = I
@@ -422,7 +423,7 @@ if triton is not None:
             acc = tl.dot(a, tl.load(wp + k0, mask=kmask[:, None] & cmask[None, :], other=0.0), acc,
                          input_precision=PRECISION)
         dt = y_ptr.dtype.element_ty
-        y = (acc.to(dt).to(tl.float32) * rw.to(tl.float32)[:, None]).to(dt)
+        y = (acc.to(dt).to(tl.float32) * rw[:, None]).to(dt)
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * sy + cols[None, :], y, mask=valid[:, None] & cmask[None, :])
 
     @triton.jit
