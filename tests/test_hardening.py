@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -165,21 +167,37 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(keyed):
 EDGES = [0, 1, -1, 2, 4, -2**63, -2**63 - 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**1100, 1e-40, 1e-5, 0.5, 1.0,
          100.5, 1e308, -0.0, "", "hi", "Q:", [], {}, [1], [300000], [248076], [-1], ["a"] * 5, {"type": "text"},
          {"enable_thinking": True}, {"include_usage": True}, True, False, None]
-LEAF = (st.sampled_from(EDGES) | st.none() | st.booleans() | st.integers() | st.floats()
-        | st.text(max_size=12))
+LEAF = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
 JSON = st.recursive(LEAF, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                       max_size=4), max_leaves=10)
+EDGE = st.sampled_from(EDGES)
+VALUE = st.one_of(EDGE, st.integers(), st.floats(), JSON)
+# the sampler's own fields get numbers at the edges of what they and the vocabulary can hold most of the time
+INT_EDGE = st.sampled_from([0, 1, 2, -1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, -2**63, -2**63 - 1, 248076, 248077,
+                            300000])
+NUMBER = st.one_of(INT_EDGE, st.lists(INT_EDGE, min_size=1, max_size=3), st.sampled_from(
+    [1e-40, 1e-6, 0.5, 1.0, 100.0, 100.5, 1e308, 5e-324, -0.0, math.nan, math.inf]), VALUE)
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "x"])
-                                 | JSON, "content": st.text(max_size=30) | JSON})
-FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_tokens", "stop",
-          "stop_token_ids", "seed", "ignore_eos", "stream", "stream_options", "n", "best_of", "logprobs",
-          "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "tools",
-          "functions", "tool_choice", "function_call", "response_format", "echo", "suffix", "use_beam_search", "user"]
-CHAT_BODY = st.fixed_dictionaries({}, optional={
-    "messages": st.lists(MESSAGE, max_size=3) | JSON, "chat_template_kwargs": JSON, **{f: JSON for f in FIELDS}})
-CMPL_BODY = st.fixed_dictionaries({}, optional={
-    "prompt": st.lists(st.integers(-2, 300000) | st.sampled_from(EDGES), max_size=6) | JSON,
-    **{f: JSON for f in FIELDS}})
+                                 | VALUE, "content": st.text(max_size=30) | VALUE})
+FIELDS = ["model", "max_tokens", "max_completion_tokens", "top_p", "top_k", "min_tokens", "stop", "stop_token_ids",
+          "seed", "ignore_eos", "stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs",
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "tools", "functions",
+          "tool_choice", "function_call", "response_format", "echo", "suffix", "use_beam_search", "user"]
+SAMPLING = ["max_tokens", "min_tokens", "seed", "stop_token_ids", "temperature", "top_k", "top_p"]
+
+
+def body(**special) -> st.SearchStrategy:
+    """A few fields at a time (with many, the first bad one answers for all and the rest go untested), and sampling
+    (temperature > 0) half of the time, or top_k, top_p and seeds never reach the sampler."""
+    values = {**{f: VALUE for f in FIELDS}, **{f: NUMBER for f in SAMPLING}, **special}
+    names = sorted(values) + 3 * SAMPLING  # the sampler's own fields drawn more often: they reach the step loop
+    fields = st.lists(st.sampled_from(names), max_size=3, unique=True).flatmap(
+        lambda names: st.fixed_dictionaries({n: values[n] for n in names}))
+    return st.tuples(st.sampled_from([0, 0.7]), fields).map(lambda tf: {"temperature": tf[0], **tf[1]})
+
+
+CHAT_BODY = body(messages=st.lists(MESSAGE, max_size=3) | VALUE, chat_template_kwargs=VALUE)
+CMPL_BODY = body(prompt=st.lists(st.integers(-2, 300000) | EDGE, max_size=6) | VALUE)
 
 
 def fuzz(http: httpx.Client, path: str, base: dict, fields: dict) -> None:
@@ -194,7 +212,7 @@ def fuzz(http: httpx.Client, path: str, base: dict, fields: dict) -> None:
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), (fields, r.text[:300])
 
 
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
 
@@ -209,6 +227,51 @@ def test_fuzz_chat_never_5xx(keyed, fields):
 @given(fields=CMPL_BODY)
 def test_fuzz_completions_never_5xx(keyed, fields):
     fuzz(keyed[0], CMPL, {"prompt": "hi", "max_tokens": 2}, fields)
+
+
+@pytest.fixture(scope="module")
+def boundary():
+    """The server's validation on its own (no engine), and a sampler over the real vocabulary."""
+    from layers.sampler import Sampler
+    from qwen35.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    s = server._Server(None, tok, "m", 64, None, server.DEFAULT_MAX_REQUEST_BYTES)
+    return s, Sampler(tok.num_real_tokens, "cpu"), torch.randn(1, 248320)
+
+
+def cross_the_boundary(boundary, prepare, base: dict, fields: dict) -> None:
+    """Whatever passes validation is safe for the step loop: the sampler takes it without raising, every stop id is
+    in the vocabulary (an id past the logits is a device-side assert on a GPU), and a seed makes a generator."""
+    from layers.sampler import SampleRow
+
+    s, sampler, logits = boundary
+    try:
+        _, _, params = s._prepare(json.dumps({**base, **fields}).encode(), prepare(s))
+    except server.APIError as e:
+        assert 400 <= e.status < 500 and e.message
+        return
+    stop_ids = params.stop_token_ids or s.eos_ids
+    assert max(stop_ids) < s.vocab_size, params
+    generator = sampler.make_generator(params.seed) if params.seed is not None else None
+    sampler.sample(logits, [SampleRow(params, generator, tuple(stop_ids) if params.min_tokens else ())])
+
+
+BOUNDARY = settings(max_examples=1000, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.data_too_large])
+
+
+@BOUNDARY
+@given(fields=CHAT_BODY)
+def test_fuzz_chat_validation_bounds_what_the_sampler_sees(boundary, fields):
+    cross_the_boundary(boundary, lambda s: s._chat_prompt, {"messages": HI, "max_tokens": 2}, fields)
+
+
+@BOUNDARY
+@given(fields=CMPL_BODY)
+def test_fuzz_completions_validation_bounds_what_the_sampler_sees(boundary, fields):
+    cross_the_boundary(boundary, lambda s: lambda body: (server._completion_prompt(body, s.tokenizer), "prompt"),
+                       {"prompt": "hi", "max_tokens": 2}, fields)
 
 
 def test_alive_after_the_fuzz(keyed):
