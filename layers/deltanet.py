@@ -11,7 +11,8 @@ with u = q | k | v the conv's input. Then:
 - decode (every sequence feeds one token onto its state): one op, `decode_torch` (the oracle) or `decode_fast`
   (two Triton kernels: conv step + SiLU; l2-norms, decay and beta, delta rule in place, readout, gated RMSNorm);
 - any other step (`mixed_torch`, the per-sequence reference, or `mixed_fast`): the decode rows take the decode op
-  in one batch; the other sequences take the chunked (UT transform) form, stacked into one call.
+  in one batch; the other sequences take the chunked (UT transform) form, in the varlen prefill kernels of
+  layers/deltanet_prefill.py (fast) or sequence by sequence (torch).
 The recurrent and chunked forms compute the same function (as the reference, which uses each in its phase).
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 from dist import parallel
 from layers import backend
 from layers.backend import tl, triton
+from layers.deltanet_prefill import causal_conv1d_varlen_fast, chunk_delta_rule_varlen_fast
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows, make_param
 from layers.norm import GatedRMSNorm, gated_rms_norm_torch
@@ -240,7 +242,7 @@ class GatedDeltaNet(nn.Module):
 
     def mixed_fast(self, proj: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """mixed_torch batched by kind of row (host lists only, no device sync): the decode rows (one token on a
-        state) through the decode op in one call, the other sequences through one stacked chunked rule."""
+        state) through the decode op in one call, the other sequences through the varlen prefill kernels."""
         y = torch.empty(proj.shape[0], self.num_v_heads * self.dv, dtype=proj.dtype, device=proj.device)
         offsets = [0, *itertools.accumulate(batch.seq_lens_cpu)]
         on_state = [n == 1 and start > 0 for n, start in zip(batch.seq_lens_cpu, batch.start_pos_cpu)]
@@ -255,30 +257,26 @@ class GatedDeltaNet(nn.Module):
         return y
 
     def _chunked(self, proj, batch: ForwardBatch, seqs: list[int], offsets: list[int]) -> torch.Tensor:
-        """One chunked delta rule for the sequences `seqs`: padded to the longest and stacked along the head axis
-        (heads are independent), so the chunk loop runs once, not once per sequence. Padding steps have
-        k = v = beta = 0 and g = 0, which leave the state unchanged. -> y of their rows, in order [sum n, Hv*dv]."""
-        H = self.num_v_heads
-        u, z, b, a = split_proj(proj, self.conv_dim, H, self.dv)
+        """The sequences `seqs` (prompts and prompt chunks) through the varlen prefill kernels in one launch each:
+        conv with the tails by slot, the chunked delta rule with the states by slot (layers/deltanet_prefill.py),
+        then the gated norm. -> y of their rows, in order [sum n, Hv*dv]."""
+        dev = proj.device
+        lens = [offsets[i + 1] - offsets[i] for i in seqs]
+        rows = _device_index([t for i in seqs for t in range(offsets[i], offsets[i + 1])], dev)
+        sub = proj[rows]
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32).to(dev, non_blocking=True)
+        start = torch.tensor([batch.start_pos_cpu[i] for i in seqs], dtype=torch.int32).to(dev, non_blocking=True)
+        slots = _device_index([batch.state_slots_cpu[i] for i in seqs], dev)
+        u, z, b, a = split_proj(sub, self.conv_dim, self.num_v_heads, self.dv)
         g, beta = gates_torch(a, b, self.A_log, self.dt_bias)
-        parts = []  # (slice, slot, start, q, k, v) per sequence
-        for i in seqs:
-            sl, slot, start = slice(offsets[i], offsets[i + 1]), batch.state_slots_cpu[i], batch.start_pos_cpu[i]
-            parts.append((sl, slot, start, *self._qkv(self._conv(u[sl], slot, fresh=start == 0))))
-        L = max(p[0].stop - p[0].start for p in parts)
-
-        def stack(xs):  # [n_i, H, ...] each -> [L, len * H, ...], zero-padded at the end
-            return torch.cat([F.pad(x, (0, 0) * (x.dim() - 1) + (0, L - x.shape[0])) for x in xs], dim=1)
-
-        zeros = self._zero_state(proj.device)
-        init = torch.cat([zeros if start == 0 else self.ssm_state[slot] for _, slot, start, *_ in parts])
-        o, state = chunk_gated_delta_rule(
-            stack([p[3] for p in parts]), stack([p[4] for p in parts]), stack([p[5] for p in parts]),
-            stack([g[p[0]] for p in parts]), stack([beta[p[0]] for p in parts]), init)
-        self.ssm_state[_device_index([p[1] for p in parts], proj.device)] = state.view(len(parts), H, self.dk, self.dv)
-        o = torch.cat([o[: p[0].stop - p[0].start, j * H:(j + 1) * H] for j, p in enumerate(parts)]).to(proj.dtype)
-        z_rows = torch.cat([z[p[0]] for p in parts])
-        return gated_rms_norm_torch(o, z_rows, self.norm.weight, self.norm.eps).flatten(1)
+        c = causal_conv1d_varlen_fast(u, cu, start, self.conv_state, slots, self.conv1d.weight)
+        kd = self.num_k_heads * self.dk
+        q, k, v = c.split([kd, kd, self.num_v_heads * self.dv], -1)
+        o = chunk_delta_rule_varlen_fast(q.unflatten(-1, (self.num_k_heads, self.dk)),
+                                         k.unflatten(-1, (self.num_k_heads, self.dk)),
+                                         v.unflatten(-1, (self.num_v_heads, self.dv)), g, beta, cu, start,
+                                         self.ssm_state, slots, self.dk ** -0.5)
+        return gated_rms_norm_torch(o, z, self.norm.weight, self.norm.eps).flatten(1)
 
     def _qkv(self, c: torch.Tensor):
         return split_qkv(c, self.num_k_heads, self.num_v_heads, self.dk, self.dv)

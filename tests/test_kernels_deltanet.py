@@ -31,6 +31,7 @@ from layers.backend import triton
 from layers.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(triton is None, reason="needs triton")
+TOL_CHUNKED = 2e-4
 TOL = 1e-5
 EPS = 1e-6
 
@@ -191,7 +192,7 @@ def test_decode_torch_equals_per_sequence_reference(hk, hv, dk, dv, kernel, rank
 def test_mixed_fast_equals_per_sequence(kernels, monkeypatch):
     """Decode rows between prefill rows: fresh prompts (one of 70 tokens, two chunks; one of a single token), a
     continuing chunk, three decodes. mixed_fast == mixed_torch on outputs and every cache entry."""
-    m = build_layer(kernels, tiny_cfg(2, 6, 12, 10, 4), monkeypatch, seed=3)
+    m = build_layer(kernels, tiny_cfg(2, 6, 16, 16, 4), monkeypatch, seed=3)  # prefill kernels: dims 2^n >= 16
     gen = torch.Generator().manual_seed(4)
     lens, starts, slots = [1, 5, 1, 70, 3, 1, 1], [4, 0, 9, 0, 6, 0, 2], [3, 1, 7, 0, 5, 6, 2]
     batch = batch_of(lens, starts, slots)
@@ -199,9 +200,11 @@ def test_mixed_fast_equals_per_sequence(kernels, monkeypatch):
     proj = random_proj(m, sum(lens), gen)
     y, after, y_ref = run_both(m, lambda: m.mixed_fast(proj, batch), lambda: m.mixed_torch(proj, batch))
     assert y_ref.abs().max() > 0.5
-    assert max_diff(y, y_ref) <= TOL
+    # the prefill rows take the Triton chunked kernel, whose fp32 sums run in another order than the torch
+    # chunk rule's: the prefill kernels' own tolerance (tests/test_kernels_deltanet_prefill.py)
+    assert max_diff(y, y_ref) <= TOL_CHUNKED
     for a, b in zip(after, caches(m)):
-        assert max_diff(a, b) <= TOL
+        assert max_diff(a, b) <= TOL_CHUNKED
 
 
 def run_both(m, first, second):
@@ -227,7 +230,7 @@ def test_in_proj_is_one_fused_weight(monkeypatch):
 @pytest.mark.parametrize("kernels", ["torch", "fast"])
 def test_forward_equals_separate_projections(kernels, monkeypatch):
     """forward = out_proj(mixed_torch(cat of the four projections)) for a decode batch and a mixed one."""
-    m = build_layer(kernels, tiny_cfg(1, 3, 8, 8, 4), monkeypatch, seed=6)
+    m = build_layer(kernels, tiny_cfg(1, 3, 16, 16, 4), monkeypatch, seed=6)  # prefill kernels: dims 2^n >= 16
     gen = torch.Generator().manual_seed(7)
     for lens, starts, slots in (([1, 1, 1], [5, 2, 1], [2, 6, 8]), ([1, 4, 1], [3, 0, 8], [1, 4, 2])):
         batch = batch_of(lens, starts, slots)
@@ -235,9 +238,9 @@ def test_forward_equals_separate_projections(kernels, monkeypatch):
         proj = torch.cat([m.in_proj_qkv(x), m.in_proj_z(x), m.in_proj_b(x), m.in_proj_a(x)], -1)
         got, after, want = run_both(m, lambda: m(x, batch), lambda: m.out_proj(m.mixed_torch(proj, batch)))
         assert want.abs().max() > 0.1
-        assert max_diff(got, want) <= TOL
+        assert max_diff(got, want) <= TOL_CHUNKED
         for a, b in zip(after, caches(m)):
-            assert max_diff(a, b) <= TOL
+            assert max_diff(a, b) <= TOL_CHUNKED
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
