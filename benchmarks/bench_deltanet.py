@@ -157,7 +157,7 @@ def main():
 
 def mixed_times(layers, cfg, batch: int, gen: torch.Generator) -> tuple[float, float]:
     """(mixed_torch ms, mixed_fast ms) of `batch` decode rows then one fresh prompt of PROMPT tokens, eager."""
-    slots = torch.randperm(batch + 1, generator=gen).tolist()
+    slots = torch.randperm(batch + 1, generator=gen, device="cuda").tolist()
     fb = make_batch([1] * batch + [PROMPT], [CONTEXT] * batch + [0], slots)
     x = torch.randn(batch + PROMPT, cfg.hidden_size, generator=gen, device="cuda").bfloat16()
     times = []

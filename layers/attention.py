@@ -21,7 +21,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import tl, triton
+from layers.backend import round_to, tl, triton
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows
 from layers.norm import RMSNorm, rms_norm_torch
@@ -146,17 +146,17 @@ if triton is not None:
         x = tl.load(src + d, mask=in_head, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
         w = tl.load(w_ptr + d, mask=in_head, other=0.0).to(tl.float32)
-        y = (x * inv * (1.0 + w)).to(dtype)
+        y = round_to(x * inv * (1.0 + w), dtype)
         xp = tl.load(src + partner, mask=rotates, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + partner, mask=rotates, other=0.0).to(tl.float32)
-        yp = (xp * inv * (1.0 + wp)).to(dtype).to(tl.float32)
+        yp = round_to(xp * inv * (1.0 + wp), dtype)
         pos = tl.load(pos_ptr + t)
-        c = tl.load(cos_ptr + pos * s_cos + d, mask=rotates, other=0.0).to(dtype).to(tl.float32)
-        s = tl.load(sin_ptr + pos * s_cos + d, mask=rotates, other=0.0).to(dtype).to(tl.float32)
+        c = round_to(tl.load(cos_ptr + pos * s_cos + d, mask=rotates, other=0.0), dtype)
+        s = round_to(tl.load(sin_ptr + pos * s_cos + d, mask=rotates, other=0.0), dtype)
         rot = tl.where(d < half, -yp, yp)
-        a = (y.to(tl.float32) * c).to(dtype).to(tl.float32)
-        b = (rot * s).to(dtype).to(tl.float32)
-        out = tl.where(rotates, (a + b).to(dtype), y)
+        a = round_to(y * c, dtype)
+        b = round_to(rot * s, dtype)
+        out = tl.where(rotates, a + b, y).to(dtype)
         if h < H:
             tl.store(q_ptr + (t * H + h) * D + d, out, mask=in_head)
         else:

@@ -67,3 +67,22 @@ class use_kernels:
 
     def __exit__(self, *exc):
         set_kernels(self.prev)
+
+
+if triton is not None:
+    @triton.jit
+    def round_to(x, DTYPE: tl.constexpr):
+        """fp32 x rounded to nearest-even in DTYPE, returned as fp32: the reference rounds intermediates to the model
+        dtype, and kernels that promise its results round at the same points. bf16 is rounded on the bits, because
+        a plain x.to(bf16).to(fp32) round trip did not reproduce torch's rounding in a compiled kernel (H200,
+        triton 3.6: the intermediate rounding was lost) and the interpreter truncates instead."""
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        elif DTYPE == tl.float32:
+            return x
+        else:
+            return x.to(DTYPE).to(tl.float32)
+else:  # pragma: no cover
+    round_to = None

@@ -36,6 +36,7 @@ L2_EPS = 1e-6       # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
 # precision: tl.dot input precision of the sequential state kernel ("tf32", "tf32x3" or "ieee"); the parallel
 # W/U kernel always uses "ieee" (its triangular solve feeds every later product).
 FAST_CONFIG = {"conv_block_t": 64, "conv_block_c": 64, "block_v": 32, "warps_prep": 4, "warps_state": 8,
+               "stages": 1,  # software pipelining would hold several fp32 [64, 128] tiles: past the 227 KB of smem
                "precision": "tf32"}
 
 
@@ -183,7 +184,7 @@ def chunk_delta_rule_varlen_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         k, v, g, beta, cu_seqlens, w, u, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         beta.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         REP=Hv // Hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_B=triton.next_power_of_2(B + 1),
-        num_warps=cfg["warps_prep"])
+        num_warps=cfg["warps_prep"], num_stages=cfg["stages"])
     ck, n_ck = _checkpoint_arg(checkpoints, slots)
     block_v = min(cfg["block_v"], dv)
     st = ssm_state
@@ -192,7 +193,7 @@ def chunk_delta_rule_varlen_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1),
         u.stride(0), u.stride(1), st.stride(0), st.stride(1), st.stride(2), out.stride(0), out.stride(1), scale,
         REP=Hv // Hk, DK=dk, DV=dv, BV=block_v, CHUNK=chunk, BLOCK_CK=triton.next_power_of_2(max(n_ck, 1)),
-        HAS_CKPT=n_ck > 0, PRECISION=cfg["precision"], num_warps=cfg["warps_state"])
+        HAS_CKPT=n_ck > 0, PRECISION=cfg["precision"], num_warps=cfg["warps_state"], num_stages=cfg["stages"])
     return out
 
 
