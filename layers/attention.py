@@ -284,8 +284,8 @@ if triton is not None:
     def _apply_gate(o, gate):
         """o * sigmoid(gate) with the oracle's roundings (o, the sigmoid and the product in the gate's dtype)."""
         dtype = gate.dtype
-        g = tl.sigmoid(gate.to(tl.float32)).to(dtype).to(tl.float32)
-        return (o.to(dtype).to(tl.float32) * g).to(dtype)
+        g = round_to(tl.sigmoid(gate.to(tl.float32)), dtype)
+        return (round_to(o, dtype) * g).to(dtype)
 
     @triton.jit
     def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, gate_ptr, out_ptr, lse_ptr, part_ptr, scale,

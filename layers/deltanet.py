@@ -25,7 +25,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import tl, triton
+from layers.backend import round_to, tl, triton
 from layers.deltanet_prefill import causal_conv1d_varlen_fast, chunk_delta_rule_varlen_fast
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows, make_param
@@ -322,7 +322,7 @@ if triton is not None:
         for j in tl.static_range(KERNEL - 2):
             tl.store(tail + j * ss_t, tl.load(tail + (j + 1) * ss_t, mask=mask), mask=mask)
         tl.store(tail + (KERNEL - 2) * ss_t, x_new, mask=mask)
-        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = round_to(acc, out_ptr.dtype.element_ty)
         tl.store(out_ptr + b * C + c, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -359,15 +359,15 @@ if triton is not None:
         softplus = tl.where(x > 20.0, x, _log1p(tl.exp(tl.minimum(x, 20.0))))
         decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
         b_raw = tl.load(prow + b_off + h)
-        beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+        beta = round_to(tl.sigmoid(b_raw.to(tl.float32)), b_raw.dtype)
         ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
         smask = km[:, None] & vm[None, :]
         S = tl.load(ptrs, mask=smask, other=0.0) * decay
         delta = (v - tl.sum(S * k[:, None], 0)) * beta
         S = S + k[:, None] * delta[None, :]
         tl.store(ptrs, S, mask=smask)
-        o = tl.sum(S * q[:, None], 0).to(y_ptr.dtype.element_ty).to(tl.float32)
-        o = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
+        o = round_to(tl.sum(S * q[:, None], 0), y_ptr.dtype.element_ty)
+        o = round_to(o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps), y_ptr.dtype.element_ty)
         z = tl.load(prow + z_off + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
         w = tl.load(norm_w_ptr + vv, mask=vm, other=0.0).to(tl.float32)
         tl.store(y_ptr + b * sy_b + h * DV + vv, ((w * o) * (z * tl.sigmoid(z))).to(y_ptr.dtype.element_ty), mask=vm)

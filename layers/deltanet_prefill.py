@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from layers.backend import tl, triton
+from layers.backend import round_to, tl, triton
 
 CHUNK = 64          # tokens per chunk of the delta rule
 L2_EPS = 1e-6       # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
@@ -259,7 +259,7 @@ if triton is not None:
             xin = _conv_inputs(u_ptr, tail, lo, i - (KERNEL - 1) + j, n, oldest, c, cmask, su_t, su_c, ss_k, KERNEL)
             wj = tl.load(w_ptr + c * sw_c + j * sw_k, mask=cmask, other=0.0).to(tl.float32)
             acc += xin.to(tl.float32) * wj[None, :]
-        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = round_to(acc, out_ptr.dtype.element_ty)
         rows = (lo + i).to(tl.int64)
         tl.store(out_ptr + rows[:, None] * so_t + c[None, :], (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty),
                  mask=(i < n)[:, None] & cmask[None, :])

@@ -15,7 +15,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import tl, triton
+from layers.backend import round_to, tl, triton
 from layers.linear import Linear, even_split, fuse_rows
 
 
@@ -48,7 +48,7 @@ if triton is not None:
         g = tl.load(h_ptr + row * sh + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_ptr + row * sh + inter + cols, mask=mask, other=0.0).to(tl.float32)
         dt = out_ptr.dtype.element_ty
-        s = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+        s = round_to(g * tl.sigmoid(g), dt)
         tl.store(out_ptr + row * inter + cols, (s * u).to(dt), mask=mask)
 
 

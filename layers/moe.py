@@ -48,7 +48,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import tl, triton
+from layers.backend import round_to, tl, triton
 from layers.linear import Linear, even_split, fuse_rows, make_param
 from layers.mlp import MLP, mlp_torch
 
@@ -382,9 +382,9 @@ if triton is not None:
             acc_g = tl.dot(a, tl.load(gp + k0, mask=wmask, other=0.0), acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, tl.load(up + k0, mask=wmask, other=0.0), acc_u, input_precision=PRECISION)
         dt = act_ptr.dtype.element_ty
-        g = acc_g.to(dt).to(tl.float32)
-        s = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
-        out = (s * acc_u.to(dt).to(tl.float32)).to(dt)  # pad rows: silu(0) * 0 = 0
+        g = round_to(acc_g, dt)
+        s = round_to(g * tl.sigmoid(g), dt)
+        out = (s * round_to(acc_u, dt)).to(dt)  # pad rows: silu(0) * 0 = 0
         tl.store(act_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], out, mask=cmask[None, :])
 
     @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
@@ -423,7 +423,7 @@ if triton is not None:
             acc = tl.dot(a, tl.load(wp + k0, mask=kmask[:, None] & cmask[None, :], other=0.0), acc,
                          input_precision=PRECISION)
         dt = y_ptr.dtype.element_ty
-        y = (acc.to(dt).to(tl.float32) * rw[:, None]).to(dt)
+        y = (round_to(acc, dt) * rw[:, None]).to(dt)
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * sy + cols[None, :], y, mask=valid[:, None] & cmask[None, :])
 
     @triton.jit

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layers import backend
-from layers.backend import tl, triton
+from layers.backend import round_to, tl, triton
 from layers.linear import make_param
 
 
@@ -74,8 +74,8 @@ if triton is not None:
         s = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * sr + cols, mask=mask, other=0.0)
-            s = (s.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # the reference's add, rounded once
-            tl.store(res_out_ptr + row * n + cols, s, mask=mask)
+            s = round_to(s.to(tl.float32) + r.to(tl.float32), r.dtype)  # the reference's add, rounded once
+            tl.store(res_out_ptr + row * n + cols, s.to(r.dtype), mask=mask)
         s = s.to(tl.float32)
         inv = tl.rsqrt(tl.sum(s * s, 0) / n + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
