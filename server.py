@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP front end of the qwen35 engine (starlette + uvicorn + orjson).
 
 `build_app(async_engine, tokenizer, model_name, max_model_len, api_key=None, max_request_bytes=8 MiB)` returns the
-ASGI app; `qwen35.serve` builds the engine and runs it. Routes: GET /health, /ping, /v1/models, /metrics; POST /v1/chat/completions,
-/v1/completions, /invocations (= chat completions).
+ASGI app; `qwen35.serve` builds the engine and runs it. Routes: GET /health, /ping, /v1/models, /metrics;
+POST /v1/chat/completions, /v1/completions, /invocations (= chat completions).
 
 Every request is validated here, before the engine sees it, so bad input is an HTTP 4xx with an OpenAI error body
 and never an engine error: every number is bounded (integers to what the sampler's tensors hold and to the

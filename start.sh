@@ -105,7 +105,7 @@ host, port = sys.argv[1], int(sys.argv[2])
 s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind((host, port))' "$HOST" "$PORT" 2>/dev/null; then
-  echo "start.sh: port $PORT is already in use on $HOST (a server of ours stops with ./start.sh --stop --port $PORT)" >&2
+  echo "start.sh: port $PORT is already in use on $HOST (if it is our server: ./start.sh --stop --port $PORT)" >&2
   exit 1
 fi
 

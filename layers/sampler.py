@@ -1,7 +1,7 @@
 """Batched token sampling on the logits' device (rank 0).
 
-Greedy rows (temperature below GREEDY_TEMPERATURE) take the argmax. Sampled rows apply temperature, then top-k and top-p on the sorted distribution,
-then the exponential-race trick: argmax(p / E) with E ~ Exp(1) i.i.d. draws exactly from p. A seeded request
+Greedy rows (temperature below GREEDY_TEMPERATURE) take the argmax. Sampled rows apply temperature, then top-k and
+top-p on the sorted distribution, then the exponential-race trick: argmax(p / E) with E ~ Exp(1) i.i.d. draws exactly from p. A seeded request
 draws its noise from its own torch.Generator, so its tokens depend only on its seed and its own logits, never on
 what else shares the batch; unseeded rows share the sampler's generator (seeded by the engine seed).
 
