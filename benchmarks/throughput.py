@@ -30,32 +30,12 @@ import sys
 
 from benchmarks.common import Counter, add_server_args, client, closed_loop, served_model
 from qwen35 import workload
-from qwen35.tokenizer import NUM_RANKS
 
 WEIGHTS = {1: 1, 2: 1, 4: 2, 8: 2, 16: 4, 32: 4, 64: 8}
 SPOT_QUESTION = "What is 7 * 8? Only output the number, nothing else."
 SPOT_ANSWER = "56"
 NUM_SPOT = 2
-NUM_WARMUP = 2
-
-
-def random_prompt(counter: Counter, length: int, rng: random.Random) -> str:
-    """Text of exactly `length` tokens, from consecutive vocabulary ids (decode/encode changes the count a little,
-    so trim or extend with the next ids until it is stable)."""
-    tok = counter.tok
-    start = rng.randrange(0, NUM_RANKS - 4 * length)
-    ids, nxt = list(range(start, start + length)), start + length
-    for _ in range(50):
-        text = tok.decode(ids)
-        got = tok.encode(text)
-        if len(got) == length:
-            return text
-        if len(got) > length:
-            ids = got[:length]
-        else:
-            ids = got + list(range(nxt, nxt + length - len(got)))
-            nxt += length - len(got)
-    raise RuntimeError(f"could not build a {length}-token prompt from start id {start}")
+NUM_WARMUP = workload.NUM_WARMUP
 
 
 def output_lengths(spec: str | None, n: int, default: int, rng: random.Random) -> list[int]:
@@ -70,7 +50,7 @@ def build_payloads(args, model: str, counter: Counter) -> tuple[list[dict], list
     """The timed requests of one level (the same at every level): payloads, client-side prompt counts, spot flags."""
     rng = random.Random(args.seed)
     n_random = args.num_requests - NUM_SPOT
-    texts = [random_prompt(counter, args.prompt_len, rng) for _ in range(n_random)]
+    texts = [workload.random_prompt(counter, args.prompt_len, rng) for _ in range(n_random)]
     # --max-tokens is the harness's cap on every request, drawn lengths included
     lengths = [min(n, args.max_tokens) for n in output_lengths(args.output_len_dist, args.num_requests,
                                                                args.max_tokens, rng)]

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N -m qwen35.bench [--model qwen3.5-35b-a3b --load-format dummy]
         [--mode record,static,trace] [--batch-sizes 1,2,4,...,64] [--input-len 1024] [--output-len 256]
-        [--levels 1,2,4,8,16,32,64] [--num-requests 64] [--output-len-dist fixed:N|uniform:A-B|normal:M,S]
+        [--levels 1,2,4,8,16,32,64] [--num-requests 64] [--output-len-dist exp:290,1024|fixed:N|...]
         [--out results.json]
 
 record (the figures of record; qwen35/step_timing.py says how each is measured): per batch size, a decode step at
@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import torch
 
 from dist import parallel
-from qwen35 import step_timing
+from qwen35 import step_timing, workload
 from qwen35.engine import EngineArgs, LLMEngine
 from qwen35.sampling_params import SamplingParams
 
@@ -159,7 +159,7 @@ def _running(engine: LLMEngine):
 
 
 def trace(engine: LLMEngine, args, rng: random.Random) -> dict:
-    from benchmarks.throughput import NUM_WARMUP, output_lengths, random_prompt
+    from qwen35.workload import NUM_WARMUP, output_lengths, random_prompt
     counter = SimpleNamespace(tok=engine.tokenizer)
     n_prompts = min(62, args.num_requests)
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": random_prompt(counter, args.input_len, rng)}])
@@ -211,7 +211,9 @@ def main(argv=None) -> None:
     ap.add_argument("--profile-steps", type=int, default=16, help="decode steps timed per profiled batch size")
     ap.add_argument("--levels", default="1,2,4,8,16,32,64")
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--output-len-dist", default=None, help="fixed:N | uniform:A-B | normal:MEAN,STD")
+    ap.add_argument("--output-len-dist", default=workload.STANDARD_OUTPUT_LEN_DIST,
+                    help=f"trace output lengths: {workload.FORMS} (default {workload.STANDARD_OUTPUT_LEN_DIST}, the "
+                         "standard for synthetic weights)")
     ap.add_argument("--out", default=None,
                     help="results JSON (default with record: benchmarks/results/<date>_bench_<device>_tp<N>.json)")
     for a in ap._actions:  # --model has a default here
@@ -261,7 +263,7 @@ def main(argv=None) -> None:
                       f"{p['cpu_outside_forward_ms']:12.2f}")
         if "trace" in modes:
             print(f"trace: {args.num_requests} requests per level, prompts of {args.input_len} tokens, outputs "
-                  f"{args.output_len_dist or f'fixed:{args.output_len}'}")
+                  f"{args.output_len_dist}")
             results["trace"] = trace(engine, args, rng)
             print(f"weighted score {results['trace']['weighted_score']:.0f}")
     finally:

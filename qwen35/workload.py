@@ -1,4 +1,4 @@
-"""Output lengths of synthetic serving workloads (shared by benchmarks/throughput.py and qwen35.bench).
+"""Synthetic serving workloads: prompts and output lengths (shared by benchmarks/throughput.py and qwen35.bench).
 
 Random weights never emit EOS, so a synthetic run must choose every request's output length (ignore_eos) and say
 which. The standard, STANDARD_OUTPUT_LEN_DIST, is exponential with mean 290 tokens capped at the harness's 1024:
@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import random
 
+from qwen35.tokenizer import NUM_RANKS
+
 STANDARD_OUTPUT_LEN_DIST = "exp:290,1024"
+NUM_WARMUP = 2  # warm-up requests before each level's timed requests (the contract's harness)
 FORMS = "fixed:N, uniform:A-B, normal:MEAN,STD or exp:MEAN,CAP"
 
 
@@ -50,3 +53,22 @@ def output_lengths(spec: str | None, n: int, default: int, rng: random.Random) -
         return [default] * n
     draw = length_sampler(spec, rng)
     return [max(1, draw()) for _ in range(n)]
+
+
+def random_prompt(counter, length: int, rng: random.Random) -> str:
+    """Text of exactly `length` tokens, from consecutive vocabulary ids (decode/encode changes the count a little,
+    so trim or extend with the next ids until it is stable). `counter.tok` is the tokenizer."""
+    tok = counter.tok
+    start = rng.randrange(0, NUM_RANKS - 4 * length)
+    ids, nxt = list(range(start, start + length)), start + length
+    for _ in range(50):
+        text = tok.decode(ids)
+        got = tok.encode(text)
+        if len(got) == length:
+            return text
+        if len(got) > length:
+            ids = got[:length]
+        else:
+            ids = got + list(range(nxt, nxt + length - len(got)))
+            nxt += length - len(got)
+    raise RuntimeError(f"could not build a {length}-token prompt from start id {start}")
