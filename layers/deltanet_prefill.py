@@ -20,8 +20,8 @@ cumulative log decay G (from the chunk start), keys k (l2-normalised), queries q
     W = T (diag(beta exp(G)) K);  U = T (diag(beta) V)                             (no dependency on the state)
     V' = U - W S;  O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j))_causal V';  S = exp(G_C) S + (exp(G_C - G) K)^T V'
 The fast path runs it as two kernels: one program per (chunk, value head) computes W and U for all chunks in
-parallel (the solve is the slow part); one program per (sequence, value head, block of value columns) then carries
-the state [dk, BV] in registers across the sequence's chunks.
+parallel (the solve blocked by 16 rows: 16x16 diagonal inverses, then row blocks by dots); one program per
+(sequence, value head, block of value columns) then carries the state [dk, BV] in registers across the chunks.
 """
 from __future__ import annotations
 
@@ -33,11 +33,11 @@ from layers.backend import round_to, tl, triton
 CHUNK = 64          # tokens per chunk of the delta rule
 L2_EPS = 1e-6       # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
 # Launch settings of the fast path (module level so that benchmarks can sweep them; the signatures stay equal).
-# precision: tl.dot input precision of the sequential state kernel ("tf32", "tf32x3" or "ieee"); the parallel
-# W/U kernel always uses "ieee" (its triangular solve feeds every later product).
+# precision: tl.dot input precision of the sequential state kernel ("tf32", "tf32x3" or "ieee"); precision_prep:
+# that of the W/U kernel's two products W = T X, U = T Y (its K K^T and triangular solve always run in "ieee").
 FAST_CONFIG = {"conv_block_t": 64, "conv_block_c": 64, "block_v": 32, "warps_prep": 4, "warps_state": 8,
                "stages": 1,  # software pipelining would hold several fp32 [64, 128] tiles: past the 227 KB of smem
-               "precision": "tf32"}
+               "precision": "tf32", "precision_prep": "tf32"}
 
 
 # ------------------------------------------------------------------------------------------------ torch oracles
@@ -180,11 +180,13 @@ def chunk_delta_rule_varlen_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     cfg = FAST_CONFIG
     w = torch.empty((N, Hv, dk), dtype=torch.float32, device=v.device)
     u = torch.empty((N, Hv, dv), dtype=torch.float32, device=v.device)
+    # the solve's scratch: each program's own token rows of w (written with W only after the solve), when wide enough
+    scr = w if dk >= chunk else torch.empty((N, Hv, chunk), dtype=torch.float32, device=v.device)
     _prep_kernel[(triton.cdiv(N, chunk) + B, Hv)](
-        k, v, g, beta, cu_seqlens, w, u, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-        beta.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-        REP=Hv // Hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_B=triton.next_power_of_2(B + 1),
-        num_warps=cfg["warps_prep"], num_stages=cfg["stages"])
+        k, v, g, beta, cu_seqlens, w, u, scr, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        beta.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1), scr.stride(0), scr.stride(1),
+        REP=Hv // Hk, DK=dk, DV=dv, CHUNK=chunk, BLK=16, BLOCK_B=triton.next_power_of_2(B + 1),
+        PRECISION=cfg["precision_prep"], num_warps=cfg["warps_prep"], num_stages=cfg["stages"])
     ck, n_ck = _checkpoint_arg(checkpoints, slots)
     block_v = min(cfg["block_v"], dv)
     st = ssm_state
@@ -280,24 +282,57 @@ if triton is not None:
             tl.store(tail[None, :] + jj[:, None] * ss_k, last, mask=jmask)
 
     @triton.jit
-    def _unit_lower_inverse(A, n, CHUNK: tl.constexpr):
-        """(I + A)^-1 for A strictly lower triangular [CHUNK, CHUNK], fp32, by forward substitution over the first n
-        rows (rows past n are padding, their A rows are zero): inv_i = e_i - sum_{j<i} A_ij inv_j. Built as the
-        transpose, column by column, so that the second reduction of each step runs along a row (within a warp)."""
-        idx = tl.arange(0, CHUNK)
-        inv_t = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
-        for i in range(1, n):
-            a_i = tl.sum(tl.where(idx[:, None] == i, A, 0.0), 0)                       # A[i, :]
-            col = tl.where(idx == i, 1.0, 0.0) - tl.sum(inv_t * a_i[None, :], 1)      # inv[i, :]
-            inv_t = tl.where(idx[None, :] == i, col[:, None], inv_t)
-        return tl.trans(inv_t)
+    def _diag_block_inverses(D, BLK: tl.constexpr):
+        """(I + D_b)^-1 of every diagonal block b of D [NB, BLK, BLK] (strictly lower), all blocks at once, by forward
+        substitution: inv_i = e_i - sum_{j<i} D_ij inv_j (BLK - 1 steps on NB * BLK * BLK elements)."""
+        ii = tl.arange(0, BLK)
+        eye = tl.where(ii[:, None] == ii[None, :], 1.0, 0.0)
+        inv = tl.zeros_like(D) + eye[None, :, :]
+        for i in range(1, BLK):
+            sel = ii[None, :, None] == i
+            d_i = tl.sum(tl.where(sel, D, 0.0), 1)                                       # D[:, i, :]
+            row = tl.where(ii[None, :] == i, 1.0, 0.0) - tl.sum(d_i[:, :, None] * inv, 1)  # inv[:, i, :]
+            inv = tl.where(sel, row[:, None, :], inv)
+        return inv
 
     @triton.jit
-    def _prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, w_ptr, u_ptr, B,
-                     sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, sw_t, sw_h, su_t, su_h,
+    def _unit_lower_inverse(A, scr, s_row, n, CHUNK: tl.constexpr, BLK: tl.constexpr):
+        """T = (I + A)^-1 for A strictly lower triangular [CHUNK, CHUNK] fp32 (rows past n are padding, zero),
+        blocked by BLK rows: the diagonal blocks by forward substitution (_diag_block_inverses), then row block by
+        row block T_r = T_rr (E_r - A_r,<r T_<r), E_r the identity's rows of block r, with fp32 ("ieee") dots.
+        Registers cannot be sliced, so A goes through this program's scratch rows scr + row * s_row + col (rows
+        >= n neither written nor read: the solve of the first n rows never needs them) and T is built in place of
+        A, one row block at a time (block r reads A's row block r and T's rows above it)."""
+        rows = tl.arange(0, CHUNK)
+        tl.store(scr + rows[:, None] * s_row + rows[None, :], A, mask=(rows < n)[:, None])
+        tl.debug_barrier()
+        bb, ii = tl.arange(0, CHUNK // BLK), tl.arange(0, BLK)
+        drow = bb[:, None, None] * BLK + ii[None, :, None]                                  # [NB, BLK, 1]
+        D = tl.load(scr + drow * s_row + (bb[:, None, None] * BLK + ii[None, None, :]), mask=drow < n, other=0.0)
+        inv = _diag_block_inverses(D, BLK)
+        for r in tl.static_range(CHUNK // BLK):
+            t_rr = tl.sum(tl.where(bb[:, None, None] == r, inv, 0.0), 0)                   # [BLK, BLK]
+            rr = r * BLK + ii
+            a_r = tl.load(scr + rr[:, None] * s_row + rows[None, :],
+                          mask=(rr < n)[:, None] & (rows < r * BLK)[None, :], other=0.0)  # A_r,<r
+            t_up = tl.load(scr + rows[:, None] * s_row + rows[None, :],
+                           mask=((rows < r * BLK) & (rows < n))[:, None], other=0.0)      # T rows above block r
+            e_r = tl.where(rows[None, :] == rr[:, None], 1.0, 0.0)
+            t_r = tl.dot(t_rr, e_r - tl.dot(a_r, t_up, input_precision="ieee"), input_precision="ieee")
+            tl.debug_barrier()
+            tl.store(scr + rr[:, None] * s_row + rows[None, :], t_r, mask=(rr < n)[:, None])
+            tl.debug_barrier()
+        T = tl.load(scr + rows[:, None] * s_row + rows[None, :], mask=(rows < n)[:, None], other=0.0)
+        tl.debug_barrier()  # the scratch may be the w rows that the caller writes next
+        return T
+
+    @triton.jit
+    def _prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, w_ptr, u_ptr, scr_ptr, B,
+                     sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, sw_t, sw_h, su_t, su_h, ss_t, ss_h,
                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
-                     BLOCK_B: tl.constexpr):
-        """W and U of one (chunk, value head): the state-independent part of the chunk, all chunks in parallel."""
+                     BLK: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr):
+        """W and U of one (chunk, value head): the state-independent part of the chunk, all chunks in parallel.
+        scr: fp32 scratch rows by token [N, Hv, >= CHUNK] for the triangular solve (may be w itself)."""
         b, ci = _block_of(cu_ptr, tl.program_id(0), B, CHUNK, BLOCK_B, False)
         if b >= B:
             return
@@ -317,11 +352,11 @@ if triton is not None:
         lower = rows[:, None] > rows[None, :]
         A = tl.dot(k, tl.trans(k), input_precision="ieee") * beta[:, None] * \
             tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
-        T = _unit_lower_inverse(A, n, CHUNK)
-        w = tl.dot(T, k * (beta * tl.exp(gc))[:, None], input_precision="ieee")
+        T = _unit_lower_inverse(A, scr_ptr + t0.to(tl.int64) * ss_t + h * ss_h, ss_t, n, CHUNK, BLK)
+        w = tl.dot(T, k * (beta * tl.exp(gc))[:, None], input_precision=PRECISION)
         tl.store(w_ptr + t[:, None] * sw_t + h * sw_h + kk[None, :], w, mask=valid[:, None])
         v = tl.load(v_ptr + t[:, None] * sv_t + h * sv_h + vv[None, :], mask=valid[:, None], other=0.0)
-        u = tl.dot(T, v.to(tl.float32) * beta[:, None], input_precision="ieee")
+        u = tl.dot(T, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
         tl.store(u_ptr + t[:, None] * su_t + h * su_h + vv[None, :], u, mask=valid[:, None])
 
     @triton.jit

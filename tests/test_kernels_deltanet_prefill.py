@@ -27,8 +27,9 @@ STARTS = [0, 9, 0, 130, 3]                   # some sequences continue from a ca
 
 @pytest.fixture
 def exact_dots(monkeypatch):
-    """fp32 comparisons: the state kernel's dots in full fp32 (a no-op in the interpreter, which uses numpy)."""
+    """fp32 comparisons: all dots in full fp32 (a no-op in the interpreter, which uses numpy)."""
     monkeypatch.setitem(dp.FAST_CONFIG, "precision", "ieee")
+    monkeypatch.setitem(dp.FAST_CONFIG, "precision_prep", "ieee")
 
 
 def packed(lens, starts, device=DEVICE, seed=0, num_slots=None):
@@ -157,7 +158,37 @@ def test_delta_torch_equals_recurrence(chunk):
         assert max_diff(state[slots[b]], s) < 2e-4
 
 
-@pytest.mark.parametrize("Hk,Hv,dk,dv,chunk", [(2, 4, 16, 16, 64), (1, 3, 16, 32, 16)])
+if triton is not None:
+    import triton.language as tl
+
+    _unit_lower_inverse = dp._unit_lower_inverse
+
+    @triton.jit
+    def _inverse_kernel(a_ptr, t_ptr, scr_ptr, n, CHUNK: tl.constexpr):
+        rows = tl.arange(0, CHUNK)
+        A = tl.load(a_ptr + rows[:, None] * CHUNK + rows[None, :])
+        T = _unit_lower_inverse(A, scr_ptr, CHUNK, n, CHUNK, 16)
+        tl.store(t_ptr + rows[:, None] * CHUNK + rows[None, :], T)
+
+
+@pytest.mark.parametrize("chunk,n", [(64, 64), (64, 37), (32, 32), (32, 5), (16, 16)])
+def test_unit_lower_inverse(chunk, n):
+    """The prep kernel's blocked solve: (I + A)^-1 for A strictly lower (|A_ij| <= 1, rows past n zero) against
+    torch's triangular solve in fp64, on the first n rows (the only ones the kernel keeps; the rest come back 0)."""
+    gen = torch.Generator().manual_seed(chunk + n)
+    A = (torch.rand(chunk, chunk, generator=gen, dtype=torch.float64) * 2 - 1) * 0.5
+    A = A.tril(-1)
+    A[n:] = 0
+    eye = torch.eye(chunk, dtype=torch.float64)
+    want = torch.linalg.solve_triangular(eye + A, eye, upper=False)[:n]
+    T = torch.full((chunk, chunk), float("nan"), device=DEVICE)
+    scr = torch.full((chunk, chunk), float("nan"), device=DEVICE)
+    _inverse_kernel[(1,)](A.float().to(DEVICE), T, scr, n, CHUNK=chunk)
+    assert rel_err(T[:n].cpu().double(), want) < 1e-5
+    assert torch.equal(T[n:].cpu(), torch.zeros(chunk - n, chunk))
+
+
+@pytest.mark.parametrize("Hk,Hv,dk,dv,chunk", [(2, 4, 16, 16, 64), (1, 3, 16, 32, 16), (1, 2, 32, 16, 32)])
 def test_delta_fast_equals_torch(exact_dots, Hk, Hv, dk, dv, chunk):
     """A varlen pack (lengths 1, 63, 64, 65, 200 and an empty sequence), cached and fresh states, shuffled slots,
     strided q/k/v/g/beta; TP-local odd head counts (Hv = 3 Hk) and dk != dv; chunk 64 and a small chunk."""
