@@ -204,19 +204,12 @@ def _json_object(raw: bytes) -> dict:
     return body
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    """tokenizer.encode(text), letting other threads run meanwhile: the Rust tokenizer's encode() holds the GIL for
-    the whole call (seconds for a prompt of megabytes, during which the event loop could not answer anyone), while
-    encode_batch() releases it."""
-    return tokenizer.hf.encode_batch([text], add_special_tokens=False)[0].ids
-
-
 def _completion_prompt(body: dict, tokenizer) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        return _encode(tokenizer, prompt)
+        return tokenizer.encode(prompt)
     if (isinstance(prompt, list) and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tokenizer.num_real_tokens
                     for t in prompt)):
@@ -317,7 +310,7 @@ class _Server:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
         except Exception as e:  # the template rejects some conversations (e.g. a system message not first)
             raise APIError(f"the chat template rejected the messages: {e}", param="messages") from e
-        return _encode(self.tokenizer, text), "messages"
+        return self.tokenizer.encode(text), "messages"
 
     def _check_auth(self, request: Request) -> None:
         if self.api_key is None:

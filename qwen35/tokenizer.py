@@ -244,7 +244,9 @@ class Tokenizer:
         self._added_bytes = {i: t.content.encode("utf-8") for i, t in added.items()}
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: the Rust encode() holds the GIL for the whole call (seconds for a prompt of
+        # megabytes, during which a server's event loop could answer no one), encode_batch() releases it
+        return self.hf.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
