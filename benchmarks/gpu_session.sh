@@ -21,7 +21,7 @@ NGPU=$(nvidia-smi -L | wc -l)
 DEV="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$NGPU"
 echo "device: $DEV, $(date -u +%FT%TZ)"
 BENCH_ARGS=${BENCH_ARGS:---mode static --batch-sizes 1,2,4,8,16,32,64 --input-len 1024 --output-len 64}
-THROUGHPUT_ARGS=${THROUGHPUT_ARGS:---levels 1,2,4,8,16,32,64 --num-requests 64 --ignore-eos --output-len-dist fixed:64}
+THROUGHPUT_ARGS=${THROUGHPUT_ARGS:---levels 1,2,4,8,16,32,64 --num-requests 64 --ignore-eos}  # standard exp:290,1024 lengths
 
 for stage in "$@"; do
   t0=$(date +%s)
