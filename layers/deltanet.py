@@ -26,12 +26,12 @@ from torch import nn
 from dist import parallel
 from layers import backend
 from layers.backend import round_to, tl, triton
-from layers.deltanet_prefill import causal_conv1d_varlen_fast, chunk_delta_rule_varlen_fast
+from layers.deltanet_prefill import (CHUNK, L2_EPS, causal_conv1d_varlen_fast, chunk_delta_rule_varlen_fast,
+                                     chunk_rule_torch, l2norm)
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows, make_param
 from layers.norm import GatedRMSNorm, gated_rms_norm_torch
 
-L2_EPS = 1e-6  # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
 # Launch settings of decode_fast (module level so that the benchmark can sweep them; the signatures stay equal).
 # delta_warps: warps of the one program per (sequence, value head); its fp32 state tile [dk, dv] is spread over
 # them (128 x 128 over 8 warps is 64 registers per thread), capped so that every thread holds 32 elements or more.
@@ -39,10 +39,6 @@ DECODE_CONFIG = {"conv_block_c": 256, "conv_warps": 4, "delta_warps": 8}
 
 
 # ------------------------------------------------------------------------------------------- shared torch math
-def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
 def split_proj(proj: torch.Tensor, conv_dim: int, num_v_heads: int, dv: int):
     """proj [T, conv_dim + Hv*dv + 2*Hv] -> views u [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv]."""
     u, z, b, a = proj.split([conv_dim, num_v_heads * dv, num_v_heads, num_v_heads], -1)
@@ -78,43 +74,6 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return out, state
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
-    """Same contract as recurrent_gated_delta_rule, computed chunk by chunk.
-
-    Within a chunk, the delta-rule updates form a unit lower-triangular system (I + tril(diag(beta) K K^T * decay))
-    whose solution gives the chunk's effective values; between chunks only the [dk, dv] state is carried.
-    """
-    n, H, dk = k.shape
-    pad = (-n) % chunk
-    # [H, n, d], padded with inert steps (k = v = beta = 0, g = 0 leaves the state unchanged)
-    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x.transpose(0, 1), (0, pad)) for x in (g, beta))
-    nc = (n + pad) // chunk
-    q, k, v = (x.reshape(H, nc, chunk, -1) for x in (q, k, v))
-    g, beta = g.reshape(H, nc, chunk), beta.reshape(H, nc, chunk)
-
-    gcum = g.cumsum(-1)                                          # log decay from chunk start to each step
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (gcum[..., :, None] - gcum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H,nc,C,C]
-    k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * gcum.exp()[..., None], upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * decay                    # within-chunk attention, decay applied
-    q_decayed = q * gcum.exp()[..., None]
-    k_to_end = k * (gcum[..., -1:] - gcum).exp()[..., None]
-    chunk_decay = gcum[..., -1].exp()                            # [H, nc]
-
-    out = torch.empty_like(v)
-    for c in range(nc):
-        v_new = u[:, c] - w[:, c] @ state                         # the part of the values the state does not predict
-        out[:, c] = q_decayed[:, c] @ state + intra[:, c] @ v_new
-        state = state * chunk_decay[:, c, None, None] + k_to_end[:, c].transpose(-1, -2) @ v_new
-    out = out.reshape(H, nc * chunk, -1)[:, :n].transpose(0, 1)
-    return out, state
-
-
-# -------------------------------------------------------------------------------------------------- decode op
 def _dims(conv_state: torch.Tensor, ssm_state: torch.Tensor):
     """(Hk, Hv, dk, dv, conv_dim) of this rank, read off the caches: the op needs no config."""
     conv_dim, (Hv, dk, dv) = conv_state.shape[1], ssm_state.shape[1:]
@@ -235,8 +194,10 @@ class GatedDeltaNet(nn.Module):
             offset += n
             q, k, v = self._qkv(self._conv(u[sl], slot, fresh=start == 0))
             state = self._zero_state(proj.device) if start == 0 else self.ssm_state[slot]
-            rule = recurrent_gated_delta_rule if (n == 1 and start > 0) else chunk_gated_delta_rule
-            o_seq, self.ssm_state[slot] = rule(q, k, v, g[sl], beta[sl], state)
+            if n == 1 and start > 0:
+                o_seq, self.ssm_state[slot] = recurrent_gated_delta_rule(q, k, v, g[sl], beta[sl], state)
+            else:
+                o_seq, self.ssm_state[slot] = chunk_rule_torch(q, k, v, g[sl], beta[sl], state, CHUNK)
             o[sl] = o_seq.to(proj.dtype)
         return gated_rms_norm_torch(o, z, self.norm.weight, self.norm.eps).flatten(1)
 

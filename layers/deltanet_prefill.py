@@ -87,8 +87,8 @@ def chunk_delta_rule_varlen_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     marks = _checkpoints_by_seq(checkpoints)
     for b, slot in enumerate(slot_ids):
         lo, hi = bounds[b], bounds[b + 1]
-        qs = (_l2norm(q[lo:hi].float()) * scale).repeat_interleave(rep, dim=1)
-        ks = _l2norm(k[lo:hi].float()).repeat_interleave(rep, dim=1)
+        qs = (l2norm(q[lo:hi].float()) * scale).repeat_interleave(rep, dim=1)
+        ks = l2norm(k[lo:hi].float()).repeat_interleave(rep, dim=1)
         vs, gs, bs = v[lo:hi].float(), g[lo:hi].float(), beta[lo:hi].float()
         state = ssm_state[slot].clone() if starts[b] > 0 else torch.zeros_like(ssm_state[slot])
         done = 0
@@ -96,7 +96,7 @@ def chunk_delta_rule_varlen_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         for end, dst in sorted(marks.get(b, ())) + [(starts[b] + hi - lo, None)]:
             end -= starts[b]
             sl = slice(done, end)
-            o, state = _chunk_rule_torch(qs[sl], ks[sl], vs[sl], gs[sl], bs[sl], state, chunk)
+            o, state = chunk_rule_torch(qs[sl], ks[sl], vs[sl], gs[sl], bs[sl], state, chunk)
             out[lo + done:lo + end] = o.to(v.dtype)
             if dst is not None:
                 ssm_state[dst] = state
@@ -105,11 +105,11 @@ def chunk_delta_rule_varlen_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return out
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _chunk_rule_torch(q, k, v, g, beta, state, chunk):
+def chunk_rule_torch(q, k, v, g, beta, state, chunk):
     """One sequence, fp32, per value head: q, k [n, H, dk], v [n, H, dv], g, beta [n, H], state [H, dk, dv].
     Returns (o [n, H, dv], final state); chunk by chunk in the UT form of the module docstring."""
     out = torch.empty_like(v)
