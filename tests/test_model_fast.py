@@ -10,7 +10,7 @@ from qwen35.config import ModelConfig
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
 from tests.hf_reference import hf_decode_logits
-from tests.test_model import BLOCK, TOL_HF, blocks_for, reference  # noqa: F401  (reference is a fixture)
+from tests.test_model import BLOCK, TOL_HF, blocks_for, reference, worst_decode_error  # noqa: F401 (fixture)
 
 
 def make_fast_runner(path):
@@ -26,13 +26,7 @@ def test_fast_kernels_prefill_then_decode_match_transformers(reference):
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 1024, (67,), generator=gen).tolist()  # crosses a 64-token chunk
     steps = torch.randint(0, 1024, (8,), generator=gen).tolist()
-    ref = hf_decode_logits(hf, prompt, steps)
-    table = blocks_for(1, len(prompt) + len(steps))
-    got = [runner.execute(StepPlan([5], [prompt], [0], [table], [True]))[0]]
-    for i, t in enumerate(steps):
-        got.append(runner.execute(StepPlan([5], [[t]], [len(prompt) + i], [table], [True]))[0])
-    worst = max((a.cpu() - b).abs().max().item() for a, b in zip(got, ref))
-    assert worst <= TOL_HF
+    assert worst_decode_error(runner, hf, prompt, steps) <= TOL_HF
 
 
 def test_fast_kernels_mixed_step_matches_transformers(reference):
