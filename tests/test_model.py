@@ -109,20 +109,21 @@ def test_chunked_prefill_equals_whole(reference):
     assert (out[0] - whole).abs().max().item() <= TOL_SELF
 
 
-def _tp_worker(rank, world, port, path, plans, out_file):
+def _tp_worker(rank, world, port, path, plans, out_file, kernels="torch"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     from dist import parallel
     parallel.init_distributed("cpu")
     torch.set_num_threads(1)
-    runner = make_runner(path)
+    runner = make_runner(path, kernels=kernels)
     results = [runner.execute(p) for p in plans]
     if rank == 0:
         torch.save(results, out_file)
     parallel.destroy()
 
 
-def test_tensor_parallel_2_equals_1(reference, tmp_path):
+@pytest.mark.parametrize("kernels", ["torch", "fast"])  # fast: the Triton kernels through the interpreter
+def test_tensor_parallel_2_equals_1(reference, tmp_path, kernels):
     _, _, path = reference
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (70, 9)]
@@ -130,10 +131,10 @@ def test_tensor_parallel_2_equals_1(reference, tmp_path):
     plans = [StepPlan([0, 1], seqs, [0, 0], tables, [True, True]),
              StepPlan([0, 1], [[5], [6]], [70, 9], tables, [True, True]),
              StepPlan([1, 0], [[8, 9], [7]], [10, 71], [tables[1], tables[0]], [True, True])]
-    runner = make_runner(path)
+    runner = make_runner(path, kernels=kernels)
     single = [runner.execute(p) for p in plans]
     out_file = str(tmp_path / "tp2.pt")
-    mp.start_processes(_tp_worker, args=(2, free_port(), path, plans, out_file), nprocs=2, join=True,
+    mp.start_processes(_tp_worker, args=(2, free_port(), path, plans, out_file, kernels), nprocs=2, join=True,
                        start_method="spawn")
     tp2 = torch.load(out_file)
     for a, b in zip(single, tp2):
