@@ -25,16 +25,13 @@ from qwen35.config import ModelConfig
 from qwen35.cuda_graphs import pad_values
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
+from tests.compare import max_diff
 from tests.hf_reference import build_hf_model, caches, free_port, from_same_caches
 
 TOL = 1e-5
 BLOCK = 16
 MAX_SEQS = 8
 MAX_LEN = 256
-
-
-def max_diff(a, b) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 # ------------------------------------------------------------------------------------------------ whole model

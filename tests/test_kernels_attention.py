@@ -31,17 +31,10 @@ from layers import backend
 from layers.backend import triton
 from layers.forward_batch import ForwardBatch
 from layers.rotary import RotaryEmbedding, rope_torch
+from tests.compare import max_diff, rel
 
 pytestmark = pytest.mark.skipif(triton is None, reason="needs triton")
 TOL = 1e-5
-
-
-def max_diff(a, b) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def decode_inputs(heads, kv, D, block_size, lens, width, n_blocks, gen, dtype=torch.float32, device="cpu"):

@@ -29,19 +29,12 @@ from layers import backend
 from layers import deltanet as dn
 from layers.backend import triton
 from layers.forward_batch import ForwardBatch
+from tests.compare import max_diff, rel
 
 pytestmark = pytest.mark.skipif(triton is None, reason="needs triton")
 TOL_CHUNKED = 2e-4
 TOL = 1e-5
 EPS = 1e-6
-
-
-def max_diff(a, b) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def tiny_cfg(hk, hv, dk, dv, kernel, hidden=16):

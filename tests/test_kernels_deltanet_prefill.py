@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from layers import deltanet_prefill as dp
 from layers.backend import triton
+from tests.compare import max_diff, rel
 
 pytestmark = pytest.mark.skipif(triton is None, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,14 +66,6 @@ def recurrence(q, k, v, g, beta, state, scale):
         state = state + k[t][:, :, None] * delta[:, None, :]
         out[t] = torch.einsum("hkv,hk->hv", state, q[t])
     return out, state
-
-
-def max_diff(a, b) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 # ------------------------------------------------------------------------------------------------ conv
@@ -184,7 +177,7 @@ def test_unit_lower_inverse(chunk, n):
     T = torch.full((chunk, chunk), float("nan"), device=DEVICE)
     scr = torch.full((chunk, chunk), float("nan"), device=DEVICE)
     _inverse_kernel[(1,)](A.float().to(DEVICE), T, scr, n, CHUNK=chunk)
-    assert rel_err(T[:n].cpu().double(), want) < 1e-5
+    assert rel(T[:n].cpu().double(), want) < 1e-5
     assert torch.equal(T[n:].cpu(), torch.zeros(chunk - n, chunk))
 
 
@@ -271,10 +264,10 @@ def test_gpu_delta_real_shapes(tp):
     want = dp.chunk_delta_rule_varlen_torch(q, k, v, g, beta, cu, sp, ref_state, slots, dk ** -0.5)
     got = dp.chunk_delta_rule_varlen_fast(q, k, v, g, beta, cu, sp, state, slots, dk ** -0.5)
     assert got.dtype == torch.bfloat16
-    assert rel_err(got, want) < 1e-2
-    assert rel_err(state, ref_state) < 1e-2
+    assert rel(got, want) < 1e-2
+    assert rel(state, ref_state) < 1e-2
     for b, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):  # no sequence hides in the average
-        assert rel_err(got[lo:hi], want[lo:hi]) < 2e-2, b
+        assert rel(got[lo:hi], want[lo:hi]) < 2e-2, b
 
 
 @pytest.mark.gpu
@@ -287,5 +280,5 @@ def test_gpu_delta_ieee_fp32(exact_dots):
     ref_state = state.clone()
     want = dp.chunk_delta_rule_varlen_torch(q, k, v, g, beta, cu, sp, ref_state, slots, dk ** -0.5)
     got = dp.chunk_delta_rule_varlen_fast(q, k, v, g, beta, cu, sp, state, slots, dk ** -0.5)
-    assert rel_err(got, want) < 1e-4
-    assert rel_err(state, ref_state) < 1e-4
+    assert rel(got, want) < 1e-4
+    assert rel(state, ref_state) < 1e-4

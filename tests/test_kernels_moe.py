@@ -22,17 +22,10 @@ import torch
 
 from layers import backend, moe
 from layers.mlp import MLP, mlp_fast, mlp_torch
+from tests.compare import max_diff, rel
 
 TOL_ROUTE = 1e-6
 TOL = 1e-5
-
-
-def max_diff(a, b) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def make_weights(num_local, hidden, inter, shared_inter, start, gen, dtype=torch.float32, scale=0.2):
