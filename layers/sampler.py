@@ -1,9 +1,10 @@
 """Batched token sampling on the logits' device (rank 0).
 
 Greedy rows (temperature below GREEDY_TEMPERATURE) take the argmax. Sampled rows apply temperature, then top-k and
-top-p on the sorted distribution, then the exponential-race trick: argmax(p / E) with E ~ Exp(1) i.i.d. draws exactly from p. A seeded request
-draws its noise from its own torch.Generator, so its tokens depend only on its seed and its own logits, never on
-what else shares the batch; unseeded rows share the sampler's generator (seeded by the engine seed).
+top-p on the sorted distribution, then the exponential-race trick: argmax(p / E) with E ~ Exp(1) i.i.d. draws
+exactly from p. A seeded request draws its noise from its own torch.Generator, so its tokens depend only on its
+seed and its own logits, never on what else shares the batch; unseeded rows share the sampler's generator (seeded
+by the engine seed).
 
 Requests are validated before they get here; still, `sample_each` is the step loop's last line of defence: a row
 whose parameters make sampling raise fails alone (its exception comes back in its place) and the rest of the batch
