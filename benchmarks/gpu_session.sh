@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/gpu_session.sh tests parity bench server
 #
-# Stages: record (qwen35.bench --mode record: the decode/prefill rows of record, RECORD_ARGS), kernels (each
+# Stages: profile (benchmarks.profile_step: top kernels per phase, PROFILE_ARGS), tune (benchmarks.tune_moe:
+# writes layers/moe_configs.json, copied to $OUT; TUNE_TP), record (qwen35.bench --mode record: the decode/prefill rows of record, RECORD_ARGS), kernels (each
 # benchmarks/bench_<layer>.py micro-benchmark), tests (pytest -m gpu), parity (benchmarks.gpu_parity at TP=1 and TP=NGPU), bench (qwen35.bench at TP=NGPU
 # and TP=1, full-size dummy weights), server (start.sh at TP=NGPU + benchmarks.throughput). Sizes come from the
 # environment (BENCH_ARGS, TRACE_ARGS, THROUGHPUT_ARGS) so that one call fits the device time at hand.
@@ -53,6 +54,16 @@ for stage in "$@"; do
       python3 -m benchmarks.throughput --url http://127.0.0.1:8000 $THROUGHPUT_ARGS \
         --device-info "$DEV, TP=$NGPU, dummy weights" --out "$OUT/throughput_tp$NGPU.json" 2>&1 | tail -14
       ./start.sh --stop --port 8000 ;;
+    profile)
+      python3 -m benchmarks.profile_step ${PROFILE_ARGS:---decode-batch 1,8,64 --top 30} 2>&1 | tee "$OUT/profile.log" \
+        | grep -v "^\s*$" | tail -120 ;;
+    tune)
+      # decode buckets over the full tile grid, prefill buckets over the quick one; the table is written after each TP
+      timeout "${TUNE_TIMEOUT:-400}" python3 -m benchmarks.tune_moe --tp ${TUNE_TP:-1 8} --batches 1 2 4 8 16 32 64 128 \
+        2>&1 | tee "$OUT/tune.log" | grep -E "wrote|TP=" ; \
+      timeout "${TUNE_TIMEOUT:-400}" python3 -m benchmarks.tune_moe --tp ${TUNE_TP:-1 8} --quick \
+        --batches 256 512 1024 2048 4096 8192 2>&1 | tee -a "$OUT/tune.log" | grep -E "wrote|TP="
+      cp layers/moe_configs.json "$OUT/" 2>/dev/null ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "stage $stage: $(( $(date +%s) - t0 )) s"
