@@ -9,7 +9,7 @@ A_log and dt_bias follow the value heads; out_proj is split by input columns and
 The four input projections read the same x: one GEMM computes proj = u | z | b | a (layers/linear.py fuse_rows),
 with u = q | k | v the conv's input. Then:
 - decode (every sequence feeds one token onto its state): one op, `decode_torch` (the oracle) or `decode_fast`
-  (two Triton kernels: conv step + SiLU; l2-norms, decay and beta, delta rule in place, readout, gated RMSNorm);
+  (one Triton kernel: conv step + SiLU, l2-norms, decay and beta, delta rule in place, readout, gated RMSNorm);
 - any other step (`mixed_torch`, the per-sequence reference, or `mixed_fast`): the decode rows take the decode op
   in one batch; the other sequences take the chunked (UT transform) form, in the varlen prefill kernels of
   layers/deltanet_prefill.py (fast) or sequence by sequence (torch).
@@ -33,9 +33,10 @@ from layers.linear import Linear, even_split, fuse_rows, make_param
 from layers.norm import GatedRMSNorm, gated_rms_norm_torch
 
 # Launch settings of decode_fast (module level so that the benchmark can sweep them; the signatures stay equal).
-# delta_warps: warps of the one program per (sequence, value head); its fp32 state tile [dk, dv] is spread over
-# them (128 x 128 over 8 warps is 64 registers per thread), capped so that every thread holds 32 elements or more.
-DECODE_CONFIG = {"conv_block_c": 256, "conv_warps": 4, "delta_warps": 8}
+# block_v: value columns of a head per program (its fp32 state slab is [dk, block_v]; smaller slabs put more
+# programs in flight at small batches and more state loads in flight per SM at large ones); warps: per program,
+# capped so that every thread holds 32 slab elements or more (decode_launch).
+DECODE_CONFIG = {"block_v": 32, "warps": 4}
 
 
 # ------------------------------------------------------------------------------------------- shared torch math
@@ -103,37 +104,67 @@ def decode_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias
 
 
 def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float):
-    """decode_torch in two kernels: (1) the conv step + SiLU over the q|k|v channels, the tail shifted in place;
-    (2) one program per (sequence, value head) does the rest with the state read once and written once in place.
+    """decode_torch in one Triton kernel. Program (h * n_split + j, b) owns value columns [j*BV, (j+1)*BV) of value
+    head h of sequence b: the [dk, BV] slab of its fp32 state, read once and written once in place (the delta rule is
+    column-separable given k, q, beta, the decay and the slab's v columns). Each program computes in-program the conv
+    step + SiLU of the channels it reads (the q and k channels of its qk-head, its own v columns) from the cached
+    tail and the new proj column, then the l2-norms, decay and beta, the rule and the readout o (rounded to the model
+    dtype), which it stores in y unnormalised.
 
-    Why one program holds a whole head's [dk, dv] state (64 KB fp32 at 128 x 128) rather than a block of value
-    columns: the gated RMSNorm needs the sum of squares of all dv outputs of the head, which a split would have to
-    combine across programs (atomics and fences inside one launch, or a third kernel). The B * Hv_local programs
-    (32 per sequence at TP=1, 4 at TP=8) fill an H200's 132 SMs from batch ~4 at TP=1; below that each program
-    keeps its whole 64 KB tile in flight at once, which keeps the per-SM bandwidth high, and the state of one
-    sequence (2 MiB per layer at TP=1) moves in microseconds either way."""
+    The REP * n_split programs of one (sequence, qk-head) form a group that shares two things the programs cannot
+    split: the q/k conv tail (every program reads it, so it may be shifted only after all have) and the gated RMSNorm
+    (it needs all dv outputs of each head). Each program counts itself in the group's counter (an int atomic with
+    release/acquire, after a CTA barrier); the one that arrives last shifts the q/k tail, normalises and gates the
+    group's REP heads of y, and resets the counter to zero for the next launch. Its own v tail columns each program
+    shifts itself, so every tail channel is written exactly once. No float atomics: the results do not depend on the
+    order the programs run in, and the launch settings depend on shapes only (CUDA-graph safe)."""
     Hk, Hv, dk, dv, conv_dim = _dims(conv_state, ssm_state)
     B = proj.shape[0]
     y = torch.empty(B, Hv * dv, dtype=proj.dtype, device=proj.device)
     if B == 0:
         return y
-    cfg = DECODE_CONFIG
-    c = torch.empty(B, conv_dim, dtype=proj.dtype, device=proj.device)
-    K = conv_weight.shape[-1]
-    block_c = min(cfg["conv_block_c"], triton.next_power_of_2(conv_dim))
-    _conv_step_kernel[(B, triton.cdiv(conv_dim, block_c))](
-        proj, conv_state, conv_weight, slots, c, conv_dim, proj.stride(0), conv_state.stride(0),
-        conv_state.stride(1), conv_state.stride(2), conv_weight.stride(0), conv_weight.stride(2),
-        KERNEL=K, BLOCK_C=block_c, num_warps=cfg["conv_warps"])
-    BK, BV = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    BK = triton.next_power_of_2(dk)
+    BV, warps = decode_launch(dk, dv)
+    n_split = triton.cdiv(dv, BV)
     z_off = conv_dim
     b_off = z_off + Hv * dv
-    _delta_step_kernel[(B, Hv)](
-        c, proj, ssm_state, slots, A_log, dt_bias, norm_weight, y,
-        c.stride(0), proj.stride(0), *ssm_state.stride(), y.stride(0),
-        Hk * dk, 2 * Hk * dk, z_off, b_off, b_off + Hv, dk ** -0.5, L2_EPS, eps,
-        REP=Hv // Hk, DK=dk, DV=dv, BK=BK, BV=BV, num_warps=min(cfg["delta_warps"], max(1, BK * BV // 1024)))
+    rep = Hv // Hk
+    _decode_kernel[(Hv * n_split, B)](
+        proj, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias, norm_weight, y,
+        _group_counters(B * Hk, proj.device),
+        proj.stride(0), *conv_state.stride(), conv_weight.stride(0), conv_weight.stride(2), *ssm_state.stride(),
+        y.stride(0), Hk * dk, 2 * Hk * dk, z_off, b_off, b_off + Hv, dk ** -0.5, L2_EPS, eps,
+        KERNEL=conv_weight.shape[-1], REP=rep, REP_P2=triton.next_power_of_2(rep), N_SPLIT=n_split, DK=dk, DV=dv,
+        BK=BK, BV=BV, BV_HEAD=triton.next_power_of_2(dv), num_warps=warps)
     return y
+
+
+def decode_launch(dk: int, dv: int) -> tuple[int, int]:
+    """(value columns per program, warps) of decode_fast from DECODE_CONFIG and the head dims: the slab is capped at
+    the head, and the warps so that each thread holds at least 32 state elements."""
+    BK = triton.next_power_of_2(dk)
+    BV = min(DECODE_CONFIG["block_v"], triton.next_power_of_2(dv))
+    return BV, max(1, min(DECODE_CONFIG["warps"], BK * BV // 1024))
+
+
+# One int32 counter per (sequence row, qk-head) for decode_fast's groups, zero between launches (the last program of
+# a group resets its own). Shared by every layer (they run one after another on one stream) and grown, never shrunk
+# or freed: a captured CUDA graph holds the address of the buffer it was captured with.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+
+
+def _group_counters(n: int, device: torch.device) -> torch.Tensor:
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"decode_fast needs {n} group counters while a CUDA graph is being captured; run the "
+                               "same batch once outside the graph first (a warm-up) so that they exist")
+        if buf is not None:
+            _OUTGROWN.append(buf)
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 # -------------------------------------------------------------------------------------------------- the layer
@@ -263,30 +294,6 @@ def _device_index(values: list[int], device) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ Triton kernels
 if triton is not None:
     @triton.jit
-    def _conv_step_kernel(proj_ptr, state_ptr, w_ptr, slots_ptr, out_ptr, C, sp_b, ss_slot, ss_c, ss_t, sw_c, sw_t,
-                          KERNEL: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Causal depthwise conv of one new column per sequence over channels [0, C) of its proj row: taps 0..K-2
-        read the cached tail (oldest first), tap K-1 the new input, accumulated in fp32 in that order; the tail
-        shifts left by one in place. Output silu(conv rounded to the model dtype), rounded again, as conv1d + silu."""
-        b, cb = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = c < C
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        tail = state_ptr + slot * ss_slot + c * ss_c
-        w = w_ptr + c * sw_c
-        x_new = tl.load(proj_ptr + b * sp_b + c, mask=mask, other=0.0)
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for j in tl.static_range(KERNEL - 1):
-            acc += tl.load(tail + j * ss_t, mask=mask, other=0.0).to(tl.float32) * \
-                tl.load(w + j * sw_t, mask=mask, other=0.0).to(tl.float32)
-        acc += x_new.to(tl.float32) * tl.load(w + (KERNEL - 1) * sw_t, mask=mask, other=0.0).to(tl.float32)
-        for j in tl.static_range(KERNEL - 2):
-            tl.store(tail + j * ss_t, tl.load(tail + (j + 1) * ss_t, mask=mask), mask=mask)
-        tl.store(tail + (KERNEL - 2) * ss_t, x_new, mask=mask)
-        y = round_to(acc, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + b * C + c, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def _log1p(x):
         """log(1 + x) without losing small x: log(w) * x / (w - 1) with w = 1 + x rounded (Goldberg)."""
         w = 1.0 + x
@@ -294,28 +301,53 @@ if triton is not None:
         return tl.where(d == 0.0, x, tl.log(w) * (x / tl.where(d == 0.0, 1.0, d)))
 
     @triton.jit
-    def _delta_step_kernel(c_ptr, proj_ptr, state_ptr, slots_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, y_ptr,
-                           sc_b, sp_b, ss_slot, ss_h, ss_k, ss_v, sy_b, k_off, v_off, z_off, b_off, a_off,
-                           scale, l2_eps, eps,
-                           REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                           BV: tl.constexpr):
-        """One decode step of value head h of sequence b, from the conv output c and the raw proj row (z, b, a):
-            q, k = l2norm(q) * scale, l2norm(k) of qk-head h // REP;  g = -exp(A_log) softplus(a + dt_bias);
-            beta = sigmoid(b) (model dtype);  S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q;
-            y = (o / rms(o), rounded) * w * silu(z)   (gated RMSNorm, spec §2.1)
-        with the fp32 state S [DK, DV] read once and written once in place at the sequence's slot."""
-        b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    def _conv_silu(prow, tail, w_ptr, ch, mask, ss_c, ss_t, sw_c, sw_t, KERNEL: tl.constexpr, DTYPE: tl.constexpr):
+        """The conv's new column at channels `ch` as decode_torch computes it: taps 0..K-2 on the cached tail (oldest
+        first), tap K-1 on the new input, accumulated in fp32 in that order and rounded to DTYPE (conv1d's output),
+        then SiLU rounded again. fp32 result."""
+        acc = tl.zeros(ch.shape, dtype=tl.float32)
+        for j in tl.static_range(KERNEL - 1):
+            acc += tl.load(tail + ch * ss_c + j * ss_t, mask=mask, other=0.0).to(tl.float32) * \
+                tl.load(w_ptr + ch * sw_c + j * sw_t, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(prow + ch, mask=mask, other=0.0).to(tl.float32) * \
+            tl.load(w_ptr + ch * sw_c + (KERNEL - 1) * sw_t, mask=mask, other=0.0).to(tl.float32)
+        y = round_to(acc, DTYPE)
+        return round_to(y * tl.sigmoid(y), DTYPE)
+
+    @triton.jit
+    def _shift_tail(prow, tail, ch, mask, ss_c, ss_t, KERNEL: tl.constexpr):
+        """The cached tail of channels `ch` moves left by one in place and takes the new input (raw, model dtype)."""
+        for j in tl.static_range(KERNEL - 2):
+            tl.store(tail + ch * ss_c + j * ss_t, tl.load(tail + ch * ss_c + (j + 1) * ss_t, mask=mask), mask=mask)
+        tl.store(tail + ch * ss_c + (KERNEL - 2) * ss_t, tl.load(prow + ch, mask=mask), mask=mask)
+
+    @triton.jit
+    def _decode_kernel(proj_ptr, conv_ptr, conv_w_ptr, state_ptr, slots_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, y_ptr,
+                       count_ptr, sp_b, sc_slot, sc_c, sc_t, sw_c, sw_t, ss_slot, ss_h, ss_k, ss_v, sy_b,
+                       k_off, v_off, z_off, b_off, a_off, scale, l2_eps, eps,
+                       KERNEL: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, N_SPLIT: tl.constexpr,
+                       DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       BV_HEAD: tl.constexpr):
+        """Value columns [j*BV, (j+1)*BV) of value head h of sequence b, program (h * N_SPLIT + j, b):
+            q, k, v = silu(conv step) of the proj row's u (q, k of qk-head h // REP, v of these columns);
+            q, k = l2norm(q) * scale, l2norm(k);  g = -exp(A_log) softplus(a + dt_bias);  beta = sigmoid(b) (model
+            dtype);  S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q (rounded), stored in y;
+        then, by the last program of the (b, qk-head) group to arrive: the q/k tail shift and, for each of its REP
+        heads, y = (o / rms(o), rounded) * w * silu(z) (gated RMSNorm, spec §2.1)."""
+        pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        h, j = pid // N_SPLIT, pid % N_SPLIT
         hk = h // REP
-        kk, vv = tl.arange(0, BK), tl.arange(0, BV)
+        dtype = y_ptr.dtype.element_ty
+        kk, vv = tl.arange(0, BK), j * BV + tl.arange(0, BV)
         km, vm = kk < DK, vv < DV
         slot = tl.load(slots_ptr + b).to(tl.int64)
-        row = c_ptr + b * sc_b
-        q = tl.load(row + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
-        k = tl.load(row + k_off + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
-        v = tl.load(row + v_off + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
+        prow = proj_ptr + b * sp_b
+        tail = conv_ptr + slot * sc_slot
+        q = _conv_silu(prow, tail, conv_w_ptr, hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
+        k = _conv_silu(prow, tail, conv_w_ptr, k_off + hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
+        v = _conv_silu(prow, tail, conv_w_ptr, v_off + h * DV + vv, vm, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
         q = q * tl.rsqrt(tl.sum(q * q, 0) + l2_eps) * scale
         k = k * tl.rsqrt(tl.sum(k * k, 0) + l2_eps)
-        prow = proj_ptr + b * sp_b
         x = tl.load(prow + a_off + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
         softplus = tl.where(x > 20.0, x, _log1p(tl.exp(tl.minimum(x, 20.0))))
         decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
@@ -327,8 +359,24 @@ if triton is not None:
         delta = (v - tl.sum(S * k[:, None], 0)) * beta
         S = S + k[:, None] * delta[None, :]
         tl.store(ptrs, S, mask=smask)
-        o = round_to(tl.sum(S * q[:, None], 0), y_ptr.dtype.element_ty)
-        o = round_to(o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps), y_ptr.dtype.element_ty)
-        z = tl.load(prow + z_off + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
-        w = tl.load(norm_w_ptr + vv, mask=vm, other=0.0).to(tl.float32)
-        tl.store(y_ptr + b * sy_b + h * DV + vv, ((w * o) * (z * tl.sigmoid(z))).to(y_ptr.dtype.element_ty), mask=vm)
+        o = round_to(tl.sum(S * q[:, None], 0), dtype)
+        tl.store(y_ptr + b * sy_b + h * DV + vv, o.to(dtype), mask=vm)
+        _shift_tail(prow, tail, v_off + h * DV + vv, vm, sc_c, sc_t, KERNEL)  # these v channels are this program's
+
+        # arrive: the barrier orders every thread's loads and stores above before the (one-thread) release
+        tl.debug_barrier()
+        count = count_ptr + b * (tl.num_programs(0) // (REP * N_SPLIT)) + hk
+        if tl.atomic_add(count, 1, sem="acq_rel") == REP * N_SPLIT - 1:
+            # every program of the group has read the q/k tail and stored its o columns
+            _shift_tail(prow, tail, hk * DK + kk, km, sc_c, sc_t, KERNEL)
+            _shift_tail(prow, tail, k_off + hk * DK + kk, km, sc_c, sc_t, KERNEL)
+            rr, dd = tl.arange(0, REP_P2), tl.arange(0, BV_HEAD)
+            heads = hk * REP + rr
+            hmask = (rr < REP)[:, None] & (dd < DV)[None, :]
+            out = y_ptr + b * sy_b + heads[:, None] * DV + dd[None, :]
+            o = tl.load(out, mask=hmask, other=0.0, cache_modifier=".cg").to(tl.float32)  # L2: other SMs wrote it
+            o = round_to(o * tl.rsqrt(tl.sum(o * o, 1) / DV + eps)[:, None], dtype)
+            z = tl.load(prow + z_off + heads[:, None] * DV + dd[None, :], mask=hmask, other=0.0).to(tl.float32)
+            w = tl.load(norm_w_ptr + dd, mask=dd < DV, other=0.0).to(tl.float32)
+            tl.store(out, ((w[None, :] * o) * (z * tl.sigmoid(z))).to(dtype), mask=hmask)
+            tl.store(count, 0)

@@ -1,11 +1,14 @@
-"""Gated DeltaNet decode (layers/deltanet.py): the fast op (two Triton kernels) against the torch oracle, the oracle
+"""Gated DeltaNet decode (layers/deltanet.py): the fast op (one Triton kernel) against the torch oracle, the oracle
 against the per-sequence reference, mixed steps, and the layer's one-GEMM input projection.
 
 CPU (fp32, tiny shapes, Triton through the interpreter): TP-local odd shapes (dk, dv not powers of two; 3 value
-heads on 1 key head; Hv/Hk = 3 and 1), conv kernels 2, 3, 4, batches 1, 3 and 8 chained on the same caches in random
-slots, padded rows on the scratch slot, softplus inputs on both sides of its threshold (20):
+heads on 1 key head; Hv/Hk = 3 and 1), conv kernels 2, 3, 4, batches 1 to 5 and 8 chained on the same caches in
+slots out of order, padded rows on the scratch slot, softplus inputs on both sides of its threshold (20), each with
+the value columns of a head split over programs (4 per slab: 3 slabs, the last partial, at dv = 10) and unsplit:
 - decode_fast == decode_torch to 1e-5 max abs on O(1..10) outputs and O(1) states (the sum orders differ, ~1e-7);
-  conv tails bit-exact (pure data movement); slots outside the batch bit-untouched; pad rows write scratch only.
+  conv tails bit-exact (pure data movement; the q/k tail shared by a group of programs is shifted once, after all
+  of them read it); slots outside the batch bit-untouched; pad rows write scratch only; the group counters are
+  back at zero after every launch.
 - decode_torch == the per-sequence reference (mixed_torch: F.conv1d, the recurrent rule, one sequence at a time)
   to 1e-5, so the oracle itself is checked against the spec's formulation.
 - mixed_fast (decode rows batched through the decode op, other sequences stacked through one chunked rule) ==
@@ -13,7 +16,8 @@ slots, padded rows on the scratch slot, softplus inputs on both sides of its thr
 - forward: the fused u|z|b|a GEMM (views of one weight) == the four separate projections, decode and mixed, to 1e-5.
 GPU (`-m gpu`, real Qwen3.5-35B-A3B shapes from the preset config at TP=1 (16 key / 32 value heads) and TP=8 local
 (2 / 4), dk = dv = 128, conv 4; bf16 activations, fp32 state):
-- decode_fast vs decode_torch at batch 1, 7 (+1 padded row), 64, three chained steps: outputs within rtol = atol =
+- decode_fast vs decode_torch at batch 1, 7 (+1 padded row), 32, 64, three chained steps, value slabs of 16, 32 and
+  128 columns (the default and both ends of the sweep): outputs within rtol = atol =
   2e-2 (about five bf16 ulps; the two paths round the conv, o and the norm each once to bf16, and a rare flip of a
   rounding tie moves an output by an ulp or two) and relative L2 <= 5e-3; states max abs <= 1e-2 on O(1) entries (a
   flipped bf16 conv output of v moves its state column by ~|k_i| x one ulp of v); conv tails bit-exact.
@@ -110,14 +114,25 @@ SHAPES = [(2, 6, 12, 10, 4, 0, 1), (2, 6, 8, 8, 3, 1, 2), (4, 4, 16, 8, 2, 0, 1)
 
 
 # --------------------------------------------------------------------------------------- decode: fast vs torch
+@pytest.fixture(params=[4, 32], ids=["split", "whole"])
+def block_v(request, monkeypatch):
+    """Value columns per decode program: 4 splits every head of the tiny shapes over programs, 32 covers them."""
+    monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", request.param)
+    return request.param
+
+
+def counters_clear():
+    return all(not buf.any() for buf in dn._COUNTERS.values())
+
+
 @pytest.mark.parametrize("hk,hv,dk,dv,kernel,rank,tp", SHAPES)
-def test_decode_fast_equals_torch(hk, hv, dk, dv, kernel, rank, tp, monkeypatch):
-    """Batches of 1, 3 and 8 (the last with two padded rows on the scratch slot) chained on the same caches."""
+def test_decode_fast_equals_torch(hk, hv, dk, dv, kernel, rank, tp, block_v, monkeypatch):
+    """Batches of 1 to 5 and 8 (with one and two padded rows on the scratch slot) chained on the same caches."""
     m = build_layer("torch", tiny_cfg(hk, hv, dk, dv, kernel), monkeypatch, rank, tp, n_slots=11, seed=hv + kernel)
     gen = torch.Generator().manual_seed(dk)
     scratch = 10
     before = caches(m)
-    for B, pad in ((1, 0), (3, 0), (8, 2)):
+    for B, pad in ((1, 0), (2, 0), (3, 0), (4, 0), (5, 1), (8, 2)):
         real = torch.randperm(scratch, generator=gen)[: B - pad].tolist()
         slots = torch.tensor(real + [scratch] * pad)
         proj = random_proj(m, B, gen)
@@ -128,6 +143,7 @@ def test_decode_fast_equals_torch(hk, hv, dk, dv, kernel, rank, tp, monkeypatch)
         after_ref = caches(m)
         set_caches(m, start)
         y = dn.decode_fast(*decode_args(m, proj, slots))
+        assert counters_clear()
         assert y.shape == (B, m.num_v_heads * dv) and y_ref.abs().max() > 0.5
         assert max_diff(y[:B - pad], y_ref[:B - pad]) <= TOL
         assert torch.equal(m.conv_state[:scratch], after_ref[0][:scratch])  # programs of pad rows race on scratch
@@ -139,7 +155,31 @@ def test_decode_fast_equals_torch(hk, hv, dk, dv, kernel, rank, tp, monkeypatch)
     assert max_diff(m.ssm_state[:scratch], before[1][:scratch]) > 0.1  # the chain did move the states
 
 
-def test_decode_fast_softplus_and_beta_edges(monkeypatch):
+def test_decode_fast_splits_as_configured(monkeypatch):
+    """The launch settings come from DECODE_CONFIG and the head dims alone: slabs capped at the head, warps so that
+    a thread holds >= 32 state elements."""
+    monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", 32)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "warps", 4)
+    assert dn.decode_launch(128, 128) == (32, 4)
+    assert dn.decode_launch(12, 10) == (16, 1)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", 128)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "warps", 8)
+    assert dn.decode_launch(128, 128) == (128, 8)
+    assert dn.decode_launch(128, 64) == (64, 8)
+    assert dn.decode_launch(16, 16) == (16, 1)
+
+
+def test_group_counters_grow_and_keep_old_buffers():
+    """Grown, never freed (a captured graph keeps the address it was captured with), zero when handed out."""
+    first = dn._group_counters(1, torch.device("cpu"))
+    again = dn._group_counters(first.numel(), torch.device("cpu"))
+    assert again is first and not first.any()
+    bigger = dn._group_counters(first.numel() + 1, torch.device("cpu"))
+    assert bigger.numel() > first.numel() and not bigger.any()
+    assert any(old is first for old in dn._OUTGROWN)
+
+
+def test_decode_fast_softplus_and_beta_edges(block_v, monkeypatch):
     """Gates at the extremes: a + dt_bias from -60 to 60 (softplus threshold, exp overflow guard), b from -30 to 30
     (beta ~0 and ~1): in-kernel g and beta equal the torch formulas."""
     m = build_layer("torch", tiny_cfg(1, 2, 4, 4, 4), monkeypatch, n_slots=13)
@@ -247,12 +287,14 @@ def real_layer(kernels, tp, monkeypatch, n_slots):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, 8])
-def test_gpu_decode_fast_equals_torch_bf16(tp, monkeypatch):
+@pytest.mark.parametrize("block_v", [16, 32, 128])
+def test_gpu_decode_fast_equals_torch_bf16(tp, block_v, monkeypatch):
+    monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", block_v)
     n_slots = 80
     m = real_layer("torch", tp, monkeypatch, n_slots)
     scratch = n_slots - 1
     gen = torch.Generator().manual_seed(0)
-    for B, pad in ((1, 0), (8, 1), (64, 0)):
+    for B, pad in ((1, 0), (8, 1), (32, 0), (64, 0)):
         real = torch.randperm(scratch, generator=gen)[: B - pad].tolist()
         slots = torch.tensor(real + [scratch] * pad, device="cuda")
         for _ in range(3):
@@ -267,6 +309,7 @@ def test_gpu_decode_fast_equals_torch_bf16(tp, monkeypatch):
             assert rel(y[:n], y_ref[:n]) <= 5e-3
             assert torch.equal(m.conv_state[:scratch], after_ref[0][:scratch])
             assert max_diff(m.ssm_state[:scratch], after_ref[1][:scratch]) <= 1e-2
+            assert counters_clear()
             set_caches(m, after_ref)
 
 
