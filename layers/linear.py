@@ -3,12 +3,27 @@
 Every parameter carries `full_shape` (its shape in the checkpoint) and `shard` (per dim: None for the whole dim, or a
 list of (start, size) ranges of the full dim that this rank keeps, concatenated in order). The loader reads exactly
 those ranges through a lazy checkpoint slice, so a rank never touches bytes it does not own.
+
+    linear_torch  F.linear (cuBLAS on the GPU), the oracle
+    linear_fast   the same, except at decode batch sizes (M <= SKINNY_MAX_M rows): one Triton launch in which each
+                  program owns a slice of the output columns and the whole reduction dimension. cuBLAS runs these
+                  skinny shapes (the out projections: [M x 4096] @ [4096 x 2048] at TP=1) as split-K, two
+                  launches (the GEMM, then a reduction kernel); here no split, no float atomics, one launch.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from layers import backend
+from layers.backend import tl, triton
+
+# linear_fast's threshold (rows of the input) and launch settings, from shapes only (a CUDA graph holds them); module
+# level so that the benchmark can sweep them. block_n: output columns per program (the weight rows it streams, whole
+# K each); block_k: the reduction step, loads pipelined `stages` deep.
+SKINNY_MAX_M = 16
+SKINNY_CONFIG = {"block_n": 16, "block_k": 256, "warps": 4, "stages": 4}
 
 Ranges = list[tuple[int, int]] | None
 
@@ -53,15 +68,44 @@ def default_weight_loader(param: nn.Parameter, src) -> None:
 
 class Linear(nn.Module):
     """y = x @ W^T, W a shard of the checkpoint's [out, in] weight: `rows` picks output rows (column parallel),
-    `cols` picks input columns (row parallel; the caller all-reduces the partial sums)."""
+    `cols` picks input columns (row parallel; the caller all-reduces the partial sums). The layers call it for their
+    out projections (DeltaNet out_proj, attention o_proj); the kernel set binds linear_torch or linear_fast."""
 
     def __init__(self, in_features: int, out_features: int, *, rows: Ranges = None, cols: Ranges = None,
                  dtype=None, device=None):
         super().__init__()
         self.weight = make_param((out_features, in_features), [rows, cols], dtype, device)
+        self._linear = linear_fast if backend.use_fast() else linear_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self._linear(x, self.weight)
+
+
+def linear_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+def linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype: the skinny kernel for 1..SKINNY_MAX_M rows, F.linear
+    otherwise (and for a weight whose rows are not contiguous)."""
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight {tuple(weight.shape)} expects {K}")
+    M = x.numel() // K if K else 0
+    if not 0 < M <= SKINNY_MAX_M or weight.stride(1) != 1 or x.dtype != weight.dtype:
+        return F.linear(x, weight)
+    x2 = x.reshape(M, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    cfg = SKINNY_CONFIG
+    block_n = max(16, min(cfg["block_n"], triton.next_power_of_2(N)))
+    block_k = max(16, min(cfg["block_k"], triton.next_power_of_2(K)))
+    _skinny_gemm_kernel[(triton.cdiv(N, block_n),)](
+        x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg["stages"],
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["warps"])
+    return y.view(*x.shape[:-1], N)
 
 
 def fuse_rows(*linears: Linear) -> torch.Tensor:
@@ -83,3 +127,23 @@ def fuse_rows(*linears: Linear) -> torch.Tensor:
         lin.weight = p
         offset += n
     return fused
+
+
+if triton is not None:
+    @triton.jit
+    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr):
+        """Columns [n0, n0 + BLOCK_N) of y = x @ w^T for all M <= BLOCK_M rows: the program streams its BLOCK_N weight
+        rows over the whole K once, accumulates in fp32 (tl.dot; fp32 inputs at IEEE precision) and rounds once to
+        y's dtype, as cuBLAS does, so the results differ from F.linear by the order of the fp32 sums only."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        nm, mm = n < N, m < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+        tl.store(y_ptr + m[:, None] * sy + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])

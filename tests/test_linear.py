@@ -1,0 +1,106 @@
+"""The skinny GEMM of the out projections (layers/linear.py linear_fast) against F.linear (linear_torch).
+
+CPU (fp32, Triton through the interpreter): M = 1..5 and 16 rows, N and K that no block divides (partial output and
+reduction tiles), several K steps, 3-D and strided inputs: equal to F.linear within 1e-5 relative to the output's
+scale (fp32, only the order of the sums differs); above SKINNY_MAX_M rows the bits of F.linear itself.
+GPU (`-m gpu`, bf16, the real Qwen3.5-35B-A3B out projections: DeltaNet out_proj and attention o_proj at the TP=1 and
+TP=8 shards, M = 1, 2, 4, 8, 13, 16): both accumulate in fp32 and round once to bf16, so an output may differ only
+where the two fp32 sums round to neighbouring bf16 values: every element within one bf16 ulp of F.linear's
+(|a - b| <= 2^-7 |b|, plus 1e-3 of the output's RMS for values near zero), and at least 99% of the elements
+bit-identical (the fp32 sums differ by ~sqrt(K) 2^-24 relative, ~1e-3 of a bf16 ulp).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layers import backend
+from layers import linear as lin
+from layers.backend import triton
+
+pytestmark = pytest.mark.skipif(triton is None, reason="needs triton")
+
+
+def scaled_err(y, ref) -> float:
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 16])
+def test_skinny_equals_f_linear(M, monkeypatch):
+    monkeypatch.setitem(lin.SKINNY_CONFIG, "block_k", 32)  # 300 = 9 full steps + a partial one
+    gen = torch.Generator().manual_seed(M)
+    x, w = torch.randn(M, 300, generator=gen), torch.randn(37, 300, generator=gen)
+    y, ref = lin.linear_fast(x, w), F.linear(x, w)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert scaled_err(y, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("block_n,block_k", [(16, 16), (32, 64), (64, 512)])
+def test_skinny_block_settings(block_n, block_k, monkeypatch):
+    monkeypatch.setitem(lin.SKINNY_CONFIG, "block_n", block_n)
+    monkeypatch.setitem(lin.SKINNY_CONFIG, "block_k", block_k)
+    gen = torch.Generator().manual_seed(block_n)
+    x, w = torch.randn(3, 200, generator=gen), torch.randn(70, 200, generator=gen)
+    assert scaled_err(lin.linear_fast(x, w), F.linear(x, w)) <= 1e-5
+
+
+def test_skinny_3d_and_strided_inputs():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 40, generator=gen)
+    x3 = torch.randn(2, 3, 40, generator=gen)
+    assert scaled_err(lin.linear_fast(x3, w), F.linear(x3, w)) <= 1e-5
+    wide = torch.randn(4, 100, generator=gen)
+    x_cols = wide[:, 10:50]                          # rows strided, features contiguous
+    x_t = torch.randn(40, 4, generator=gen).t()      # features strided: copied once
+    for x in (x_cols, x_t):
+        assert scaled_err(lin.linear_fast(x, w), F.linear(x, w)) <= 1e-5
+    rows = torch.randn(60, 40, generator=gen)[10:34]  # a row block of a bigger weight (fuse_rows views)
+    assert scaled_err(lin.linear_fast(x3, rows), F.linear(x3, rows)) <= 1e-5
+
+
+def test_large_m_and_empty_take_f_linear():
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(8, 32, generator=gen)
+    x = torch.randn(lin.SKINNY_MAX_M + 1, 32, generator=gen)
+    assert torch.equal(lin.linear_fast(x, w), F.linear(x, w))
+    assert lin.linear_fast(torch.zeros(0, 32), w).shape == (0, 8)
+
+
+def test_feature_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match="features"):
+        lin.linear_fast(torch.zeros(2, 31), torch.zeros(8, 32))
+
+
+def test_linear_binds_by_kernel_set():
+    for name, op in (("torch", lin.linear_torch), ("fast", lin.linear_fast)):
+        with backend.use_kernels(name):
+            layer = lin.Linear(32, 8, cols=[(0, 32)])
+        assert layer._linear is op
+        layer.weight.data.normal_()
+        x = torch.randn(3, 32)
+        assert scaled_err(layer(x), F.linear(x, layer.weight)) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+def out_projections():
+    """(name, N, K) of the real model's out projections at the TP=1 and TP=8 shards."""
+    from qwen35.config import ModelConfig
+    from qwen35.synth import PRESETS
+    cfg = ModelConfig.from_dict({"text_config": dict(PRESETS["qwen3.5-35b-a3b"]["text_config"])})
+    vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    od = cfg.num_attention_heads * cfg.head_dim
+    return [(f"{name} tp{tp}", cfg.hidden_size, k // tp) for name, k in (("out_proj", vd), ("o_proj", od))
+            for tp in (1, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2, 4, 8, 13, 16])
+def test_gpu_skinny_bits_near_f_linear_bf16(M):
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    for name, N, K in out_projections():
+        w = (torch.randn(N, K, generator=gen, device="cuda") * K ** -0.5).bfloat16()
+        x = torch.randn(M, K, generator=gen, device="cuda").bfloat16()
+        y, ref = lin.linear_fast(x, w), F.linear(x, w)
+        diff = (y.float() - ref.float()).abs()
+        bound = 2 ** -7 * ref.float().abs() + 1e-3 * ref.float().pow(2).mean().sqrt()
+        assert (diff <= bound).all(), f"{name} M={M}: {diff.max().item()}"
+        assert (y == ref).float().mean().item() >= 0.99, name
