@@ -1,18 +1,24 @@
-"""GPU micro-benchmark of the Gated DeltaNet decode (layers/deltanet.py): torch oracle vs Triton, one layer at the
-Qwen3.5-35B-A3B shapes of one rank, bf16 activations, fp32 states.
+"""GPU micro-benchmark of the Gated DeltaNet decode (layers/deltanet.py) and the out projections' skinny GEMM
+(layers/linear.py): torch oracle vs Triton, one layer at the Qwen3.5-35B-A3B shapes of one rank, bf16 activations,
+fp32 states.
 
     python -m benchmarks.bench_deltanet [--tp 1] [--sweep] [--out results.json]
 
 Rows, for decode batches 1..64 (a DeltaNet step does not depend on the context length):
-- decode_op: decode_torch vs decode_fast (conv step .. gated RMSNorm, states in place), by CUDA-graph replay;
-  GB/s counts the bytes the op must move (fp32 state read and written, conv tails, proj, y);
+- decode_op: decode_torch vs decode_fast (conv step .. gated RMSNorm, states in place; one kernel), by CUDA-graph
+  replay; GB/s counts the bytes the op must move (fp32 state read and written, conv tails, proj, y);
 - layer: the whole mixer's decode step (one u|z|b|a GEMM, the decode op, out_proj), CUDA-graph replay; GB/s adds
-  the two weights; "kernels" is the number of GPU activities of one eager step (torch/fast, torch.profiler);
+  the two weights; "kernels" is the number of GPU activities of one eager step (torch/fast, torch.profiler). Before
+  the one-kernel decode and the skinny out_proj (profile of 2026-11-23, 1x H200) the fast layer was 5 kernels at
+  batch <= 8 (in_proj GEMM, conv step, delta step, cuBLAS split-K GEMM + its reduction) and 4 above;
+- out_proj / o_proj: the row-parallel out projections of the DeltaNet and attention layers at M = batch rows,
+  linear_torch (cuBLAS) vs linear_fast (the skinny Triton GEMM up to SKINNY_MAX_M rows, cuBLAS above); GB/s counts
+  the weight, x and y; the last column multiplies by the layers of that kind;
 - mixed: an eager mixed step of `batch` decode rows plus one fresh 128-token prompt, mixed_torch (per sequence) vs
   mixed_fast (decode rows through decode_fast in one call, the prompt through the stacked chunked rule).
-"% copy" is GB/s against a device-to-device copy measured in the same run (the floor); "fast ms x layers" is the
-layer time times the model's DeltaNet layers. --sweep also times decode_fast's launch settings (warps of the
-delta kernel, channels per conv program) at batches 1, 8 and 64.
+"% copy" is GB/s against a device-to-device copy measured in the same run (the floor). --sweep also times
+decode_fast per launch setting (value columns per program x warps) at batches 1, 8, 32 and 64, and linear_fast per
+setting (output columns per program, K step, warps, stages) at M = 1, 8 and 16, each with GB/s and % of copy.
 """
 from __future__ import annotations
 
@@ -22,11 +28,13 @@ import json
 import math
 
 import torch
+import triton.runtime.errors
 import triton.testing
 
 from dist import parallel
 from layers import backend
 from layers import deltanet as dn
+from layers import linear as lin
 from layers.forward_batch import ForwardBatch
 from qwen35.config import ModelConfig
 from qwen35.synth import PRESETS
@@ -34,7 +42,8 @@ from qwen35.synth import PRESETS
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 PROMPT = 128          # tokens of the fresh prompt in a mixed step
 CONTEXT = 1024        # start position of the decode rows (for the record: the step does not depend on it)
-SWEEP_BATCHES = (1, 8, 64)
+SWEEP_BATCHES = (1, 8, 32, 64)
+SWEEP_ROWS = (1, 8, 16)    # M of the skinny GEMM sweep
 
 
 def model_config() -> ModelConfig:
@@ -96,17 +105,19 @@ def make_batch(lens: list[int], starts: list[int], slots: list[int]) -> ForwardB
 
 def op_bytes(m: dn.GatedDeltaNet, batch: int) -> int:
     """Bytes the decode op must move: per sequence the fp32 state (read + write), the conv tail (read + write), its
-    proj row, the conv output (written, read back) and y; once the conv and norm weights and the gates' parameters."""
+    proj row and y; once the conv and norm weights and the gates' parameters. (The two-kernel op of 2026-11-23 also
+    wrote the conv output and read it back, 4 * conv_dim bytes per sequence more, which this count leaves out.)"""
     state = m.num_v_heads * m.dk * m.dv * 4
     tail = m.conv_dim * (m.kernel - 1) * 2
-    per_seq = 2 * state + 2 * tail + m.in_proj.shape[0] * 2 + 2 * m.conv_dim * 2 + m.num_v_heads * m.dv * 2
+    per_seq = 2 * state + 2 * tail + m.in_proj.shape[0] * 2 + m.num_v_heads * m.dv * 2
     return batch * per_seq + m.conv1d.weight.numel() * 2 + m.num_v_heads * 6 + m.dv * 4
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1, help="local shapes of one rank at this TP degree")
-    ap.add_argument("--sweep", action="store_true", help="also time decode_fast's launch settings per batch")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time decode_fast's and linear_fast's launch settings per batch")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     cfg = model_config()
@@ -119,18 +130,20 @@ def main():
     copy = copy_rate_gbs()
     print(f"{torch.cuda.get_device_name()}, TP={args.tp}: Hk={m.num_k_heads} Hv={m.num_v_heads} dk={m.dk} dv={m.dv} "
           f"conv {m.kernel}, conv_dim {m.conv_dim}, in_proj {tuple(m.in_proj.shape)}; {n_layers} DeltaNet layers; "
-          f"copy rate {copy:.0f} GB/s; decode config {dn.DECODE_CONFIG}")
+          f"copy rate {copy:.0f} GB/s; decode config {dn.DECODE_CONFIG}; skinny GEMM config {lin.SKINNY_CONFIG} "
+          f"up to M = {lin.SKINNY_MAX_M}")
     print(f"{'op':<10}{'batch':>6}{'torch ms':>10}{'fast ms':>9}{'x':>6}{'GB/s':>7}{'% copy':>7}{'kernels':>9}"
           f"{'fast ms x layers':>18}")
-    rows = []
+    rows, sweeps = [], []
+    projections = out_projections(cfg, args.tp)
 
-    def row(op, batch, t_torch, t_fast, nbytes=None, kernels=None):
+    def row(op, batch, t_torch, t_fast, nbytes=None, kernels=None, per_step=n_layers):
         gbs = nbytes / t_fast / 1e6 if nbytes else None
         print(f"{op:<10}{batch:>6}{t_torch:>10.4f}{t_fast:>9.4f}{t_torch / t_fast:>6.1f}"
               f"{'-' if gbs is None else f'{gbs:.0f}':>7}{'-' if gbs is None else f'{100 * gbs / copy:.0f}':>7}"
-              f"{kernels or '-':>9}{t_fast * n_layers:>18.3f}")
+              f"{kernels or '-':>9}{t_fast * per_step:>18.3f}")
         rows.append(dict(op=op, batch=batch, torch_ms=t_torch, fast_ms=t_fast, gb_s=gbs, kernels=kernels,
-                         layers_ms=t_fast * n_layers))
+                         layers_ms=t_fast * per_step))
 
     with torch.inference_mode():
         for batch in BATCHES:
@@ -146,13 +159,34 @@ def main():
             kernels = "/".join(str(gpu_activities(steps[k])) for k in ("torch", "fast"))
             row("layer", batch, bench_graph(steps["torch"]), bench_graph(steps["fast"]),
                 op_bytes(m, batch) + weight_bytes, kernels)
+            for name, (w, count) in projections.items():
+                xp = torch.randn(batch, w.shape[1], generator=gen, device="cuda").bfloat16()
+                row(name, batch, bench_graph(lambda: lin.linear_torch(xp, w)),
+                    bench_graph(lambda: lin.linear_fast(xp, w)), linear_bytes(w, batch), per_step=count)
             row("mixed", batch, *mixed_times(layers, cfg, batch, gen))
             if args.sweep and batch in SWEEP_BATCHES:
-                sweep(op_args, batch)
+                sweeps += sweep_decode(op_args, batch, op_bytes(m, batch), copy)
+            if args.sweep and batch in SWEEP_ROWS:
+                w = projections["out_proj"][0]
+                sweeps += sweep_skinny(w, batch, gen, copy)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp, "copy_gb_s": copy,
-                       "config": dn.DECODE_CONFIG, "rows": rows}, f, indent=1)
+                       "config": dn.DECODE_CONFIG, "skinny_config": lin.SKINNY_CONFIG, "rows": rows,
+                       "sweep": sweeps}, f, indent=1)
+
+
+def out_projections(cfg, tp: int) -> dict[str, tuple[torch.Tensor, int]]:
+    """{name: (random bf16 weight of one rank's shard [hidden, K / tp], layers of that kind)}."""
+    vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    od = cfg.num_attention_heads * cfg.head_dim
+    n_attn = len(cfg.layer_types) - len(cfg.linear_attention_layers)
+    return {name: (torch.randn(cfg.hidden_size, k // tp, device="cuda").bfloat16() * (k // tp) ** -0.5, count)
+            for name, k, count in (("out_proj", vd, len(cfg.linear_attention_layers)), ("o_proj", od, n_attn))}
+
+
+def linear_bytes(w: torch.Tensor, rows: int) -> int:
+    return (w.numel() + rows * (w.shape[0] + w.shape[1])) * w.element_size()
 
 
 def mixed_times(layers, cfg, batch: int, gen: torch.Generator) -> tuple[float, float]:
@@ -167,17 +201,49 @@ def mixed_times(layers, cfg, batch: int, gen: torch.Generator) -> tuple[float, f
     return times[0], times[1]
 
 
-def sweep(op_args, batch: int) -> None:
+def sweep_decode(op_args, batch: int, nbytes: int, copy: float) -> list[dict]:
     """decode_fast per launch setting at this batch, best first (the default marked *)."""
     saved = dict(dn.DECODE_CONFIG)
     results = []
-    for warps, block_c in itertools.product((4, 8, 16), (128, 256, 512, 1024)):
-        dn.DECODE_CONFIG.update(delta_warps=warps, conv_block_c=block_c)
-        results.append((bench_graph(lambda: dn.decode_fast(*op_args)), dict(dn.DECODE_CONFIG)))
-    dn.DECODE_CONFIG.update(saved)
+    try:
+        for block_v, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8)):
+            if block_v > 32 * warps:  # over 128 fp32 state elements per thread (at dk = 128): spills
+                continue
+            dn.DECODE_CONFIG.update(block_v=block_v, warps=warps)
+            results.append((bench_graph(lambda: dn.decode_fast(*op_args)), dict(dn.DECODE_CONFIG)))
+    finally:
+        dn.DECODE_CONFIG.update(saved)
+    return report_sweep("decode_fast", batch, results, saved, nbytes, copy)
+
+
+def sweep_skinny(w: torch.Tensor, rows: int, gen: torch.Generator, copy: float) -> list[dict]:
+    """linear_fast per launch setting at M = rows on the out_proj shard, best first (the default marked *)."""
+    x = torch.randn(rows, w.shape[1], generator=gen, device="cuda").bfloat16()
+    saved = dict(lin.SKINNY_CONFIG)
+    results = []
+    try:
+        for block_n, block_k, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8), (2, 3, 4)):
+            lin.SKINNY_CONFIG.update(block_n=block_n, block_k=block_k, warps=warps, stages=stages)
+            try:
+                results.append((bench_graph(lambda: lin.linear_fast(x, w)), dict(lin.SKINNY_CONFIG)))
+            except triton.runtime.errors.OutOfResources:  # the pipeline's tiles do not fit in shared memory
+                continue
+    finally:
+        lin.SKINNY_CONFIG.update(saved)
+    return report_sweep("linear_fast", rows, results, saved, linear_bytes(w, rows), copy)
+
+
+def report_sweep(op: str, batch: int, results, default: dict, nbytes: int, copy: float) -> list[dict]:
+    """Print the best four settings and the default; return every one as a row."""
     results.sort(key=lambda r: r[0])
-    for t, setting in results[:4]:
-        print(f"  sweep batch {batch}: {t:.4f} ms {setting}{' *' if setting == saved else ''}")
+    out = []
+    for rank, (t, setting) in enumerate(results):
+        gbs = nbytes / t / 1e6
+        out.append(dict(op=op, batch=batch, ms=t, gb_s=gbs, pct_copy=100 * gbs / copy, config=setting))
+        if rank < 4 or setting == default:
+            print(f"  sweep {op} batch {batch}: {t:.4f} ms {gbs:6.0f} GB/s {100 * gbs / copy:4.0f}% copy "
+                  f"{setting}{' *' if setting == default else ''}")
+    return out
 
 
 if __name__ == "__main__":
