@@ -12,7 +12,8 @@ with u = q | k | v the conv's input. Then:
   (two Triton kernels: conv step + SiLU; l2-norms, decay and beta, delta rule in place, readout, gated RMSNorm);
 - any other step (`mixed_torch`, the per-sequence reference, or `mixed_fast`): the decode rows take the decode op
   in one batch; the other sequences take the chunked (UT transform) form, in the varlen prefill kernels of
-  layers/deltanet_prefill.py (fast) or sequence by sequence (torch).
+  layers/deltanet_prefill.py with the gates and the gated norm one kernel each (fast), or sequence by sequence
+  (torch).
 The recurrent and chunked forms compute the same function (as the reference, which uses each in its phase).
 """
 from __future__ import annotations

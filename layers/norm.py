@@ -102,7 +102,6 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n + cols, (s * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
-
     @triton.jit
     def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, H, D, sx_r, sx_h, sz_r, sz_h, eps,
                                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):

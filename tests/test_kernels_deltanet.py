@@ -8,8 +8,11 @@ slots, padded rows on the scratch slot, softplus inputs on both sides of its thr
   conv tails bit-exact (pure data movement); slots outside the batch bit-untouched; pad rows write scratch only.
 - decode_torch == the per-sequence reference (mixed_torch: F.conv1d, the recurrent rule, one sequence at a time)
   to 1e-5, so the oracle itself is checked against the spec's formulation.
-- mixed_fast (decode rows batched through the decode op, other sequences stacked through one chunked rule) ==
-  mixed_torch to 1e-5 on outputs and caches, with either kernel set.
+- gates_fast (the prefill path's g and beta) == gates_torch: 1e-5 relative on g, 1e-6 on beta, softplus inputs from
+  -60 to 60 and sigmoid inputs from -30 to 30.
+- mixed_fast (decode rows batched through the decode op, the other sequences through the varlen prefill kernels,
+  gates and gated norm) == mixed_torch to 2e-4 (the prefill kernels' tolerance) on outputs and caches, with either
+  kernel set; decode rows interleaved (gathered rows), first (sliced rows) and absent (the batch's own tensors).
 - forward: the fused u|z|b|a GEMM (views of one weight) == the four separate projections, decode and mixed, to 1e-5.
 GPU (`-m gpu`, real Qwen3.5-35B-A3B shapes from the preset config at TP=1 (16 key / 32 value heads) and TP=8 local
 (2 / 4), dk = dv = 128, conv 4; bf16 activations, fp32 state):
