@@ -5,6 +5,8 @@ at the Qwen3.5-35B-A3B shapes of one rank, bf16 inputs, fp32 states, fresh seque
 
 Workloads as the engine runs them: S sequences of L tokens packed in steps of at most --step-tokens tokens (8192),
 each step one call per op; times are for all steps of one layer, "x layers" for all DeltaNet layers of the model.
+Ops: conv1d, delta_rule, and the elementwise ends of the layer's prefill path: gates (g and beta from the raw a, b
+of the fused projection: layers/deltanet.py gates_torch / gates_fast) and gated_norm (layers/norm.py).
 --sweep also times the state kernel's launch settings (block of value columns, warps, dot precision).
 """
 from __future__ import annotations
@@ -15,7 +17,9 @@ import json
 import torch
 import triton.testing
 
+from layers import deltanet as dn
 from layers import deltanet_prefill as dp
+from layers import norm
 from qwen35.config import ModelConfig
 from qwen35.synth import PRESETS
 
@@ -42,6 +46,12 @@ def step_inputs(s: dict, seqs: int, length: int, gen: torch.Generator) -> dict:
         beta=torch.rand(N, s["Hv"], generator=gen, device=dev),
         cu=torch.arange(0, N + 1, length, dtype=torch.int32, device=dev),
         start=torch.zeros(seqs, dtype=torch.int32, device=dev), slots=torch.arange(seqs, device=dev),
+        # z | b | a of the fused projection (strided views, as the layer passes them), the delta rule's output o
+        zba=torch.randn(N, s["Hv"] * s["dv"] + 2 * s["Hv"], generator=gen, device=dev).bfloat16(),
+        o=torch.randn(N, s["Hv"], s["dv"], generator=gen, device=dev).bfloat16(),
+        A_log=torch.rand(s["Hv"], generator=gen, device=dev) - 0.5,
+        dt_bias=torch.randn(s["Hv"], generator=gen, device=dev).bfloat16(),
+        norm_w=torch.rand(s["dv"], generator=gen, device=dev) + 0.5,
         conv_state=torch.zeros(seqs, s["C"], s["K"] - 1, dtype=torch.bfloat16, device=dev),
         ssm_state=torch.zeros(seqs, s["Hv"], s["dk"], s["dv"], dtype=torch.float32, device=dev))
 
@@ -53,6 +63,17 @@ def conv_call(fn, x):
 def delta_call(fn, x, scale):
     return lambda: fn(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["start"], x["ssm_state"], x["slots"],
                       scale)
+
+
+def gates_call(fn, x, s):
+    b = x["zba"][:, s["Hv"] * s["dv"]:s["Hv"] * s["dv"] + s["Hv"]]
+    a = x["zba"][:, s["Hv"] * s["dv"] + s["Hv"]:]
+    return lambda: fn(a, b, x["A_log"], x["dt_bias"])
+
+
+def norm_call(fn, x, s):
+    z = x["zba"][:, :s["Hv"] * s["dv"]].unflatten(-1, (s["Hv"], s["dv"]))
+    return lambda: fn(x["o"], z, x["norm_w"], 1e-6)
 
 
 def bench(fn, rep_ms: int) -> float:
@@ -80,12 +101,18 @@ def main():
         x = step_inputs(s, per_step, length, gen)
         tokens = seqs * length
         conv_bytes = 2 * x["u"].numel() * x["u"].element_size()         # read u, write the output
-        for op, call in (("conv1d", lambda fn: conv_call(fn, x)), ("delta_rule", lambda fn: delta_call(fn, x, scale))):
-            torch_fn = getattr(dp, "causal_conv1d_varlen_torch" if op == "conv1d" else "chunk_delta_rule_varlen_torch")
-            fast_fn = getattr(dp, "causal_conv1d_varlen_fast" if op == "conv1d" else "chunk_delta_rule_varlen_fast")
+        ops = (("conv1d", dp.causal_conv1d_varlen_torch, dp.causal_conv1d_varlen_fast, lambda fn: conv_call(fn, x),
+                conv_bytes),
+               ("delta_rule", dp.chunk_delta_rule_varlen_torch, dp.chunk_delta_rule_varlen_fast,
+                lambda fn: delta_call(fn, x, scale), None),  # not memory-bound
+               ("gates", dn.gates_torch, dn.gates_fast, lambda fn: gates_call(fn, x, s),
+                x["u"].shape[0] * s["Hv"] * (2 * 2 + 2 * 4)),  # read a, b (bf16), write g, beta (fp32)
+               ("gated_norm", norm.gated_rms_norm_torch, norm.gated_rms_norm_fast, lambda fn: norm_call(fn, x, s),
+                3 * x["o"].numel() * 2))  # read o, z, write y (bf16)
+        for op, torch_fn, fast_fn, call, nbytes in ops:
             t_torch = bench(call(torch_fn), 200) * steps
             t_fast = bench(call(fast_fn), 200) * steps
-            gbs = conv_bytes * steps / t_fast / 1e6 if op == "conv1d" else None  # the delta rule is not memory-bound
+            gbs = nbytes * steps / t_fast / 1e6 if nbytes else None
             total = t_fast * s["layers"]
             print(f"{op:<12}{f'{seqs} x {length}':>12}{steps:>6}{t_torch:>10.3f}{t_fast:>9.3f}"
                   f"{t_torch / t_fast:>7.1f}{'-' if gbs is None else f'{gbs:.0f}':>7}{total:>18.2f}"

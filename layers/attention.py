@@ -9,7 +9,9 @@ RMSNorm + partial RoPE + paged K/V write, the attention with the sigmoid output 
 o_proj. Each op has a torch oracle `<op>_torch` and a Triton version `<op>_fast` with the same signature; the layer
 binds one set at construction (layers/backend.py). Decode attention splits each sequence's context across
 programs (flash-decoding) so that a few long sequences still fill the GPU; the split count depends only on shapes,
-so a CUDA graph can hold it. Prefill and mixed steps use the per-sequence SDPA oracle in both kernel sets for now.
+so a CUDA graph can hold it. Prefill and mixed steps (any step that is not all decodes) run one varlen causal flash
+attention over the packed batch that reads every key from the paged cache, decode rows included; its oracle is a
+per-sequence SDPA loop.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows
 from layers.norm import RMSNorm, rms_norm_torch
 from layers.rotary import RotaryEmbedding, rope_torch
+from layers.varlen import block_of
 
 # decode split-K tuning: tokens per inner iteration, least tiles a split takes before another split gets work, the
 # most splits per (sequence, KV head), and how many programs per SM the split count aims for
@@ -33,6 +36,13 @@ DECODE_TILE = 32
 MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 128
 PROGRAMS_PER_SM = 2
+# prefill kernel tiles by head_dim (the entry for the smallest listed dim >= head_dim; module level so that
+# benchmarks/bench_attention.py can sweep them). At head_dim 256 a bf16 [64, 256] Q tile plus double-buffered K and V
+# tiles of 32 keys take 96 KB of shared memory, and the fp32 [64, 256] accumulator 64 registers a thread over 8 warps.
+PREFILL_CONFIG = {64: dict(block_m=64, block_n=64, num_warps=4, num_stages=2),
+                  128: dict(block_m=64, block_n=64, num_warps=4, num_stages=2),
+                  256: dict(block_m=64, block_n=32, num_warps=8, num_stages=2)}
+LOG2E = 1.4426950408889634
 
 
 class GatedAttention(nn.Module):
@@ -63,7 +73,7 @@ class GatedAttention(nn.Module):
         fast = backend.use_fast()
         self._norm_rope_cache = qk_norm_rope_cache_fast if fast else qk_norm_rope_cache_torch
         self._decode = paged_decode_attention_fast if fast else paged_decode_attention_torch
-        self._prefill = paged_prefill_attention_torch  # both sets until a varlen flash prefill exists
+        self._prefill = paged_prefill_attention_fast if fast else paged_prefill_attention_torch
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = F.linear(x, self.qkv_weight)
@@ -199,7 +209,114 @@ def paged_prefill_attention_torch(q, k_cache, v_cache, batch: ForwardBatch, scal
                                                attn_mask=mask, scale=scale)[0]
         out[offset: offset + n] = o.transpose(0, 1)
         offset += n
-    return gate_torch(out, gate)
+    return out.reshape(out.shape[0], -1) if gate is None else gate_torch(out, gate)
+
+
+def paged_prefill_attention_fast(q, k_cache, v_cache, batch: ForwardBatch, scale: float, gate) -> torch.Tensor:
+    """paged_prefill_attention_torch in one launch: a varlen causal flash attention over the packed batch.
+
+    One program per (block of BLOCK_M new queries of one sequence, query head): the sequence's keys 0 .. its last
+    query's position are gathered from the paged cache through its block table (the new tokens' K/V were written
+    there by qk_norm_rope_cache before this runs, so chunked and prefix-hit prefills see their cached pages),
+    BLOCK_N at a time, with an online softmax in fp32; key tiles that every query of the block sees skip the causal
+    mask. Rows of one token on a cached context (the decode rows of a mixed step) are sequences like any other, so
+    a mixed step is one launch. The grid, H * (cdiv(T, BLOCK_M) + B), comes from shapes alone (no host sync); the
+    programs for one query block's heads are adjacent, so the GROUP heads of a KV head read its tiles from L2.
+    gate None: no output gate."""
+    T, H, D = q.shape
+    block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    B = batch.num_seqs
+    out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    cfg = prefill_config(D)
+    kc, vc = k_cache.view(-1, n_kv, D), v_cache.view(-1, n_kv, D)
+    g = q if gate is None else gate  # placeholder pointer when there is no gate (never read)
+    assert q.stride(2) == 1 and g.stride(2) == 1
+    tables = batch.block_tables
+    _prefill_kernel[(H * (triton.cdiv(T, cfg["block_m"]) + B),)](
+        q, kc, vc, batch.cu_seqlens, batch.start_pos, tables, g, out, B, scale * LOG2E,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), tables.stride(0), g.stride(0), g.stride(1),
+        H=H, GROUP=H // n_kv, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_B=triton.next_power_of_2(B + 1),
+        HAS_GATE=gate is not None, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+def prefill_config(head_dim: int) -> dict:
+    """Tiles of the prefill kernel for this head_dim: PREFILL_CONFIG's entry for the smallest listed dim >= it."""
+    return next((c for d, c in sorted(PREFILL_CONFIG.items()) if d >= head_dim), PREFILL_CONFIG[max(PREFILL_CONFIG)])
+
+
+if triton is not None:
+    @triton.jit
+    def _prefill_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table, j0, pos, kv_end, kvh, s_slot, s_kvh, qk_scale,
+                      d, dmask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                      PREC: tl.constexpr):
+        """Online-softmax update of one query block with keys j0 .. j0 + BLOCK_N - 1 (those >= kv_end masked; with
+        CAUSAL also those past each query's position). Scores are in log2 units (qk_scale = scale * log2 e)."""
+        j = j0 + tl.arange(0, BLOCK_N)
+        jv = j < kv_end
+        page = tl.load(table + j // BLOCK_SIZE, mask=jv, other=0).to(tl.int64)
+        offs = (page * BLOCK_SIZE + j % BLOCK_SIZE) * s_slot + kvh * s_kvh
+        kv_mask = jv[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if CAUSAL:
+            s = tl.where((j[None, :] <= pos[:, None]) & jv[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, start_ptr, tables_ptr, gate_ptr, out_ptr, B, qk_scale,
+                        sq_t, sq_h, s_slot, s_kvh, st_b, sg_t, sg_h,
+                        H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_B: tl.constexpr, HAS_GATE: tl.constexpr, PREC: tl.constexpr):
+        """Program (query block, head h), blocks in reverse order so that the long causal blocks start first.
+        Query i of sequence b sits at absolute position start_b + i and sees keys 0 .. start_b + i."""
+        pid = tl.program_id(0)
+        h = pid % H
+        b, blk = block_of(cu_ptr, tl.num_programs(0) // H - 1 - pid // H, B, BLOCK_M, BLOCK_B, False)
+        if b >= B:
+            return
+        kvh = h // GROUP
+        lo = tl.load(cu_ptr + b)
+        n = tl.load(cu_ptr + b + 1) - lo
+        start = tl.load(start_ptr + b)
+        i = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        pos = start + i
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        tok = (lo + i).to(tl.int64)
+        mask = (i < n)[:, None] & dmask[None, :]
+        q = tl.load(q_ptr + tok[:, None] * sq_t + h * sq_h + d[None, :], mask=mask, other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = tables_ptr + b.to(tl.int64) * st_b
+        kv_end = start + tl.minimum(n, (blk + 1) * BLOCK_M)        # one past the block's last query position
+        full_end = (start + blk * BLOCK_M) // BLOCK_N * BLOCK_N    # keys below it are seen by every query
+        for j0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table, j0, pos, kv_end, kvh, s_slot,
+                                          s_kvh, qk_scale, d, dmask, BLOCK_SIZE, BLOCK_N, False, PREC)
+        # the rest: each query sees at least key full_end (<= its position), so no row is all -inf
+        for j0 in range(full_end, kv_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table, j0, pos, kv_end, kvh, s_slot,
+                                          s_kvh, qk_scale, d, dmask, BLOCK_SIZE, BLOCK_N, True, PREC)
+        o = acc / l_i[:, None]
+        dst = out_ptr + tok[:, None] * (H * D) + h * D + d[None, :]
+        if HAS_GATE:
+            gate = tl.load(gate_ptr + tok[:, None] * sg_t + h * sg_h + d[None, :], mask=mask, other=0.0)
+            tl.store(dst, _apply_gate(o, gate), mask=mask)
+        else:
+            tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------ decode attention

@@ -12,7 +12,8 @@ with u = q | k | v the conv's input. Then:
   (one Triton kernel: conv step + SiLU, l2-norms, decay and beta, delta rule in place, readout, gated RMSNorm);
 - any other step (`mixed_torch`, the per-sequence reference, or `mixed_fast`): the decode rows take the decode op
   in one batch; the other sequences take the chunked (UT transform) form, in the varlen prefill kernels of
-  layers/deltanet_prefill.py (fast) or sequence by sequence (torch).
+  layers/deltanet_prefill.py with the gates and the gated norm one kernel each (fast), or sequence by sequence
+  (torch).
 The recurrent and chunked forms compute the same function (as the reference, which uses each in its phase).
 """
 from __future__ import annotations
@@ -51,6 +52,20 @@ def gates_torch(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: 
     beta = sigmoid(b) in the model dtype, then fp32 (spec §3.2)."""
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     return g, b.sigmoid().float()
+
+
+def gates_fast(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """gates_torch in one launch (a, b [T, Hv], may be strided views of the fused projection); softplus as torch's
+    (threshold 20) and the decode kernel's."""
+    T, H = a.shape
+    g = torch.empty(T, H, dtype=torch.float32, device=a.device)
+    beta = torch.empty(T, H, dtype=torch.float32, device=a.device)
+    if T:
+        block_h = triton.next_power_of_2(H)
+        block_t = max(1, 1024 // block_h)
+        _gates_kernel[(triton.cdiv(T, block_t),)](a, b, A_log, dt_bias, g, beta, T, H, a.stride(0), b.stride(0),
+                                                  BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
+    return g, beta
 
 
 def split_qkv(c: torch.Tensor, num_k_heads: int, num_v_heads: int, dk: int, dv: int):
@@ -234,41 +249,42 @@ class GatedDeltaNet(nn.Module):
 
     def mixed_fast(self, proj: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """mixed_torch batched by kind of row (host lists only, no device sync): the decode rows (one token on a
-        state) through the decode op in one call, the other sequences through the varlen prefill kernels."""
-        y = torch.empty(proj.shape[0], self.num_v_heads * self.dv, dtype=proj.dtype, device=proj.device)
+        state) through the decode op in one call, the other sequences through the varlen prefill kernels. A step
+        without decode rows passes the batch's own tensors (no copy); otherwise each kind's rows are a slice when
+        they are contiguous (the scheduler puts the decodes first), else gathered."""
         offsets = [0, *itertools.accumulate(batch.seq_lens_cpu)]
         on_state = [n == 1 and start > 0 for n, start in zip(batch.seq_lens_cpu, batch.start_pos_cpu)]
         decodes = [i for i, d in enumerate(on_state) if d]
         chunked = [i for i, d in enumerate(on_state) if not d]
-        if decodes:
-            rows = _device_index([offsets[i] for i in decodes], proj.device)
-            y[rows] = self.decode(proj[rows], _device_index([batch.state_slots_cpu[i] for i in decodes], proj.device))
+        if not decodes:
+            return self._chunked(proj, batch.cu_seqlens, batch.start_pos, batch.state_slots)
+        dev = proj.device
+        y = torch.empty(proj.shape[0], self.num_v_heads * self.dv, dtype=proj.dtype, device=dev)
+        rows = _rows_of(decodes, offsets, dev)
+        y[rows] = self.decode(proj[rows], _device_index([batch.state_slots_cpu[i] for i in decodes], dev))
         if chunked:
-            rows = _device_index([t for i in chunked for t in range(offsets[i], offsets[i + 1])], proj.device)
-            y[rows] = self._chunked(proj, batch, chunked, offsets)
+            lens = [batch.seq_lens_cpu[i] for i in chunked]
+            cu = _device_index([0, *itertools.accumulate(lens)], dev, torch.int32)
+            start = _device_index([batch.start_pos_cpu[i] for i in chunked], dev, torch.int32)
+            slots = _device_index([batch.state_slots_cpu[i] for i in chunked], dev)
+            rows = _rows_of(chunked, offsets, dev)
+            y[rows] = self._chunked(proj[rows], cu, start, slots)
         return y
 
-    def _chunked(self, proj, batch: ForwardBatch, seqs: list[int], offsets: list[int]) -> torch.Tensor:
-        """The sequences `seqs` (prompts and prompt chunks) through the varlen prefill kernels in one launch each:
-        conv with the tails by slot, the chunked delta rule with the states by slot (layers/deltanet_prefill.py),
-        then the gated norm. -> y of their rows, in order [sum n, Hv*dv]."""
-        dev = proj.device
-        lens = [offsets[i + 1] - offsets[i] for i in seqs]
-        rows = _device_index([t for i in seqs for t in range(offsets[i], offsets[i + 1])], dev)
-        sub = proj[rows]
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32).to(dev, non_blocking=True)
-        start = torch.tensor([batch.start_pos_cpu[i] for i in seqs], dtype=torch.int32).to(dev, non_blocking=True)
-        slots = _device_index([batch.state_slots_cpu[i] for i in seqs], dev)
-        u, z, b, a = split_proj(sub, self.conv_dim, self.num_v_heads, self.dv)
-        g, beta = gates_torch(a, b, self.A_log, self.dt_bias)
-        c = causal_conv1d_varlen_fast(u, cu, start, self.conv_state, slots, self.conv1d.weight)
+    def _chunked(self, proj: torch.Tensor, cu_seqlens, start_pos, slots) -> torch.Tensor:
+        """A packed run of whole sequences (prompts, prompt chunks; cu_seqlens, start_pos, slots on the device)
+        through the varlen kernels: gates, conv with the tails by slot, the chunked delta rule with the states by
+        slot (layers/deltanet_prefill.py), the gated norm: five launches. proj [n, ...] -> y [n, Hv*dv]."""
+        u, z, b, a = split_proj(proj, self.conv_dim, self.num_v_heads, self.dv)
+        g, beta = gates_fast(a, b, self.A_log, self.dt_bias)
+        c = causal_conv1d_varlen_fast(u, cu_seqlens, start_pos, self.conv_state, slots, self.conv1d.weight)
         kd = self.num_k_heads * self.dk
         q, k, v = c.split([kd, kd, self.num_v_heads * self.dv], -1)
         o = chunk_delta_rule_varlen_fast(q.unflatten(-1, (self.num_k_heads, self.dk)),
                                          k.unflatten(-1, (self.num_k_heads, self.dk)),
-                                         v.unflatten(-1, (self.num_v_heads, self.dv)), g, beta, cu, start,
-                                         self.ssm_state, slots, self.dk ** -0.5)
-        return gated_rms_norm_torch(o, z, self.norm.weight, self.norm.eps).flatten(1)
+                                         v.unflatten(-1, (self.num_v_heads, self.dv)), g, beta, cu_seqlens,
+                                         start_pos, self.ssm_state, slots, self.dk ** -0.5)
+        return self.norm(o, z).flatten(1)
 
     def _qkv(self, c: torch.Tensor):
         return split_qkv(c, self.num_k_heads, self.num_v_heads, self.dk, self.dv)
@@ -286,9 +302,17 @@ class GatedDeltaNet(nn.Module):
         return F.silu(y).t()
 
 
-def _device_index(values: list[int], device) -> torch.Tensor:
-    """A host list as an int64 index on `device`, copied asynchronously (no wait for the GPU)."""
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+def _device_index(values: list[int], device, dtype=torch.int64) -> torch.Tensor:
+    """A host list as an index (int64) or offsets on `device`, copied asynchronously (no wait for the GPU)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _rows_of(seqs: list[int], offsets: list[int], device):
+    """The packed rows of sequences `seqs` (ascending): a slice when they are adjacent, else a device index."""
+    lo, hi = offsets[seqs[0]], offsets[seqs[-1] + 1]
+    if hi - lo == sum(offsets[i + 1] - offsets[i] for i in seqs):
+        return slice(lo, hi)
+    return _device_index([t for i in seqs for t in range(offsets[i], offsets[i + 1])], device)
 
 
 # ------------------------------------------------------------------------------------------------ Triton kernels
@@ -299,6 +323,24 @@ if triton is not None:
         w = 1.0 + x
         d = w - 1.0
         return tl.where(d == 0.0, x, tl.log(w) * (x / tl.where(d == 0.0, 1.0, d)))
+
+    @triton.jit
+    def _gates_kernel(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, T, H, sa, sb,
+                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+        """BLOCK_T tokens: g = -exp(A_log) * softplus(a + dt_bias) in fp32, beta = sigmoid(b) rounded to b's dtype
+        (the decode kernel computes the same inline)."""
+        t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)
+        hm = h < H
+        mask = (t < T)[:, None] & hm[None, :]
+        x = tl.load(a_ptr + t[:, None] * sa + h[None, :], mask=mask, other=0.0).to(tl.float32) + \
+            tl.load(dt_bias_ptr + h, mask=hm, other=0.0).to(tl.float32)[None, :]
+        softplus = tl.where(x > 20.0, x, _log1p(tl.exp(tl.minimum(x, 20.0))))
+        g = -tl.exp(tl.load(A_log_ptr + h, mask=hm, other=0.0).to(tl.float32))[None, :] * softplus
+        b_raw = tl.load(b_ptr + t[:, None] * sb + h[None, :], mask=mask, other=0.0)
+        beta = round_to(tl.sigmoid(b_raw.to(tl.float32)), b_raw.dtype)
+        tl.store(g_ptr + t[:, None] * H + h[None, :], g, mask=mask)
+        tl.store(beta_ptr + t[:, None] * H + h[None, :], beta, mask=mask)
 
     @triton.jit
     def _conv_silu(prow, tail, w_ptr, ch, mask, ss_c, ss_t, sw_c, sw_t, KERNEL: tl.constexpr, DTYPE: tl.constexpr):

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from layers.backend import round_to, tl, triton
+from layers.varlen import block_of
 
 CHUNK = 64          # tokens per chunk of the delta rule
 L2_EPS = 1e-6       # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
@@ -208,24 +209,6 @@ def _checkpoint_arg(checkpoints: torch.Tensor | None, placeholder: torch.Tensor)
 
 if triton is not None:
     @triton.jit
-    def _block_of(cu_ptr, pid, B, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, AT_LEAST_ONE: tl.constexpr):
-        """(sequence b, block index) of program `pid` when each sequence is cut into blocks of BLOCK tokens from
-        its own start (AT_LEAST_ONE: empty sequences get one block too). b >= B: past the last block (the grid is
-        an upper bound, cdiv(N, BLOCK) + B, so the host never needs the lengths)."""
-        offs = tl.arange(0, BLOCK_B)
-        inb = offs < B
-        lo = tl.load(cu_ptr + offs, mask=inb, other=0)
-        hi = tl.load(cu_ptr + offs + 1, mask=inb, other=0)
-        nblk = (hi - lo + BLOCK - 1) // BLOCK
-        if AT_LEAST_ONE:
-            nblk = tl.maximum(nblk, 1)
-        nblk = tl.where(inb, nblk, 0)
-        cum = tl.cumsum(nblk, 0)
-        b = tl.sum((cum <= pid).to(tl.int32), 0)
-        first = tl.sum(tl.where(offs == b, cum - nblk, 0), 0)
-        return b, pid - first
-
-    @triton.jit
     def _conv_inputs(u_ptr, tail, lo, p, n, oldest, c, cmask, su_t, su_c, ss_k, KERNEL: tl.constexpr):
         """Raw inputs [len(p), BLOCK_C] at positions p relative to the sequence's first new token: new tokens for
         p >= 0, the cached tail for p < 0 (zeros for a fresh sequence)."""
@@ -245,7 +228,7 @@ if triton is not None:
         """silu(conv) for BLOCK_T tokens x BLOCK_C channels of one sequence. Only a sequence's first block reads
         its cached tail (BLOCK_T >= K-1), so it alone rewrites the tail, after a barrier that orders the reads of
         all its threads before the writes."""
-        b, blk = _block_of(cu_ptr, tl.program_id(0), B, BLOCK_T, BLOCK_B, True)
+        b, blk = block_of(cu_ptr, tl.program_id(0), B, BLOCK_T, BLOCK_B, True)
         if b >= B:
             return
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -333,7 +316,7 @@ if triton is not None:
                      BLK: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr):
         """W and U of one (chunk, value head): the state-independent part of the chunk, all chunks in parallel.
         scr: fp32 scratch rows by token [N, Hv, >= CHUNK] for the triangular solve (may be w itself)."""
-        b, ci = _block_of(cu_ptr, tl.program_id(0), B, CHUNK, BLOCK_B, False)
+        b, ci = block_of(cu_ptr, tl.program_id(0), B, CHUNK, BLOCK_B, False)
         if b >= B:
             return
         h = tl.program_id(1)

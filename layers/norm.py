@@ -36,6 +36,27 @@ def gated_rms_norm_torch(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     return (y * F.silu(z.float())).to(dtype)
 
 
+def gated_rms_norm_fast(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """gated_rms_norm_torch in one launch: x, z [..., H, D] (z may be a strided view, e.g. of the DeltaNet's fused
+    projection) -> [..., H, D] in x's dtype; one program per (row, block of heads)."""
+    shape, D = x.shape, x.shape[-1]
+    H = shape[-2] if x.dim() > 1 else 1
+    x3, z3 = x.reshape(-1, H, D), z.reshape(-1, H, D)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    if z3.stride(-1) != 1:
+        z3 = z3.contiguous()
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    rows = x3.shape[0]
+    if rows:
+        block_d = triton.next_power_of_2(D)
+        block_h = min(triton.next_power_of_2(H), max(1, 4096 // block_d))
+        _gated_rms_norm_kernel[(rows, triton.cdiv(H, block_h))](
+            x3, z3, weight, out, H, D, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), eps,
+            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 512)))
+    return out.view(shape)
+
+
 def rms_norm_fast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
 
@@ -81,6 +102,23 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n + cols, (s * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, H, D, sx_r, sx_h, sz_r, sz_h, eps,
+                               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Heads [hb * BLOCK_H, ...) of one row: y = x / rms(x) per head, rounded to the model dtype (as the
+        reference casts the normed x), then w * y * silu(z) in fp32, rounded once."""
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (h < H)[:, None] & (d < D)[None, :]
+        x = tl.load(x_ptr + r * sx_r + h[:, None] * sx_h + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        y = round_to(x * tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None], dtype)
+        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + r * sz_r + h[:, None] * sz_h + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + (r * H + h[:, None]) * D + d[None, :], ((w[None, :] * y) * (z * tl.sigmoid(z))).to(dtype),
+                 mask=mask)
+
 
 class RMSNorm(nn.Module):
     """Zero-centred: y = x / rms(x) * (1 + w). Used for layer norms, the final norm and q/k norms.
@@ -110,6 +148,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = make_param((dim,), [None], torch.float32, device)  # replicated
         self.weight.data.fill_(1.0)
+        self._norm = gated_rms_norm_fast if backend.use_fast() else gated_rms_norm_torch
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm_torch(x, z, self.weight, self.eps)
+        return self._norm(x, z, self.weight, self.eps)

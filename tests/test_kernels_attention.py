@@ -9,7 +9,12 @@ several batch sizes and split counts):
 - decode attention: fast == torch to 1e-5 for every split count (1, several, more than the context has tiles, so
   empty splits occur), torch batched == the per-sequence prefill oracle to 1e-5 (table columns past each context hold
   valid random blocks: only context_lens may hide them).
-- layer: GatedAttention built with "fast" == built with "torch" to 1e-5 on outputs and caches (decode and prefill).
+- prefill attention (varlen flash over the paged cache): fast == the per-sequence SDPA oracle to 1e-5 on a pack of
+  lengths 1, 63, 64, 65, 200 with prefix-hit / chunk rows (start_pos > 0), GQA ratios 1, 2, 4, gated and ungated,
+  several query/key tile shapes and page sizes; a mixed step's rows equal each sequence alone and the decode rows
+  the decode oracle; keys past a query's position never change its output.
+- layer: GatedAttention built with "fast" == built with "torch" to 1e-5 on outputs and caches (prefill, mixed and
+  decode steps).
 GPU (`-m gpu`, real Qwen3.5-35B-A3B shapes: 16 q / 2 KV heads at TP=1, 2 q / 1 KV at TP=8, head_dim 256, rotary 64,
 block 16; bf16):
 - norm + RoPE + cache: >= 99% of elements bit-equal to torch and max abs diff <= 0.05 on O(1..5) values (a rounding
@@ -17,7 +22,11 @@ block 16; bf16):
 - decode attention: relative L2 error <= 1e-2 against the fp32-softmax torch oracle (bf16 P for the PV dot gives
   ~3e-3), contexts up to 32K at batch 1-2 and 1K at batch 64; it also replays inside a CUDA graph with new tables and
   context lengths (no host sync, no data-dependent launch).
-- layer: fast vs torch relative L2 <= 2e-2 on the layer output (the GEMMs are shared; the rest as above).
+- prefill attention: relative L2 <= 1e-2 against the SDPA oracle (both round P to bf16), <= 2e-2 per sequence, on
+  a pack of lengths 1..1024 with prefix-hit rows, gated and not; a mixed step of 64 decode rows and a chunk in one
+  launch against the decode and SDPA oracles.
+- layer: fast vs torch relative L2 <= 2e-2 on the layer output (the GEMMs are shared; the rest as above), decode
+  and mixed steps.
 """
 import math
 from types import SimpleNamespace
@@ -187,6 +196,134 @@ def test_decode_splits_depend_on_shapes_only(monkeypatch):
     assert A.decode_splits(2, 1, 32768, "cpu") >= A.decode_splits(8, 1, 32768, "cpu")
 
 
+# ----------------------------------------------------------------------------------------- prefill attention
+def prefill_batch(lens, starts, block_size, n_blocks, gen, device="cpu", extra_cols=2) -> ForwardBatch:
+    """A packed step as ModelRunner.prepare builds it: sequence i feeds lens[i] tokens after starts[i] cached ones,
+    in shuffled distinct blocks; table columns past each context hold other sequences' blocks."""
+    width = max(math.ceil((s + n) / block_size) for n, s in zip(lens, starts)) + extra_cols
+    need = sum(math.ceil((s + n) / block_size) for n, s in zip(lens, starts))
+    assert need <= n_blocks
+    perm = torch.randperm(n_blocks, generator=gen).tolist()
+    rows, used = [], 0
+    for n, s in zip(lens, starts):
+        own = math.ceil((s + n) / block_size)
+        rows.append(perm[used:used + own] + [perm[(used + own + c) % n_blocks] for c in range(width - own)])
+        used += own
+    tables = torch.tensor(rows, dtype=torch.int32)
+    lens_t, starts_t = torch.tensor(lens), torch.tensor(starts)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    cu[1:] = lens_t.cumsum(0)
+    pos = starts_t[seq] + torch.arange(int(cu[-1])) - cu[:-1][seq]
+    return ForwardBatch(
+        input_ids=torch.zeros(len(pos), dtype=torch.int64, device=device), positions=pos.to(device),
+        slot_mapping=(tables[seq, pos // block_size].long() * block_size + pos % block_size).to(device),
+        cu_seqlens=cu.int().to(device), start_pos=starts_t.int().to(device),
+        context_lens=(starts_t + lens_t).int().to(device), block_tables=tables.to(device),
+        state_slots=torch.arange(len(lens), device=device), logits_indices=(cu[1:] - 1).to(device),
+        seq_lens_cpu=list(lens), start_pos_cpu=list(starts), state_slots_cpu=list(range(len(lens))),
+        is_decode=all(n == 1 and s > 0 for n, s in zip(lens, starts)))
+
+
+def prefill_inputs(heads, kv, D, block_size, lens, starts, gen, dtype=torch.float32, device="cpu", gated=True):
+    """(q, k_cache, v_cache, batch, gate): random caches (every position a query may see holds a key), q and a
+    strided gate view as split_qkv gives them (gate None when not gated)."""
+    n_blocks = sum(math.ceil((s + n) / block_size) for n, s in zip(lens, starts)) + 3
+    batch = prefill_batch(lens, starts, block_size, n_blocks, gen, device)
+    T = sum(lens)
+    k_cache = torch.randn(n_blocks, block_size, kv, D, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(n_blocks, block_size, kv, D, generator=gen).to(dtype).to(device)
+    q = torch.randn(T, heads, D, generator=gen).to(dtype).to(device)
+    gate = torch.randn(T, heads, 2 * D, generator=gen).to(dtype).to(device)[..., D:] if gated else None
+    return q, k_cache, v_cache, batch, gate
+
+
+def small_prefill_tiles(monkeypatch, block_m=16, block_n=16):
+    for d in A.PREFILL_CONFIG:
+        monkeypatch.setitem(A.PREFILL_CONFIG, d, dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1))
+
+
+PREFILL_PACK = [1, 63, 64, 65, 200]   # tile boundaries (16 and 64) crossed and not
+PREFILL_STARTS = [0, 0, 37, 0, 5]     # fresh prompts and chunks / prefix hits on cached pages
+
+
+@pytest.mark.parametrize("heads,kv", [(2, 2), (4, 2), (4, 1)])  # GQA ratios 1, 2, 4
+@pytest.mark.parametrize("gated", [True, False])
+def test_prefill_fast_equals_torch(heads, kv, gated, monkeypatch):
+    """A varlen pack of lengths 1, 63, 64, 65, 200, some after cached tokens (start_pos > 0), 16 x 16 tiles and
+    4-token pages, so query tiles, key tiles and pages are crossed at different places."""
+    small_prefill_tiles(monkeypatch)
+    gen = torch.Generator().manual_seed(heads * 10 + kv + gated)
+    D, bs = 16, 4
+    q, kc, vc, batch, gate = prefill_inputs(heads, kv, D, bs, PREFILL_PACK, PREFILL_STARTS, gen, gated=gated)
+    ref = A.paged_prefill_attention_torch(q, kc, vc, batch, D ** -0.5, gate)
+    out = A.paged_prefill_attention_fast(q, kc, vc, batch, D ** -0.5, gate)
+    assert out.shape == ref.shape == (sum(PREFILL_PACK), heads * D) and out.dtype == ref.dtype
+    assert ref.abs().max() > 0.5
+    assert max_diff(out, ref) <= TOL
+
+
+@pytest.mark.parametrize("block_m,block_n", [(64, 64), (16, 32), (32, 16)])
+def test_prefill_fast_tile_shapes(block_m, block_n, monkeypatch):
+    """The default 64 x 64 tiles (lengths 63/64/65 straddle one query tile) and unequal query / key tiles, with
+    16-token pages, a head_dim that is not a power of two and starts that are not tile multiples."""
+    small_prefill_tiles(monkeypatch, block_m, block_n)
+    gen = torch.Generator().manual_seed(block_m + block_n)
+    D, bs = 24, 16
+    lens, starts = [63, 64, 65, 3, 130], [0, 70, 1, 0, 33]
+    q, kc, vc, batch, gate = prefill_inputs(4, 2, D, bs, lens, starts, gen)
+    ref = A.paged_prefill_attention_torch(q, kc, vc, batch, D ** -0.5, gate)
+    assert max_diff(A.paged_prefill_attention_fast(q, kc, vc, batch, D ** -0.5, gate), ref) <= TOL
+
+
+def test_prefill_fast_mixed_step(monkeypatch):
+    """Decode rows (one token on a cached context) between prefill rows, in one launch: each equals its sequence
+    run alone through the fast kernel and the oracle; the decode rows also equal the decode kernel's output."""
+    small_prefill_tiles(monkeypatch)
+    gen = torch.Generator().manual_seed(11)
+    heads, kv, D, bs = 4, 2, 16, 4
+    lens, starts = [1, 40, 1, 1, 17, 1], [30, 0, 7, 1, 50, 64]
+    q, kc, vc, batch, gate = prefill_inputs(heads, kv, D, bs, lens, starts, gen)
+    out = A.paged_prefill_attention_fast(q, kc, vc, batch, D ** -0.5, gate)
+    assert max_diff(out, A.paged_prefill_attention_torch(q, kc, vc, batch, D ** -0.5, gate)) <= TOL
+    offsets = [0] + torch.tensor(lens).cumsum(0).tolist()
+    for i, (n, s) in enumerate(zip(lens, starts)):
+        rows = slice(offsets[i], offsets[i + 1])
+        one = ForwardBatch(
+            input_ids=batch.input_ids[rows], positions=batch.positions[rows], slot_mapping=batch.slot_mapping[rows],
+            cu_seqlens=torch.tensor([0, n], dtype=torch.int32), start_pos=batch.start_pos[i:i + 1],
+            context_lens=batch.context_lens[i:i + 1], block_tables=batch.block_tables[i:i + 1],
+            state_slots=batch.state_slots[i:i + 1], logits_indices=torch.tensor([n - 1]), seq_lens_cpu=[n],
+            start_pos_cpu=[s], state_slots_cpu=[0], is_decode=n == 1 and s > 0)
+        alone = A.paged_prefill_attention_fast(q[rows], kc, vc, one, D ** -0.5, gate[rows])
+        assert max_diff(out[rows], alone) <= TOL
+    dec = [i for i, n in enumerate(lens) if n == 1]
+    rows = torch.tensor([offsets[i] for i in dec])
+    want = A.paged_decode_attention_torch(q[rows], kc, vc, batch.block_tables[dec], batch.context_lens[dec],
+                                          D ** -0.5, gate[rows])
+    assert max_diff(out[rows], want) <= TOL
+
+
+def test_prefill_fast_reads_only_the_context():
+    """Keys past each query's position (later tokens of its own sequence, table columns past its context, other
+    sequences' pages) do not change its output: set them all to huge values and compare."""
+    gen = torch.Generator().manual_seed(12)
+    heads, kv, D, bs = 2, 1, 16, 4
+    lens, starts = [9, 1, 20], [3, 12, 0]
+    q, kc, vc, batch, gate = prefill_inputs(heads, kv, D, bs, lens, starts, gen)
+    out = A.paged_prefill_attention_fast(q, kc, vc, batch, D ** -0.5, gate)
+    # the first query row of each sequence sees positions 0..start only: poison everything else
+    kp, vp = torch.full_like(kc, 1e4), torch.full_like(vc, -1e4)
+    offsets = [0] + torch.tensor(lens).cumsum(0).tolist()
+    for i, s in enumerate(starts):
+        for p in range(s + 1):
+            blk, off = batch.block_tables[i, p // bs], p % bs
+            kp[blk, off], vp[blk, off] = kc[blk, off], vc[blk, off]
+    first = torch.tensor(offsets[:-1])
+    poisoned = A.paged_prefill_attention_fast(q, kp, vp, batch, D ** -0.5, gate)
+    assert max_diff(poisoned[first], out[first]) <= TOL
+
+
 # ---------------------------------------------------------------------------------------------------- layer
 def tiny_cfg(H=4, KV=2, D=32):
     return SimpleNamespace(num_attention_heads=H, num_key_value_heads=KV, head_dim=D, hidden_size=48,
@@ -221,7 +358,8 @@ def test_layer_uses_one_fused_gemm(monkeypatch):
 @pytest.mark.parametrize("rank,tp", [(0, 1), (3, 4), (1, 2)])
 def test_layer_fast_equals_torch(rank, tp, monkeypatch):
     """TP=1, a rank with 1 q head and a replicated KV head (TP=4 of 4 heads / 2 KV), and a TP=2 rank (2 q heads,
-    1 KV head); a prefill step (one new prompt, one continuation), then a decode step with two padded rows."""
+    1 KV head); a prefill step (one new prompt, one continuation), a mixed step (a decode row and a chunk), then a
+    decode step with two padded rows."""
     cfg, bs, n_blocks = tiny_cfg(), 4, 16
     rot = RotaryEmbedding(8, 1e7, 128)
     layers = [build_layer(k, cfg, rank, tp, rot, n_blocks, bs, monkeypatch) for k in ("torch", "fast")]
@@ -243,10 +381,17 @@ def test_layer_fast_equals_torch(rank, tp, monkeypatch):
     outs = [m(x, prefill) for m in layers]
     assert outs[0].shape == (len(pos), cfg.hidden_size) and outs[0].abs().max() > 0.1
     assert max_diff(outs[1], outs[0]) <= TOL
+    # mixed: sequence 0 one decode token at position 6, sequence 1 a chunk of 3 more at 14 (one launch in "fast")
+    mixed = prefill_batch([1, 3], [6, 14], bs, n_blocks, gen)
+    mixed.block_tables, mixed.slot_mapping = tables, tables[torch.tensor([0, 1, 1, 1]), mixed.positions // bs].long() \
+        * bs + mixed.positions % bs
+    x = torch.randn(4, cfg.hidden_size, generator=gen)
+    outs = [m(x, mixed) for m in layers]
+    assert not mixed.is_decode and max_diff(outs[1], outs[0]) <= TOL
     # decode: both sequences one token on, two padded rows (token at position 0 on the scratch block)
     scratch = n_blocks - 1
     dec_tables = torch.cat([tables, torch.full((2, 5), scratch, dtype=torch.int32)])
-    dec = decode_batch([7, 15, 1, 1], dec_tables, bs)
+    dec = decode_batch([8, 18, 1, 1], dec_tables, bs)
     x = torch.randn(4, cfg.hidden_size, generator=gen)
     x[3] = x[2]  # padded rows all carry the same token, so the scratch slot gets one value
     outs = [m(x, dec) for m in layers]
@@ -315,6 +460,63 @@ def test_gpu_decode_attention_in_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, fn())
+
+
+GPU_PACK, GPU_STARTS = [1, 63, 64, 65, 200, 1024, 3], [0, 40, 0, 7, 0, 300, 64]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("gated", [True, False])
+def test_gpu_prefill_attention_bf16(tp, gated):
+    """Real shapes, a varlen pack with prefix-hit rows: relative L2 <= 1e-2 against the SDPA oracle overall and
+    <= 2e-2 per sequence (both round P to bf16 for the PV product, ~3e-3)."""
+    heads, kv = REAL[tp]
+    gen = torch.Generator().manual_seed(tp + 2 * gated)
+    q, kc, vc, batch, gate = prefill_inputs(heads, kv, D_REAL, BS_REAL, GPU_PACK, GPU_STARTS, gen, torch.bfloat16,
+                                            "cuda", gated)
+    ref = A.paged_prefill_attention_torch(q, kc, vc, batch, D_REAL ** -0.5, gate)
+    out = A.paged_prefill_attention_fast(q, kc, vc, batch, D_REAL ** -0.5, gate)
+    assert torch.isfinite(out).all()
+    assert rel(out, ref) <= 1e-2
+    offsets = [0] + torch.tensor(GPU_PACK).cumsum(0).tolist()
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        assert rel(out[lo:hi], ref[lo:hi]) <= 2e-2, (lo, hi)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_attention_mixed_step_bf16():
+    """64 decode rows at context ~1K and a 512-token prompt chunk after 512 cached tokens, one launch: the decode
+    rows within 1e-2 (relative L2) of the decode oracle, the chunk within 1e-2 of the SDPA oracle."""
+    heads, kv = REAL[1]
+    gen = torch.Generator().manual_seed(9)
+    lens, starts = [1] * 64 + [512], [1000 + i for i in range(64)] + [512]
+    q, kc, vc, batch, gate = prefill_inputs(heads, kv, D_REAL, BS_REAL, lens, starts, gen, torch.bfloat16, "cuda")
+    out = A.paged_prefill_attention_fast(q, kc, vc, batch, D_REAL ** -0.5, gate)
+    dec = A.paged_decode_attention_torch(q[:64], kc, vc, batch.block_tables[:64], batch.context_lens[:64],
+                                         D_REAL ** -0.5, gate[:64])
+    assert rel(out[:64], dec) <= 1e-2
+    assert rel(out[64:], A.paged_prefill_attention_torch(q, kc, vc, batch, D_REAL ** -0.5, gate)[64:]) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+def test_gpu_layer_prefill_bf16(tp, monkeypatch):
+    """The whole layer at real shapes on a mixed step (a fresh 1000-token prompt, a chunk after cached tokens, two
+    decode rows): fast vs torch relative L2 <= 2e-2 on the output, K/V pages as the decode test."""
+    cfg = SimpleNamespace(num_attention_heads=16, num_key_value_heads=2, head_dim=D_REAL, hidden_size=2048,
+                          rms_norm_eps=1e-6)
+    rot = RotaryEmbedding(RD_REAL, 1e7, 4096, device="cuda")
+    lens, starts = [1000, 1, 300, 1], [0, 500, 128, 77]
+    gen = torch.Generator().manual_seed(tp)
+    n_blocks = sum(math.ceil((s + n) / BS_REAL) for n, s in zip(lens, starts)) + 3
+    batch = prefill_batch(lens, starts, BS_REAL, n_blocks, gen, "cuda")
+    layers = [build_layer(k, cfg, 0, tp, rot, n_blocks, BS_REAL, monkeypatch, torch.bfloat16, "cuda")
+              for k in ("torch", "fast")]
+    layers[1].k_cache, layers[1].v_cache = layers[0].k_cache.clone(), layers[0].v_cache.clone()
+    x = torch.randn(sum(lens), 2048, device="cuda", dtype=torch.bfloat16)
+    outs = [m(x, batch) for m in layers]
+    assert rel(outs[1], outs[0]) <= 2e-2
 
 
 @pytest.mark.gpu

@@ -11,8 +11,11 @@ the value columns of a head split over programs (4 per slab: 3 slabs, the last p
   back at zero after every launch.
 - decode_torch == the per-sequence reference (mixed_torch: F.conv1d, the recurrent rule, one sequence at a time)
   to 1e-5, so the oracle itself is checked against the spec's formulation.
-- mixed_fast (decode rows batched through the decode op, other sequences stacked through one chunked rule) ==
-  mixed_torch to 1e-5 on outputs and caches, with either kernel set.
+- gates_fast (the prefill path's g and beta) == gates_torch: 1e-5 relative on g, 1e-6 on beta, softplus inputs from
+  -60 to 60 and sigmoid inputs from -30 to 30.
+- mixed_fast (decode rows batched through the decode op, the other sequences through the varlen prefill kernels,
+  gates and gated norm) == mixed_torch to 2e-4 (the prefill kernels' tolerance) on outputs and caches, with either
+  kernel set; decode rows interleaved (gathered rows), first (sliced rows) and absent (the batch's own tensors).
 - forward: the fused u|z|b|a GEMM (views of one weight) == the four separate projections, decode and mixed, to 1e-5.
 GPU (`-m gpu`, real Qwen3.5-35B-A3B shapes from the preset config at TP=1 (16 key / 32 value heads) and TP=8 local
 (2 / 4), dk = dv = 128, conv 4; bf16 activations, fp32 state):
@@ -199,6 +202,25 @@ def test_decode_fast_softplus_and_beta_edges(block_v, monkeypatch):
     assert max_diff(m.ssm_state, after_ref[1]) <= TOL
 
 
+@pytest.mark.parametrize("H", [1, 3, 32])
+def test_gates_fast_equals_torch(H):
+    """The prefill path's gate kernel: a + dt_bias from -60 to 60 (softplus threshold, exp overflow guard), b from
+    -30 to 30, strided views of a wider row, fp32 (1e-5 relative on g, whose magnitude reaches ~100)."""
+    T = 37
+    gen = torch.Generator().manual_seed(H)
+    row = torch.randn(T, 2 * H + 3, generator=gen)
+    b, a = row[:, 1:1 + H], row[:, 2 + H:2 + 2 * H]
+    b.copy_(torch.linspace(-30, 30, T * H).view(T, H))
+    dt_bias = torch.randn(H, generator=gen)
+    a.copy_(torch.linspace(-60, 60, T * H)[torch.randperm(T * H, generator=gen)].view(T, H) - dt_bias)
+    A_log = torch.rand(H, generator=gen) * 2 - 1.5
+    g_ref, beta_ref = dn.gates_torch(a, b, A_log, dt_bias)
+    g, beta = dn.gates_fast(a, b, A_log, dt_bias)
+    assert g.dtype == beta.dtype == torch.float32 and g.shape == beta.shape == (T, H)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+    assert max_diff(beta, beta_ref) <= 1e-6
+
+
 @pytest.mark.parametrize("hk,hv,dk,dv,kernel,rank,tp", SHAPES[:2])
 def test_decode_torch_equals_per_sequence_reference(hk, hv, dk, dv, kernel, rank, tp, monkeypatch):
     """The oracle against mixed_torch on a decode batch: F.conv1d on the cached tail, the recurrent rule, the gated
@@ -221,13 +243,23 @@ def test_decode_torch_equals_per_sequence_reference(hk, hv, dk, dv, kernel, rank
 
 
 # ------------------------------------------------------------------------------------------------ mixed steps
+MIXED = {  # (lens, starts, slots): decode rows are those of one token after a cached start
+    "interleaved": ([1, 5, 1, 70, 3, 1, 1], [4, 0, 9, 0, 6, 0, 2], [3, 1, 7, 0, 5, 6, 2]),
+    "decodes first": ([1, 1, 1, 66, 2, 1], [4, 9, 2, 0, 6, 0], [3, 7, 2, 0, 5, 6]),
+    "no decodes": ([66, 1, 3], [0, 0, 6], [0, 6, 5]),
+}
+
+
 @pytest.mark.parametrize("kernels", ["torch", "fast"])
-def test_mixed_fast_equals_per_sequence(kernels, monkeypatch):
-    """Decode rows between prefill rows: fresh prompts (one of 70 tokens, two chunks; one of a single token), a
-    continuing chunk, three decodes. mixed_fast == mixed_torch on outputs and every cache entry."""
+@pytest.mark.parametrize("case", sorted(MIXED))
+def test_mixed_fast_equals_per_sequence(kernels, case, monkeypatch):
+    """Decode rows and prefill rows: fresh prompts (one over 64 tokens, two chunks; one of a single token),
+    continuing chunks, decodes. Interleaved (rows gathered), decodes first as the scheduler packs them (rows as
+    slices) and a step without decodes (the batch's own tensors). mixed_fast == mixed_torch on outputs and every
+    cache entry."""
     m = build_layer(kernels, tiny_cfg(2, 6, 16, 16, 4), monkeypatch, seed=3)  # prefill kernels: dims 2^n >= 16
     gen = torch.Generator().manual_seed(4)
-    lens, starts, slots = [1, 5, 1, 70, 3, 1, 1], [4, 0, 9, 0, 6, 0, 2], [3, 1, 7, 0, 5, 6, 2]
+    lens, starts, slots = MIXED[case]
     batch = batch_of(lens, starts, slots)
     assert not batch.is_decode
     proj = random_proj(m, sum(lens), gen)

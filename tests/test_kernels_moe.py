@@ -79,10 +79,15 @@ def test_route_ties_go_to_lowest_id():
 
 # ------------------------------------------------------------------------------------------------ sorted layout
 @pytest.mark.parametrize("T,E,k,start,num_local,block_m", [(1, 8, 2, 0, 8, 16), (37, 8, 2, 2, 4, 16),
-                                                          (20, 16, 4, 12, 4, 32), (9, 8, 2, 4, 4, 16)])
+                                                          (20, 16, 4, 12, 4, 32), (9, 8, 2, 4, 4, 16),
+                                                          (600, 8, 2, 0, 8, 16),        # groups of many blocks
+                                                          (8192, 256, 8, 0, 256, 64),   # a full prefill step
+                                                          (3000, 256, 8, 32, 32, 128)])  # TP=8 rank, BLOCK_M 128
 def test_align_layout(T, E, k, start, num_local, block_m):
     """Every local pair has exactly one row, inside a block of its expert and after the shared rows; pad rows are
-    -1; other ranks' pairs map to -1; the blocks in use cover exactly `total` rows."""
+    -1; other ranks' pairs map to -1; the blocks in use cover exactly `total` rows; each expert's group is
+    ceil(count / block_m) blocks, in expert order. T = 8192 at k = 8 (65,536 pairs, the prefill step of
+    max_num_batched_tokens) runs the kernel's loops over several chunks of pairs and of block-table entries."""
     gen = torch.Generator().manual_seed(T + start)
     ids, _, _ = make_routing(T, E, k, gen, routed="low" if T == 9 else "any")
     lay = moe.align(ids, start, num_local, block_m)
@@ -91,9 +96,11 @@ def test_align_layout(T, E, k, start, num_local, block_m):
     shared_rows = -(-T // block_m) * block_m
     blocks = lay.block_expert[: total // block_m].long()
     assert (blocks[: shared_rows // block_m] == num_local).all()
-    assert bool((blocks[shared_rows // block_m:].diff() > 0).all())  # each expert's group once, in order
     flat = ids.flatten() - start
     mine = (flat >= 0) & (flat < num_local)
+    counts = torch.bincount(flat[mine], minlength=num_local)
+    group_blocks = torch.repeat_interleave(torch.arange(num_local), (counts + block_m - 1) // block_m)
+    assert torch.equal(blocks[shared_rows // block_m:], group_blocks)  # each expert's group once, in order
     inv = lay.inverse.long()
     assert torch.equal(inv < 0, ~mine)
     rows = inv[mine]
@@ -243,7 +250,7 @@ def test_route_fast_bf16(T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, 8])
-@pytest.mark.parametrize("T", [1, 2, 7, 64, 300, 2048])
+@pytest.mark.parametrize("T", [1, 2, 7, 64, 300, 2048, 8192])  # 8192: a prefill step (large-M tiles)
 def test_experts_fast_bf16_real_shapes(tp, T):
     w = real_weights(tp)
     gen = torch.Generator().manual_seed(T + tp)
