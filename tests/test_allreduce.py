@@ -71,7 +71,7 @@ def check_flags(pads, rank, grid, channels=2):
 
 # ---------------------------------------------------------------------------------------------- choice
 def fake_workspace(world=8, data_bytes=1 << 20, one_shot=256 << 10):
-    return allreduce.Workspace([0] * world, 0, data_bytes, torch.device("cpu"), one_shot_max_bytes=one_shot)
+    return allreduce.Workspace([1 << 20] * world, 0, data_bytes, torch.device("cpu"), one_shot_max_bytes=one_shot)
 
 
 def test_choice_by_size_dtype_and_layout():
@@ -116,9 +116,11 @@ def test_setup_falls_back_without_peers():
 
 def test_workspace_rejects_bad_geometry():
     with pytest.raises(ValueError, match="rank"):
-        allreduce.Workspace([1, 2], 2, 64, torch.device("cpu"))
+        allreduce.Workspace([16, 32], 2, 64, torch.device("cpu"))
     with pytest.raises(ValueError, match="multiple of 16"):
-        allreduce.Workspace([1, 2], 0, 60, torch.device("cpu"))
+        allreduce.Workspace([16, 32], 0, 60, torch.device("cpu"))
+    with pytest.raises(ValueError, match="aligned"):
+        allreduce.Workspace([16, 40], 0, 64, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------------------------- one process
