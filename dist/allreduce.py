@@ -109,6 +109,7 @@ def choose(x: torch.Tensor, ws: Workspace | None) -> str:
 
 # ---------------------------------------------------------------------------------------------- the workspace
 _workspace: Workspace | None = None
+_retired: list[Workspace] = []  # replaced workspaces: CUDA graphs captured earlier may still address them
 
 
 def current() -> Workspace | None:
@@ -116,9 +117,19 @@ def current() -> Workspace | None:
 
 
 def install(ws: Workspace | None) -> None:
-    """Make `ws` the workspace of every all-reduce of this process (None: the process group's collective only)."""
+    """Make `ws` the workspace of every all-reduce of this process (None: the process group's collective only,
+    and every earlier workspace released)."""
     global _workspace
+    if ws is None:
+        _retired.clear()
+    elif _workspace is not None:
+        _retired.append(_workspace)
     _workspace = ws
+
+
+def check_fits(nbytes: int, ws: Workspace) -> None:
+    if nbytes > ws.data_bytes:
+        raise ValueError(f"a {nbytes}-byte message does not fit the {ws.data_bytes}-byte workspace")
 
 
 def symmetric_workspace(data_bytes: int, device: torch.device, group=None,
@@ -149,6 +160,7 @@ def symmetric_workspace(data_bytes: int, device: torch.device, group=None,
 def one_shot_(x: torch.Tensor, ws: Workspace) -> torch.Tensor:
     """Sum `x` (contiguous, at most ws.data_bytes) over the ranks in place, every rank reading every buffer."""
     n = x.numel()
+    check_fits(n * x.element_size(), ws)
     if n:
         grid = min(triton.cdiv(n, FLAT_BLOCK), MAX_BLOCKS)
         _one_shot_kernel[(grid,)](x, ws.table, ws.flag_offset, ws.rank, n, P=ws.world,
@@ -160,6 +172,7 @@ def one_shot_(x: torch.Tensor, ws: Workspace) -> torch.Tensor:
 def two_shot_(x: torch.Tensor, ws: Workspace) -> torch.Tensor:
     """Sum `x` over the ranks in place: reduce-scatter then all-gather through the buffers."""
     n = x.numel()
+    check_fits(ws.world * two_shot_slice(n, ws.world) * x.element_size(), ws)
     if n:
         s = two_shot_slice(n, ws.world)
         grid = min(triton.cdiv(s, FLAT_BLOCK), MAX_BLOCKS)

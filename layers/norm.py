@@ -135,6 +135,7 @@ def all_reduce_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weigh
 
 
 def all_reduce_add_rms_norm_fast(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """One kernel when the one-shot path takes the message, else the all-reduce and then add_rms_norm_fast."""
     ws = allreduce.current()
     if allreduce.choose(x, ws) != "one_shot":
         return add_rms_norm_fast(parallel.all_reduce(x), residual, weight, eps)
@@ -144,6 +145,7 @@ def all_reduce_add_rms_norm_fast(x: torch.Tensor, residual: torch.Tensor, weight
 def fused_all_reduce_add_rms_norm(x, residual, weight, eps, ws):
     """The one-kernel boundary over workspace `ws` (its buffers may be P simulated peers in one process: tests)."""
     n = x.shape[-1]
+    allreduce.check_fits(x.numel() * x.element_size(), ws)
     x2, r2 = x.reshape(-1, n), residual.reshape(-1, n)
     out, res_out = torch.empty_like(x2), torch.empty_like(r2)
     rows = x2.shape[0]

@@ -114,6 +114,16 @@ def test_setup_falls_back_without_peers():
         del os.environ[allreduce.ENV]
 
 
+def test_message_larger_than_the_workspace_is_refused():
+    parts = parts_of(2, (4, 16))
+    ws, _ = simulated_peers(parts, 0, grid=1)  # data region: exactly 4 x 16 fp32
+    big = torch.zeros(5, 16)
+    for call in (lambda: allreduce.one_shot_(big, ws), lambda: allreduce.two_shot_(big, ws),
+                 lambda: fused_all_reduce_add_rms_norm(big, big, torch.zeros(16), EPS, ws)):
+        with pytest.raises(ValueError, match="does not fit"):
+            call()
+
+
 def test_workspace_rejects_bad_geometry():
     with pytest.raises(ValueError, match="rank"):
         allreduce.Workspace([16, 32], 2, 64, torch.device("cpu"))
@@ -264,6 +274,7 @@ def test_tensor_parallel_2_symmetric_equals_1(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
+@pytest.mark.timeout(300, method="thread")  # a barrier that never opens spins on the GPU: end the process
 @pytest.mark.parametrize("world,rows", [(2, 1), (8, 1), (8, 64), (3, 5)])
 def test_gpu_fused_boundary_simulated_peers_bf16(world, rows):
     """Compiled (not interpreted) kernels on one GPU: the peers are buffers of the same device."""
@@ -347,6 +358,7 @@ def _gpu_worker(rank, world, port, out_file):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(600, method="thread")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (symmetric memory between devices)")
 def test_gpu_symmetric_all_reduce_two_ranks(tmp_path):
     out_file = str(tmp_path / "errors.pt")
