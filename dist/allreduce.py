@@ -11,9 +11,9 @@ graphs capture (the addresses never change, nothing waits for the host):
 
 Both sum in rank order 0..P-1 in fp32 and round once, so every rank gets identical bits (the residual stream must
 stay identical across ranks) whatever its own rank. Messages larger than the workspace go to the process group's
-collective (NCCL; gloo on the CPU). `choose` decides from the message size alone, so every rank takes the same
-path. layers/norm.py fuses the one-shot sum with the residual add and the next RMSNorm (one kernel per layer
-boundary) from the same pieces: `peer_buffer`, `block_barrier`, `sum_peers`.
+collective (NCCL; gloo on the CPU). `choose` decides from the message alone (size, dtype, layout), so every rank
+takes the same path. layers/norm.py fuses the one-shot sum with the residual add and the next RMSNorm (one kernel
+per layer boundary) from the same pieces: `peer_buffer`, `block_barrier`, `sum_peers`.
 
 The barrier pairs block b of every rank with block b of every other rank: each sends a flag into every peer's pad
 (compare-and-swap 0 -> 1, release, system scope) and waits for every peer's flag in its own pad (1 -> 0, acquire).
@@ -22,12 +22,12 @@ apart. Blocks own the same elements in every phase and on every rank, so block-w
 The flags live in our own buffer rather than torch's signal pads, whose default size is too small for
 3 channels x 64 blocks x 8 ranks and whose layout torch's own ops use.
 
-On one process and the CPU the same kernels run through Triton's interpreter over any buffers with known addresses
-(tests: P simulated peers in one process, or P processes sharing memory).
+On the CPU the same kernels run through Triton's interpreter over any buffers with known addresses (tests: P
+simulated peers in one process, or P processes sharing memory). The size thresholds below are first guesses until
+benchmarks/bench_allreduce.py has measured the crossovers on the target machine.
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 
@@ -39,8 +39,6 @@ try:
 except ImportError:  # pragma: no cover - without triton every all-reduce is the process group's
     triton = None
     tl = None
-
-log = logging.getLogger("qwen35.allreduce")
 
 MAX_BLOCKS = 64                    # blocks per kernel: the flag pads hold this many per channel
 NUM_CHANNELS = 3                   # barriers per kernel (two-shot: after staging, after reducing, at the end)
