@@ -5,16 +5,22 @@ is a no-op, so the same model code runs on one device with no process group at a
 
 Two groups exist when running on GPUs: the default NCCL group for tensor collectives inside the forward, and a
 gloo group on the CPU for the small per-step metadata broadcast (so that rank 0's Python objects never need a
-device round trip).
+device round trip). `all_reduce` sums small messages through torch symmetric memory instead of NCCL once
+`setup_symmetric_all_reduce` has run (dist/allreduce.py: one-shot / two-shot by size, NCCL beyond).
 """
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 
 import torch
 import torch.distributed as torch_dist
+
+from dist import allreduce
+
+log = logging.getLogger("qwen35.dist")
 
 _WORLD = 1
 _RANK = 0
@@ -52,8 +58,37 @@ def init_distributed(device_type: str = "cuda", timeout_s: float = 1800.0) -> tu
     return rank, world
 
 
+def setup_symmetric_all_reduce(max_graph_bytes: int, device: torch.device) -> bool:
+    """Give `all_reduce` a symmetric-memory workspace (collective; CUDA at TP > 1; before any CUDA graph capture).
+
+    Its data region holds max(max_graph_bytes, allreduce.TWO_SHOT_MAX_BYTES): every all-reduce of a captured
+    decode step (at most max batch tokens x hidden) stays off NCCL. $QWEN35_ALLREDUCE=nccl keeps NCCL for all.
+    An existing workspace that is big enough is kept (several runners in one process). Returns whether one is in
+    use; when it cannot be set up (no peer access, an old torch) the log says why and NCCL does every all-reduce."""
+    choice = os.environ.get(allreduce.ENV, "auto")
+    if choice not in ("auto", "nccl"):
+        raise ValueError(f"{allreduce.ENV} must be auto or nccl; got {choice!r}")
+    if _WORLD == 1 or torch.device(device).type != "cuda" or choice == "nccl" or allreduce.triton is None:
+        return False
+    data_bytes = max(max_graph_bytes, allreduce.TWO_SHOT_MAX_BYTES)
+    ws = allreduce.current()
+    if ws is not None and ws.data_bytes >= data_bytes:
+        return True
+    try:
+        ws = allreduce.symmetric_workspace(data_bytes, device)
+    except Exception as e:
+        log.warning("symmetric-memory all-reduce unavailable on rank %d (%s: %s)", _RANK, type(e).__name__, e)
+        ws = None
+    if all_reduce_min_int(int(ws is not None)) == 0:  # every rank takes the same path, or none would finish
+        log.warning("symmetric-memory all-reduce off: NCCL for every all-reduce")
+        return False
+    allreduce.install(ws)
+    return True
+
+
 def destroy() -> None:
     global _WORLD, _RANK, _CPU_GROUP
+    allreduce.install(None)
     if torch_dist.is_initialized():
         torch_dist.destroy_process_group()
     _WORLD, _RANK, _CPU_GROUP = 1, 0, None
@@ -73,8 +108,9 @@ def is_driver() -> bool:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over all ranks in place (the one collective after each mixer and each MoE/MLP)."""
-    if _WORLD > 1:
+    """Sum `x` over all ranks in place (the one collective after each mixer and each MoE/MLP): through the
+    symmetric-memory workspace when there is one and the message fits, else the process group's (NCCL / gloo)."""
+    if _WORLD > 1 and not allreduce.all_reduce_(x, allreduce.current()):
         torch_dist.all_reduce(x)
     return x
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist import allreduce, parallel
 from layers import backend
 from layers.backend import round_to, tl, triton
 from layers.linear import make_param
@@ -133,11 +134,17 @@ class RMSNorm(nn.Module):
         fast = backend.use_fast()
         self._norm = rms_norm_fast if fast else rms_norm_torch
         self._add_norm = add_rms_norm_fast if fast else add_rms_norm_torch
+        self._reduce_add_norm = all_reduce_add_rms_norm_fast if fast else all_reduce_add_rms_norm_torch
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x, self.weight, self.eps)
         return self._add_norm(x, residual, self.weight, self.eps)
+
+    def all_reduce_add(self, x: torch.Tensor, residual: torch.Tensor):
+        """A layer boundary: x holds this rank's partial sums (row-parallel projections, local experts);
+        returns (norm(sum_ranks(x) + residual), sum_ranks(x) + residual)."""
+        return self._reduce_add_norm(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -152,3 +159,66 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return self._norm(x, z, self.weight, self.eps)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The layer boundary under tensor parallelism: all-reduce of the partial sums + residual add + RMSNorm.
+# At TP=1 / on the CPU / for messages too big for the one-shot path it is parallel.all_reduce then add_rms_norm;
+# with a symmetric-memory workspace (dist/allreduce.py) and a small message, one kernel: stage this rank's rows in
+# its buffer, barrier, sum every rank's rows in rank order (identical bits on every rank), add the residual, norm,
+# barrier (the buffer may be rewritten once every rank has read it).
+
+def all_reduce_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """x holds this rank's partial sums: (rms_norm(sum_ranks(x) + residual), sum_ranks(x) + residual)."""
+    return add_rms_norm_torch(parallel.all_reduce(x), residual, weight, eps)
+
+
+def all_reduce_add_rms_norm_fast(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """One kernel when the one-shot path takes the message, else the all-reduce and then add_rms_norm_fast."""
+    ws = allreduce.current()
+    if allreduce.choose(x, ws) != "one_shot":
+        return add_rms_norm_fast(parallel.all_reduce(x), residual, weight, eps)
+    return fused_all_reduce_add_rms_norm(x, residual, weight, eps, ws)
+
+
+def fused_all_reduce_add_rms_norm(x, residual, weight, eps, ws):
+    """The one-kernel boundary over workspace `ws` (its buffers may be P simulated peers in one process: tests)."""
+    n = x.shape[-1]
+    allreduce.check_fits(x.numel() * x.element_size(), ws)
+    x2, r2 = x.reshape(-1, n), residual.reshape(-1, n)
+    out, res_out = torch.empty_like(x2), torch.empty_like(r2)
+    rows = x2.shape[0]
+    if rows:
+        block = triton.next_power_of_2(n)
+        _all_reduce_add_rms_norm_kernel[(min(rows, allreduce.MAX_BLOCKS),)](
+            x2, r2, res_out, weight, out, ws.table, ws.flag_offset, ws.rank, rows, n, x2.stride(0), r2.stride(0),
+            eps, P=ws.world, PP=triton.next_power_of_2(ws.world), MAX_BLOCKS=allreduce.MAX_BLOCKS, BLOCK=block,
+            num_warps=max(1, min(8, block // 256)))
+    return out.view(x.shape), res_out.view(residual.shape)
+
+
+if triton is not None:
+    @triton.jit
+    def _all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, table, flag_off, rank, rows, n,
+                                        sx, sr, eps, P: tl.constexpr, PP: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+                                        BLOCK: tl.constexpr):
+        """Rows pid, pid + grid, ...: s = sum over ranks of x (fp32, rank order, rounded to the model dtype once,
+        as the reference's all-reduced tensor is), then the residual add and the norm of _rms_norm_kernel.
+        Offsets stay int32: rows x n is at most the one-shot limit."""
+        dt = x_ptr.dtype.element_ty
+        mine = allreduce.peer_buffer(table, rank, dt)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        first, step = tl.program_id(0), tl.num_programs(0)
+        for row in range(first, rows, step):
+            tl.store(mine + row * n + cols, tl.load(x_ptr + row * sx + cols, mask=mask), mask=mask)
+        allreduce.block_barrier(table, flag_off, rank, 0, P, PP, MAX_BLOCKS)
+        for row in range(first, rows, step):
+            s = round_to(allreduce.sum_peers(table, row * n + cols, mask, P, dt), dt)
+            r = tl.load(res_ptr + row * sr + cols, mask=mask, other=0.0)
+            s = round_to(s + r.to(tl.float32), r.dtype)  # the reference's add, rounded once
+            tl.store(res_out_ptr + row * n + cols, s.to(r.dtype), mask=mask)
+            inv = tl.rsqrt(tl.sum(s * s, 0) / n + eps)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * n + cols, (s * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+        allreduce.block_barrier(table, flag_off, rank, 1, P, PP, MAX_BLOCKS)  # every rank has read my buffer

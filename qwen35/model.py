@@ -3,14 +3,15 @@ dense MLP), final norm and LM head. Module names mirror the checkpoint's (minus 
 names one to one.
 
 Each decoder layer does exactly two all-reduces under TP: after the mixer and after the feed-forward (both produce
-partial sums of row-parallel projections / local experts).
+partial sums of row-parallel projections / local experts). Each is fused with the residual add and the norm that
+follows it (`RMSNorm.all_reduce_add`): the feed-forward's partial sums leave the layer as they are and the next
+layer's input norm (or the final norm) sums them.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from dist import parallel
 from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
 from layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -38,16 +39,16 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
-        """x: the previous layer's feed-forward output (the embeddings for the first layer, residual None);
-        returns this layer's feed-forward output and the residual stream before it. Each residual add is fused
-        into the norm that follows it."""
+        """x: the previous layer's feed-forward output, this rank's partial sums (the embeddings, already whole, for
+        the first layer, residual None); returns this layer's feed-forward partial sums and the residual stream
+        before them. Each all-reduce and residual add is fused into the norm that follows it."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm.all_reduce_add(x, residual)
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        h, residual = self.post_attention_layernorm(parallel.all_reduce(mixer(h, batch)), residual)
-        return parallel.all_reduce(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm.all_reduce_add(mixer(h, batch), residual)
+        return self.mlp(h), residual
 
 
 class Qwen35Model(nn.Module):
@@ -66,7 +67,7 @@ class Qwen35Model(nn.Module):
         x, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, batch)
-        return self.norm(x, residual)[0]
+        return self.norm.all_reduce_add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, gather_to_all: bool = False) -> torch.Tensor | None:
         return self.lm_head(hidden, gather_to_all=gather_to_all)

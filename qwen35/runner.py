@@ -91,6 +91,10 @@ class ModelRunner:
         else:
             raise ValueError(f"unknown load_format {load_format!r} (use 'safetensors' or 'dummy')")
         self.model.eval()
+        if self.device.type == "cuda" and self.kernels == "fast":
+            # small all-reduces over peer buffers (dist/allreduce.py), set up before the KV budget is measured
+            elt = torch.empty((), dtype=self.dtype).element_size()
+            parallel.setup_symmetric_all_reduce(max_num_seqs * config.hidden_size * elt, self.device)
         self._allocate_caches(gpu_memory_utilization, num_kv_blocks)
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
