@@ -30,9 +30,9 @@ bytes, are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so
     _front_kernel         logits slices by many programs; the last program of each token block routes it; the last
                           of those builds the sorted layout (deterministic: a group's pairs in pair order)
     _gate_up_kernel       as above, on the front kernel's layout
-    _down_combine_kernel  (T <= DOWN_COMBINE_MAX_T) per (token, N tile): the token's routed experts in top-k order,
-                          then the shared expert, each row's GEMV times its weight, summed in fp32; else
-                          _down_kernel + _combine_kernel as above
+    _down_combine_kernel  (T <= DOWN_COMBINE_MAX_T) per (token, N tile): the token's routed experts and the shared
+                          expert as one tile (all their loads in flight at once), each row's GEMV times its
+                          weight, summed in fp32 in a fixed order; else _down_kernel + _combine_kernel as above
 
 Both thresholds are powers of two: a decode batch padded for a CUDA graph never crosses the next one, so the padded
 batch takes the same kernels and gives the same bits as the batch run eagerly.
@@ -356,20 +356,20 @@ def down_combine_torch(act: torch.Tensor, w: ExpertWeights, layout: Layout, ids:
 
 def down_combine_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, ids: torch.Tensor,
                       weights: torch.Tensor, shared_gate: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
-    """down_combine_torch in one launch: a program per (token, N tile) reads the k + 1 expert tiles it needs. For
-    few tokens only: an expert two tokens share, and the shared expert, are read once per token."""
+    """down_combine_torch in one launch: a program per (token, N tile) reads the k + 1 expert tiles it needs, all
+    at once. For few tokens only: an expert two tokens share, and the shared expert, are read once per token."""
     T, k = ids.shape
     num_local, H, inter = w.down.shape
     out = torch.empty(T, H, dtype=act.dtype, device=act.device)
     if T == 0:
         return out
     width = triton.next_power_of_2(max(inter, w.shared_down.shape[1]))
-    tile = _cap(tile or default_config(T)["down_combine"], triton.next_power_of_2(H), width, least=8)
+    tile = _cap(tile or default_config(T)["down_combine"], triton.next_power_of_2(H), width, least=4)
     _down_combine_kernel[(T, triton.cdiv(H, tile["BLOCK_N"]))](
         act, w.down, w.shared_down, out, ids, layout.inverse, weights, shared_gate, H, inter, w.shared_down.shape[1],
         w.start, act.stride(0), w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), out.stride(0),
-        ids.stride(0), weights.stride(0), shared_gate.stride(0), TOP_K=k, BLOCK_N=tile["BLOCK_N"],
-        BLOCK_K=tile["BLOCK_K"], num_warps=tile["num_warps"])
+        ids.stride(0), weights.stride(0), shared_gate.stride(0), TOP_K=k, SLOTS=triton.next_power_of_2(k + 1),
+        BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], num_warps=tile["num_warps"])
     return out
 
 
@@ -431,7 +431,7 @@ def default_config(T: int) -> dict:
     Prefill: larger tiles that reuse each weight tile over many rows. front (router columns per program, H step)
     and down_combine (GEMV tiles) serve T <= FRONT_MAX_T only; tables tuned before them lack the keys."""
     small = {"front": dict(BLOCK_N=16, BLOCK_K=128, num_warps=4),
-             "down_combine": dict(BLOCK_N=16, BLOCK_K=128, num_warps=4)}
+             "down_combine": dict(BLOCK_N=16, BLOCK_K=32, num_warps=4)}
     if T <= 128:
         return {"BLOCK_M": 16, "gate_up": dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
                 "down": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4), **small}
@@ -460,7 +460,8 @@ def moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: in
 
 
 def _cap(tile: dict, n: int, k: int, least: int = 16) -> dict:
-    return dict(tile, BLOCK_N=max(least, min(tile["BLOCK_N"], n)), BLOCK_K=max(16, min(tile["BLOCK_K"], k)))
+    """N and K tiles no larger than the (power-of-two) matrix, no smaller than tl.dot's 16 (a GEMV's: least)."""
+    return dict(tile, BLOCK_N=max(least, min(tile["BLOCK_N"], n)), BLOCK_K=max(least, min(tile["BLOCK_K"], k)))
 
 
 # ------------------------------------------------------------------------------------------------ Triton kernels
@@ -648,8 +649,12 @@ if triton is not None:
         counts = tl.sum(per_block, 0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         offs = tl.cumsum(padded, 0) - padded + (T + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        if NT_POW2 == 1:  # no scan over a length-1 axis
+            before = tl.zeros_like(per_block)
+        else:
+            before = tl.cumsum(per_block, 0) - per_block
         base_ptr = counts_ptr + NT * BLOCK_E  # first row of each (block, expert): the second half of the scratch
-        tl.store(base_ptr + cell, offs[None, :] + tl.cumsum(per_block, 0) - per_block, mask=blk < NT)
+        tl.store(base_ptr + cell, offs[None, :] + before, mask=blk < NT)
         tl.debug_barrier()
         n = T * TOP_K
         for p0 in range(0, n, PAIR_CHUNK):
@@ -749,41 +754,41 @@ if triton is not None:
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * sy + cols[None, :], y, mask=valid[:, None] & cmask[None, :])
 
     @triton.jit
-    def _gemv(a_ptr, w_ptr, sw, inter, cols, cmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """fp32 [BLOCK_N]: the act row at a_ptr times rows `cols` of a [H, inter] weight (row stride sw); products
-        summed per lane over the K steps, then across lanes once."""
-        ks = tl.arange(0, BLOCK_K)
-        wp = w_ptr + cols.to(tl.int64)[:, None] * sw + ks[None, :]
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            kmask = k0 + ks < inter
-            a = tl.load(a_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
-            acc += tl.load(wp + k0, mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32) * a[None, :]
-        return tl.sum(acc, 1)
-
-    @triton.jit
     def _down_combine_kernel(act_ptr, w_ptr, sw_ptr, out_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, H, I, I_s, start,
-                             sa, swe, swh, sswh, so, sid, srw, ssg, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
-        """Columns [n, n + BLOCK_N) of token t's output: its routed rows in top-k order (other ranks' skipped),
-        then its shared row (row t), each (act row W_down^T) rounded, times its weight, rounded, summed in fp32:
-        _down_kernel's epilogue and _combine_kernel's order."""
+                             sa, swe, swh, sswh, so, sid, srw, ssg, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Columns [n, n + BLOCK_N) of token t's output. Its k routed rows (slots 0..k-1; other ranks' experts
+        masked) and its shared row (slot k, row t) as one [SLOTS, BLOCK_N, BLOCK_K] tile per K step, so every
+        expert's loads are in flight together (a loop over the experts would wait for memory once per expert).
+        Each slot's GEMV is rounded, times its weight, rounded (_down_kernel's epilogue), then the slots are summed
+        in fp32 in a fixed order: no atomics, the same bits on every run."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < H
+        s = tl.arange(0, SLOTS)
+        routed = s < TOP_K
+        row = tl.load(inv_ptr + t * TOP_K + s, mask=routed, other=-1)
+        valid = (row >= 0) | (s == TOP_K)
+        e = tl.load(ids_ptr + t * sid + s, mask=routed & valid, other=0).to(tl.int64) - start
+        e = tl.where(routed & valid, e, 0)
+        row = tl.where(routed, row, t).to(tl.int64)
+        rw = tl.load(rw_ptr + t * srw + s, mask=routed & valid, other=0.0).to(tl.float32)
+        rw = tl.where(s == TOP_K, tl.load(sg_ptr + t * ssg).to(tl.float32), rw)
+        inter = tl.where(routed, I, I_s)
+        wh = tl.where(routed, swh, sswh)
+        wbase = tl.where(routed, w_ptr + e * swe, sw_ptr)
+        ks = tl.arange(0, BLOCK_K)
+        ap = act_ptr + row[:, None] * sa + ks[None, :]
+        wp = wbase[:, None, None] + (cols.to(tl.int64)[None, :, None] * wh[:, None, None]) + ks[None, None, :]
+        acc = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, tl.maximum(I, I_s), BLOCK_K):
+            amask = valid[:, None] & (k0 + ks[None, :] < inter[:, None])
+            a = tl.load(ap + k0, mask=amask, other=0.0).to(tl.float32)
+            wt = tl.load(wp + k0, mask=amask[:, None, :] & cmask[None, :, None], other=0.0).to(tl.float32)
+            acc += wt * a[:, None, :]
         dt = out_ptr.dtype.element_ty
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            row = tl.load(inv_ptr + t * TOP_K + j)
-            if row >= 0:
-                e = tl.load(ids_ptr + t * sid + j).to(tl.int64) - start
-                rw = tl.load(rw_ptr + t * srw + j).to(tl.float32)
-                y = _gemv(act_ptr + row.to(tl.int64) * sa, w_ptr + e * swe, swh, I, cols, cmask, BLOCK_N, BLOCK_K)
-                acc += round_to(round_to(y, dt) * rw, dt)
-        rw = tl.load(sg_ptr + t * ssg).to(tl.float32)
-        y = _gemv(act_ptr + t * sa, sw_ptr, sswh, I_s, cols, cmask, BLOCK_N, BLOCK_K)
-        acc += round_to(round_to(y, dt) * rw, dt)
-        tl.store(out_ptr + t * so + cols, acc.to(dt), mask=cmask)
+        y = round_to(round_to(tl.sum(acc, 2), dt) * rw[:, None], dt)  # invalid slots: 0
+        tl.store(out_ptr + t * so + cols, tl.sum(y, 0).to(dt), mask=cmask)
 
     @triton.jit
     def _combine_kernel(y_ptr, inv_ptr, out_ptr, H, sy, so, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):

@@ -148,10 +148,12 @@ FRONT_CASES = [  # T, E, k, H, start, num_local, block_m, tile (None: the defaul
 
 
 def check_front(fast, x, router, k, start, num_local, block_m, tol_logits=1e-5):
-    """The front kernel against its oracle, step by step: logits vs the GEMM; routing vs route_torch on the
-    kernel's own logits (so that a GEMM rounding cannot move a near-tie); layout vs align_torch on those ids."""
+    """The front kernel against its oracle, step by step: logits vs the GEMM (tol_logits None: checked by the
+    caller); routing vs route_torch on the kernel's own logits (so that a GEMM rounding cannot move a near-tie);
+    layout vs align_torch on those ids."""
     T = x.shape[0]
-    assert max_diff(fast.logits, F.linear(x, router)) <= tol_logits
+    if tol_logits is not None:
+        assert max_diff(fast.logits, F.linear(x, router)) <= tol_logits
     ids, w, g = moe.route_torch(fast.logits, k)
     assert fast.ids.dtype == torch.int32 and torch.equal(fast.ids.long(), ids)
     tol = TOL_ROUTE if x.dtype == torch.float32 else 4e-3
@@ -436,6 +438,92 @@ def test_experts_fast_bits_padding_and_graph_replay(tp):
     static_logits.copy_(logits2)
     graph.replay()
     assert torch.equal(out, step(x2, logits2))
+
+
+@functools.lru_cache(maxsize=None)
+def real_router(tp: int) -> torch.Tensor:
+    """The fused router | shared gate [257, 2048], bf16, std 0.02 (logits ~ N(0, 0.9^2) for x ~ N(0, 1))."""
+    gen = torch.Generator(device="cuda").manual_seed(100 + tp)
+    return (torch.randn(257, 2048, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("T", [1, 2, 7, 16, 17, 64])
+def test_front_fast_bf16_real_shapes(tp, T):
+    """Logits within one bf16 ulp of cuBLAS's; routing and layout exactly the oracle's on the kernel's logits."""
+    w, router = real_weights(tp), real_router(tp)
+    gen = torch.Generator().manual_seed(T + 10 * tp)
+    x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
+    num_local = w.gate_up.shape[0]
+    fast = moe.front_fast(x, router, 8, w.start, num_local, 16)
+    ref = F.linear(x, router).float()
+    assert bool(((fast.logits.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-4).all())
+    check_front(fast, x, router, 8, w.start, num_local, 16, tol_logits=None)
+    tiled = moe.moe_config(T, num_local, 2048, 512, 512 // tp, x.device)
+    again = moe.front_fast(x, router, 8, w.start, num_local, tiled["BLOCK_M"], tiled["front"])
+    check_front(again, x, router, 8, w.start, num_local, tiled["BLOCK_M"], tol_logits=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("T", [1, 4, 8])
+def test_down_combine_fast_bf16(tp, T):
+    """The one-kernel down+combine against its torch oracle and the two-kernel path, on the same act."""
+    w = real_weights(tp)
+    num_local = w.gate_up.shape[0]
+    gen = torch.Generator().manual_seed(T + tp)
+    x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
+    ids, wts, gate = make_routing(T, 256, 8, gen, device="cuda", dtype=torch.bfloat16)
+    cfg = moe.moe_config(T, num_local, 2048, 512, 512 // tp, x.device)
+    lay = moe.align_torch(ids, w.start, num_local, cfg["BLOCK_M"])
+    act = moe.gate_up_fast(x, w, lay, cfg["gate_up"])
+    fast = moe.down_combine_fast(act, w, lay, ids.int(), wts, gate, cfg["down_combine"])
+    assert torch.isfinite(fast).all()
+    assert rel(fast, moe.down_combine_torch(act, w, lay, ids, wts, gate)) <= 1e-2
+    two = moe.combine_fast(moe.down_fast(act, w, lay, wts, gate, cfg["down"]), lay, T)
+    assert rel(fast, two) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("T", [1, 2, 8, 16, 64])
+def test_moe_decode_bf16_real_shapes(tp, T):
+    """The decode path (both down+combine choices) against experts_torch routed on the front kernel's logits."""
+    w, router = real_weights(tp), real_router(tp)
+    gen = torch.Generator().manual_seed(T * 5 + tp)
+    x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
+    front = moe.front_fast(x, router, 8, w.start, w.gate_up.shape[0], 16)
+    ref = moe.experts_torch(x, *moe.route_torch(front.logits, 8), w)
+    for down_combine in (True, False):
+        out = moe.moe_decode_fast(x, router, 8, w, down_combine)
+        assert torch.isfinite(out).all() and rel(out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+def test_moe_fast_bits_padding_and_graph_replay(tp):
+    """Identical bits on the decode path, for graph sizes with and without the one-kernel down+combine and with
+    several token blocks: two eager runs; n tokens vs the same padded to the graph size; CUDA-graph replays (new
+    inputs each time) vs eager; the arrival counters back at zero after the replays."""
+    w, router = real_weights(tp), real_router(tp)
+    gen = torch.Generator().manual_seed(tp)
+    for n, b in [(1, 1), (3, 4), (13, 16), (50, 56)]:
+        x = torch.randn(b, 2048, generator=gen).to("cuda", torch.bfloat16)
+        eager = moe.moe_fast(x, router, 8, w)
+        assert torch.equal(moe.moe_fast(x, router, 8, w), eager)
+        assert torch.equal(moe.moe_fast(x[:n], router, 8, w), eager[:n])
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe.moe_fast(static, router, 8, w)
+        for _ in range(3):
+            x2 = torch.randn(b, 2048, generator=gen).to("cuda", torch.bfloat16)
+            static.copy_(x2)
+            graph.replay()
+            assert torch.equal(out, moe.moe_fast(x2, router, 8, w))
+        torch.cuda.synchronize()
+        assert not moe._counters(x.device).any()
 
 
 @pytest.mark.gpu
