@@ -51,9 +51,9 @@ def gemv_candidates(op: str, quick: bool) -> list[dict]:
     """front: logit columns per program (BLOCK_N) and H step; down_combine: output columns per (token, tile)
     program and I step of its [k + 1 slots, BLOCK_N, BLOCK_K] tile. The default first (--quick keeps two)."""
     if op == "front":
-        grid = dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 64, 256], num_warps=[4, 8])
+        grid = dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 64, 256], num_warps=[4, 8], num_stages=[3, 4])
     else:
-        grid = dict(BLOCK_N=[16, 8, 32], BLOCK_K=[32, 16, 64], num_warps=[4, 8, 2])
+        grid = dict(BLOCK_N=[8, 16, 4], BLOCK_K=[64, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
     if quick:
         grid = {k: v[:2] for k, v in grid.items()}
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]

@@ -30,9 +30,10 @@ bytes, are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so
     _front_kernel         logits slices by many programs; the last program of each token block routes it; the last
                           of those builds the sorted layout (deterministic: a group's pairs in pair order)
     _gate_up_kernel       as above, on the front kernel's layout
-    _down_combine_kernel  (T <= DOWN_COMBINE_MAX_T) per (token, N tile): the token's routed experts and the shared
-                          expert as one tile (all their loads in flight at once), each row's GEMV times its
-                          weight, summed in fp32 in a fixed order; else _down_kernel + _combine_kernel as above
+    _down_combine_kernel  (T <= DOWN_COMBINE_MAX_T) per (token, N tile): the token's routed experts as one tile and
+                          the shared expert's, in one software-pipelined K loop (every expert's loads in flight
+                          together), each GEMV times its weight, summed in fp32 in a fixed order; else
+                          _down_kernel + _combine_kernel as above
 
 Both thresholds are powers of two: a decode batch padded for a CUDA graph never crosses the next one, so the padded
 batch takes the same kernels and gives the same bits as the batch run eagerly.
@@ -330,8 +331,10 @@ def front_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, start: int, nu
                             router.stride(0), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_M=block_m,
                             BLOCK_T=FRONT_BLOCK_T, NT_POW2=triton.next_power_of_2(nt), BLOCK_E=block_e,
                             BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
-                            PAIR_CHUNK=min(256, triton.next_power_of_2(T * top_k)), NB_CHUNK=16,
-                            PRECISION=_precision(x.dtype), num_warps=tile["num_warps"])
+                            PAIR_CHUNK=min(256, triton.next_power_of_2(T * top_k)),
+                            NB_CHUNK=triton.cdiv(FRONT_MAX_T, block_m),
+                            PRECISION=_precision(x.dtype), num_warps=tile["num_warps"],
+                            num_stages=tile["num_stages"])
     layout = Layout(sorted_pairs, block_expert, inverse, total, rows, block_m, top_k)
     return Front(logits, ids.view(T, top_k), weights, shared_gate, layout)
 
@@ -368,8 +371,9 @@ def down_combine_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, ids: 
     _down_combine_kernel[(T, triton.cdiv(H, tile["BLOCK_N"]))](
         act, w.down, w.shared_down, out, ids, layout.inverse, weights, shared_gate, H, inter, w.shared_down.shape[1],
         w.start, act.stride(0), w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), out.stride(0),
-        ids.stride(0), weights.stride(0), shared_gate.stride(0), TOP_K=k, SLOTS=triton.next_power_of_2(k + 1),
-        BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], num_warps=tile["num_warps"])
+        ids.stride(0), weights.stride(0),
+        shared_gate.stride(0), TOP_K=k, K_POW2=triton.next_power_of_2(k), BLOCK_N=tile["BLOCK_N"],
+        BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"])
     return out
 
 
@@ -430,8 +434,8 @@ def default_config(T: int) -> dict:
     each weight tile is read once; narrow N tiles so that the few active experts still spread over all SMs.
     Prefill: larger tiles that reuse each weight tile over many rows. front (router columns per program, H step)
     and down_combine (GEMV tiles) serve T <= FRONT_MAX_T only; tables tuned before them lack the keys."""
-    small = {"front": dict(BLOCK_N=16, BLOCK_K=128, num_warps=4),
-             "down_combine": dict(BLOCK_N=16, BLOCK_K=32, num_warps=4)}
+    small = {"front": dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+             "down_combine": dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=4)}
     if T <= 128:
         return {"BLOCK_M": 16, "gate_up": dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
                 "down": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4), **small}
@@ -613,12 +617,9 @@ if triton is not None:
         slot = tl.arange(0, K_POW2)[None, :]
         ids = tl.zeros([BLOCK_T, K_POW2], dtype=tl.int32)
         vals = tl.zeros([BLOCK_T, K_POW2], dtype=tl.float32)
-        picked = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
         for j in tl.static_range(TOP_K):
             best = tl.max(key, 1)
-            hit = key == best[:, None]
-            picked = tl.where(hit, 1, picked)
-            key = tl.where(hit, -1, key)
+            key = tl.where(key == best[:, None], -1, key)  # taken: -1, as the columns past E
             ids = tl.where(slot == j, (BLOCK_E - 1 - (best & (BLOCK_E - 1))).to(tl.int32)[:, None], ids)
             vals = tl.where(slot == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)[:, None], vals)
         w = vals / tl.sum(vals, 1)[:, None]
@@ -628,8 +629,8 @@ if triton is not None:
         tl.store(rw_ptr + out, w.to(rw_ptr.dtype.element_ty), mask=smask)
         g = tl.load(lp + E, mask=rmask, other=0.0, volatile=True).to(tl.float32)
         tl.store(sg_ptr + rows, tl.sigmoid(g).to(sg_ptr.dtype.element_ty), mask=rmask)
-        local = (cols >= start) & (cols < start + num_local)
-        mine = tl.where(rmask[:, None] & local[None, :], picked, 0)
+        local = emask & (cols >= start) & (cols < start + num_local)
+        mine = (rmask[:, None] & local[None, :] & (key == -1)).to(tl.int32)
         tl.store(counts_ptr + b * BLOCK_E + cols, tl.sum(mine, 0))
         tl.store(rank_ptr + rows.to(tl.int64)[:, None] * BLOCK_E + cols[None, :], tl.cumsum(mine, 0) - mine,
                  mask=mine > 0)
@@ -755,40 +756,43 @@ if triton is not None:
 
     @triton.jit
     def _down_combine_kernel(act_ptr, w_ptr, sw_ptr, out_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, H, I, I_s, start,
-                             sa, swe, swh, sswh, so, sid, srw, ssg, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Columns [n, n + BLOCK_N) of token t's output. Its k routed rows (slots 0..k-1; other ranks' experts
-        masked) and its shared row (slot k, row t) as one [SLOTS, BLOCK_N, BLOCK_K] tile per K step, so every
-        expert's loads are in flight together (a loop over the experts would wait for memory once per expert).
-        Each slot's GEMV is rounded, times its weight, rounded (_down_kernel's epilogue), then the slots are summed
-        in fp32 in a fixed order: no atomics, the same bits on every run."""
+                             sa, swe, swh, sswh, so, sid, srw, ssg, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """Columns [n, n + BLOCK_N) of token t's output: its k routed rows (other ranks' experts masked) as one
+        [K_POW2, BLOCK_N, BLOCK_K] weight tile per K step and its shared row (row t) as another, in one loop that
+        Triton software-pipelines (tl.range num_stages: NUM_STAGES - 1 steps of every expert's loads in flight;
+        a plain loop here, with no tl.dot, would wait for memory once per step). Each GEMV is rounded, times its
+        weight, rounded (_down_kernel's epilogue); the routed ones are summed in a fixed order, then the shared
+        one, in fp32: no atomics, the same bits on every run."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < H
-        s = tl.arange(0, SLOTS)
-        routed = s < TOP_K
-        row = tl.load(inv_ptr + t * TOP_K + s, mask=routed, other=-1)
-        valid = (row >= 0) | (s == TOP_K)
-        e = tl.load(ids_ptr + t * sid + s, mask=routed & valid, other=0).to(tl.int64) - start
-        e = tl.where(routed & valid, e, 0)
-        row = tl.where(routed, row, t).to(tl.int64)
-        rw = tl.load(rw_ptr + t * srw + s, mask=routed & valid, other=0.0).to(tl.float32)
-        rw = tl.where(s == TOP_K, tl.load(sg_ptr + t * ssg).to(tl.float32), rw)
-        inter = tl.where(routed, I, I_s)
-        wh = tl.where(routed, swh, sswh)
-        wbase = tl.where(routed, w_ptr + e * swe, sw_ptr)
+        s = tl.arange(0, K_POW2)
+        row = tl.load(inv_ptr + t * TOP_K + s, mask=s < TOP_K, other=-1)
+        valid = row >= 0
+        e = tl.load(ids_ptr + t * sid + s, mask=valid, other=0).to(tl.int64) - start
+        e = tl.where(valid, e, 0)
+        rw = tl.load(rw_ptr + t * srw + s, mask=valid, other=0.0).to(tl.float32)
         ks = tl.arange(0, BLOCK_K)
-        ap = act_ptr + row[:, None] * sa + ks[None, :]
-        wp = wbase[:, None, None] + (cols.to(tl.int64)[None, :, None] * wh[:, None, None]) + ks[None, None, :]
-        acc = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, tl.maximum(I, I_s), BLOCK_K):
-            amask = valid[:, None] & (k0 + ks[None, :] < inter[:, None])
-            a = tl.load(ap + k0, mask=amask, other=0.0).to(tl.float32)
-            wt = tl.load(wp + k0, mask=amask[:, None, :] & cmask[None, :, None], other=0.0).to(tl.float32)
-            acc += wt * a[:, None, :]
+        ap = act_ptr + tl.where(valid, row, 0).to(tl.int64)[:, None] * sa + ks[None, :]
+        wp = w_ptr + e[:, None, None] * swe + cols.to(tl.int64)[None, :, None] * swh + ks[None, None, :]
+        sap = act_ptr + t * sa + ks
+        swp = sw_ptr + cols.to(tl.int64)[:, None] * sswh + ks[None, :]
+        acc = tl.zeros([K_POW2, BLOCK_N], dtype=tl.float32)
+        acc_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, tl.maximum(I, I_s), BLOCK_K, num_stages=NUM_STAGES):
+            kr = valid[:, None] & (k0 + ks < I)[None, :]
+            a = tl.load(ap + k0, mask=kr, other=0.0).to(tl.float32)
+            w = tl.load(wp + k0, mask=kr[:, None, :] & cmask[None, :, None], other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[:, None, :], 2)
+            ksh = k0 + ks < I_s
+            a = tl.load(sap + k0, mask=ksh, other=0.0).to(tl.float32)
+            w = tl.load(swp + k0, mask=cmask[:, None] & ksh[None, :], other=0.0).to(tl.float32)
+            acc_s += tl.sum(w * a[None, :], 1)
         dt = out_ptr.dtype.element_ty
-        y = round_to(round_to(tl.sum(acc, 2), dt) * rw[:, None], dt)  # invalid slots: 0
-        tl.store(out_ptr + t * so + cols, tl.sum(y, 0).to(dt), mask=cmask)
+        y = tl.sum(round_to(round_to(acc, dt) * rw[:, None], dt), 0)  # invalid slots add 0
+        y += round_to(round_to(acc_s, dt) * tl.load(sg_ptr + t * ssg).to(tl.float32), dt)
+        tl.store(out_ptr + t * so + cols, y.to(dt), mask=cmask)
 
     @triton.jit
     def _combine_kernel(y_ptr, inv_ptr, out_ptr, H, sy, so, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):

@@ -140,10 +140,10 @@ def test_align_layout(T, E, k, start, num_local, block_m):
 FRONT_CASES = [  # T, E, k, H, start, num_local, block_m, tile (None: the default)
     (1, 8, 2, 32, 0, 8, 16, None),                                      # TP=1, one token
     (5, 12, 3, 40, 4, 4, 16, None),                                     # a middle rank, E and H not powers of two
-    (9, 16, 4, 64, 12, 4, 16, dict(BLOCK_N=16, BLOCK_K=16, num_warps=4)),  # last rank; 2 column slices, 4 K steps
+    (9, 16, 4, 64, 12, 4, 16, dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=3)),  # last rank, 2 slices, 4 K
     (17, 16, 2, 48, 8, 8, 32, None),                                    # two token blocks, BLOCK_M 32
     (37, 8, 2, 32, 2, 4, 16, None),                                     # three token blocks
-    (64, 16, 4, 32, 0, 16, 16, dict(BLOCK_N=32, BLOCK_K=32, num_warps=4)),  # FRONT_MAX_T: four blocks
+    (64, 16, 4, 32, 0, 16, 16, dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)),  # FRONT_MAX_T: 4 blocks
 ]
 
 
@@ -250,7 +250,7 @@ def test_down_combine_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, ro
     ids, wts, gate = make_routing(T, E, k, gen, routed)
     lay = moe.align_torch(ids, start, num_local, 16)
     act = moe.gate_up_fast(x, w, lay, moe.moe_config(T, num_local, H, I, I_s, x.device)["gate_up"])
-    tile = dict(BLOCK_N=8, BLOCK_K=16, num_warps=2)  # several N tiles and K steps at these sizes
+    tile = dict(BLOCK_N=8, BLOCK_K=16, num_warps=2, num_stages=3)  # several N tiles and K steps here
     fast = moe.down_combine_fast(act, w, lay, ids.int(), wts, gate, tile)
     want = moe.down_combine_torch(act, w, lay, ids, wts, gate)
     assert want.abs().max() > 0.3 and max_diff(fast, want) <= TOL
