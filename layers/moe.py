@@ -260,7 +260,8 @@ def combine_fast(y: torch.Tensor, layout: Layout, T: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------- decode (T <= 64)
-FRONT_MAX_T = 64         # front kernel at or below this many tokens: the routing stays a few dependent reductions
+FRONT_MAX_T = 64         # decode kernels at or below this many tokens; above, the grouped path (its layout is
+                         # built by one program whose pair loop and scratch grow with T)
 FRONT_BLOCK_T = 16       # tokens per front program (the GEMV tile's M, tl.dot's minimum) and per routing program
 DOWN_COMBINE_MAX_T = 8   # down + combine in one kernel at or below: above, re-reading a shared expert per token
                          # (and the shared expert's weights T times) costs more than the launch it saves
@@ -371,9 +372,8 @@ def down_combine_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, ids: 
     _down_combine_kernel[(T, triton.cdiv(H, tile["BLOCK_N"]))](
         act, w.down, w.shared_down, out, ids, layout.inverse, weights, shared_gate, H, inter, w.shared_down.shape[1],
         w.start, act.stride(0), w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), out.stride(0),
-        ids.stride(0), weights.stride(0),
-        shared_gate.stride(0), TOP_K=k, K_POW2=triton.next_power_of_2(k), BLOCK_N=tile["BLOCK_N"],
-        BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"])
+        ids.stride(0), weights.stride(0), shared_gate.stride(0), TOP_K=k, K_POW2=triton.next_power_of_2(k),
+        BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"])
     return out
 
 
