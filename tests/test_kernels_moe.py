@@ -105,7 +105,7 @@ def check_layout(lay, ids, start, num_local, block_m):
     assert len(set(rows.tolist())) == len(rows) and bool((rows >= shared_rows).all())
     assert torch.equal(lay.sorted_pairs.long()[rows], mine.nonzero().squeeze(1))
     assert torch.equal(blocks[rows // block_m], flat[mine])
-    routed_rows = torch.arange(shared_rows, total)
+    routed_rows = torch.arange(shared_rows, total, device=inv.device)
     pads = routed_rows[~torch.isin(routed_rows, rows)]
     assert bool((lay.sorted_pairs[pads] == -1).all())
     assert len(pads) < block_m * max(1, len(blocks) - shared_rows // block_m)
