@@ -16,8 +16,7 @@ Then the decode table (batches 1..64, us per layer from a CUDA graph; launches p
 torch.profiler, memcpy/memset excluded):
 - before: the six-launch path (router GEMM, route_fast, align, gate_up, down, combine);
 - fused / split: the decode path with down + combine in one kernel / in two (front, gate_up, then 1 or 2);
-  moe_fast takes fused up to moe.DOWN_COMBINE_MAX_T tokens: where split is faster below it (or fused above it),
-  that threshold should move;
+  "moe_fast" says which one moe_fast takes here (the tuned table's choice, else moe.DOWN_COMBINE_MAX_T);
 - front vs router GEMM + route_fast + align, and down_combine vs down + combine, each alone;
 - floor: the layer's bytes at the copy rate measured in the same run.
 """
@@ -115,7 +114,7 @@ def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
         "down_combine": lambda: moe.down_combine_fast(act, w, f.layout, f.ids, f.weights, f.shared_gate,
                                                       cfg["down_combine"]),
     }
-    row = {"batch": T, "moe_fast": "fused" if T <= moe.DOWN_COMBINE_MAX_T else "split",
+    row = {"batch": T, "moe_fast": "split" if cfg["down_combine"] is None else "fused",
            "floor_us": layer.bytes(x, f.ids) / rate * 1e6}
     for name, fn in whole.items():
         row[f"{name}_launches"] = count_kernels(fn)  # eager first: compiles, and the front kernel's counters

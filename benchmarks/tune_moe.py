@@ -7,8 +7,9 @@ degree) and each token-count bucket (powers of two: layers/moe.py keys its table
 of random inputs is laid out once per BLOCK_M candidate, then the gate_up and down kernels are timed separately
 over their tile candidates; the entry kept is the BLOCK_M whose best gate_up + best down is fastest. Decode
 buckets (T <= moe.FRONT_MAX_T) also get the front kernel's tile (router columns per program, H step, warps) and
-the one-kernel down+combine's, and are timed from a CUDA graph, as decode steps run (eager timing of a few-us
-kernel mostly measures the host's launch). The file keeps other GPUs' tables and other shapes' entries; this GPU's
+the one-kernel down+combine's, or null where down + combine in two kernels (with the chosen down tile) is faster:
+that decides moe_fast's path for the bucket. Decode buckets are timed from a CUDA graph, as decode steps run (eager
+timing of a few-us kernel mostly measures the host's launch). The file keeps other GPUs' tables and other shapes' entries; this GPU's
 entries for the swept shapes are replaced. Triton caches compiled kernels, so a second run is mostly timing (a full
 sweep takes minutes).
 """
@@ -98,11 +99,13 @@ def tune_bucket(layer: Layer, T: int, quick: bool, gen: torch.Generator) -> dict
         t_front, entry["front"] = best_tile(
             lambda tile: moe.front_fast(x, layer.router, layer.top_k, w.start, num_local, entry["BLOCK_M"], tile),
             T, quick, gemv_candidates("front", quick))
-        t_dc, entry["down_combine"] = best_tile(
-            lambda tile: moe.down_combine_fast(act, w, lay, ids, weights, gate, tile), T, quick,
-            gemv_candidates("down_combine", quick))
-        print(f"  T={T:<5} front {t_front * 1e3:8.1f} us {entry['front']}  down_combine {t_dc * 1e3:8.1f} us "
-              f"{entry['down_combine']}", flush=True)
+        t_dc, dc = best_tile(lambda tile: moe.down_combine_fast(act, w, lay, ids, weights, gate, tile), T, quick,
+                             gemv_candidates("down_combine", quick))
+        t_split = time_ms(lambda: moe.combine_fast(moe.down_fast(act, w, lay, weights, gate, entry["down"]), lay, T),
+                          graph=True)
+        entry["down_combine"] = dc if t_dc < t_split else None  # None: down and combine stay two kernels
+        print(f"  T={T:<5} front {t_front * 1e3:8.1f} us {entry['front']}  down_combine {t_dc * 1e3:8.1f} us {dc} "
+              f"vs down + combine {t_split * 1e3:8.1f} us", flush=True)
     return entry
 
 

@@ -30,13 +30,14 @@ bytes, are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so
     _front_kernel         logits slices by many programs; the last program of each token block routes it; the last
                           of those builds the sorted layout (deterministic: a group's pairs in pair order)
     _gate_up_kernel       as above, on the front kernel's layout
-    _down_combine_kernel  (T <= DOWN_COMBINE_MAX_T) per (token, N tile): the token's routed experts as one tile and
-                          the shared expert's, in one software-pipelined K loop (every expert's loads in flight
-                          together), each GEMV times its weight, summed in fp32 in a fixed order; else
-                          _down_kernel + _combine_kernel as above
+    _down_combine_kernel  (few tokens) per (token, N tile): the token's routed experts as one tile and the shared
+                          expert's, in one software-pipelined K loop (every expert's loads in flight together),
+                          each GEMV times its weight, summed in fp32 in a fixed order; else _down_kernel +
+                          _combine_kernel as above. The tuned table says which, per power-of-two bucket of T and
+                          rank shape (DOWN_COMBINE_MAX_T without a table)
 
-Both thresholds are powers of two: a decode batch padded for a CUDA graph never crosses the next one, so the padded
-batch takes the same kernels and gives the same bits as the batch run eagerly.
+The choices depend on shapes only, at power-of-two boundaries: a decode batch padded for a CUDA graph never crosses
+the next power of two, so the padded batch takes the same kernels and gives the same bits as the batch run eagerly.
 
 Sorted layout: rows grouped in blocks of BLOCK_M rows that belong to one expert each. The shared expert is one
 more expert (index num_local, its own weight pointers; its intermediate size may differ: 64 per rank at TP=8 vs the
@@ -263,8 +264,10 @@ def combine_fast(y: torch.Tensor, layout: Layout, T: int) -> torch.Tensor:
 FRONT_MAX_T = 64         # decode kernels at or below this many tokens; above, the grouped path (its layout is
                          # built by one program whose pair loop and scratch grow with T)
 FRONT_BLOCK_T = 16       # tokens per front program (the GEMV tile's M, tl.dot's minimum) and per routing program
-DOWN_COMBINE_MAX_T = 8   # down + combine in one kernel at or below: above, re-reading a shared expert per token
-                         # (and the shared expert's weights T times) costs more than the launch it saves
+DOWN_COMBINE_TILE = dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=4)  # untuned default
+DOWN_COMBINE_MAX_T = 8   # untuned default: down + combine in one kernel at or below. Above, re-reading an expert
+                         # two tokens share (and the shared expert, T times) costs more than the launch it saves;
+                         # how much depends on the rank's shape, so a tuned table decides per bucket (moe_config)
 
 
 class Front(NamedTuple):
@@ -368,7 +371,7 @@ def down_combine_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, ids: 
     if T == 0:
         return out
     width = triton.next_power_of_2(max(inter, w.shared_down.shape[1]))
-    tile = _cap(tile or default_config(T)["down_combine"], triton.next_power_of_2(H), width, least=4)
+    tile = _cap(tile or DOWN_COMBINE_TILE, triton.next_power_of_2(H), width, least=4)
     _down_combine_kernel[(T, triton.cdiv(H, tile["BLOCK_N"]))](
         act, w.down, w.shared_down, out, ids, layout.inverse, weights, shared_gate, H, inter, w.shared_down.shape[1],
         w.start, act.stride(0), w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), out.stride(0),
@@ -385,15 +388,15 @@ def moe_torch(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeight
 
 def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights) -> torch.Tensor:
     """moe_torch without host syncs: the decode kernels up to FRONT_MAX_T tokens, the grouped path above."""
-    T = x.shape[0]
-    if T > FRONT_MAX_T:
+    if x.shape[0] > FRONT_MAX_T:
         return experts_fast(x, *route_fast(F.linear(x, router), top_k), w)
-    return moe_decode_fast(x, router, top_k, w, down_combine=T <= DOWN_COMBINE_MAX_T)
+    return moe_decode_fast(x, router, top_k, w)
 
 
 def moe_decode_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
-                    down_combine: bool) -> torch.Tensor:
-    """front, gate_up, then down + combine in one kernel or two (benchmarks/bench_moe.py times both)."""
+                    down_combine: bool | None = None) -> torch.Tensor:
+    """front, gate_up, then down + combine in one kernel or two: as the tile config says (a down_combine tile or
+    None), or as down_combine forces (benchmarks/bench_moe.py times both)."""
     T, H = x.shape
     if T == 0:
         return torch.empty_like(x)
@@ -402,6 +405,8 @@ def moe_decode_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: Expert
     cfg = moe_config(T, num_local, H, inter, w.shared_down.shape[1], x.device)
     f = front_fast(x, router, top_k, w.start, num_local, cfg["BLOCK_M"], cfg["front"])
     act = gate_up_fast(x, w, f.layout, cfg["gate_up"])
+    if down_combine is None:
+        down_combine = cfg["down_combine"] is not None
     if down_combine:
         return down_combine_fast(act, w, f.layout, f.ids, f.weights, f.shared_gate, cfg["down_combine"])
     return combine_fast(down_fast(act, w, f.layout, f.weights, f.shared_gate, cfg["down"]), f.layout, T)
@@ -433,9 +438,10 @@ def default_config(T: int) -> dict:
     """Tiles when the table has no entry. Decode (few rows per expert): BLOCK_M 16, one row block per expert, so
     each weight tile is read once; narrow N tiles so that the few active experts still spread over all SMs.
     Prefill: larger tiles that reuse each weight tile over many rows. front (router columns per program, H step)
-    and down_combine (GEMV tiles) serve T <= FRONT_MAX_T only; tables tuned before them lack the keys."""
+    and down_combine (its tile, or None: down and combine in two kernels) serve T <= FRONT_MAX_T only; tables
+    tuned before them lack the keys."""
     small = {"front": dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
-             "down_combine": dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=4)}
+             "down_combine": DOWN_COMBINE_TILE if T <= DOWN_COMBINE_MAX_T else None}
     if T <= 128:
         return {"BLOCK_M": 16, "gate_up": dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
                 "down": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4), **small}

@@ -356,6 +356,9 @@ def test_padded_graph_batches_share_tiles():
         padded = next(s for s in sizes if s >= T)
         assert moe.moe_config(T, 32, 2048, 512, 64, torch.device("cpu")) == \
             moe.moe_config(padded, 32, 2048, 512, 64, torch.device("cpu"))
+    cpu = torch.device("cpu")  # no table: down + combine in one kernel exactly up to DOWN_COMBINE_MAX_T
+    assert moe.moe_config(moe.DOWN_COMBINE_MAX_T, 32, 2048, 512, 64, cpu)["down_combine"] is not None
+    assert moe.moe_config(moe.DOWN_COMBINE_MAX_T + 1, 32, 2048, 512, 64, cpu)["down_combine"] is None
     tiny = moe.moe_config(3000, 4, 40, 24, 8, torch.device("cpu"))
     assert tiny["gate_up"]["BLOCK_N"] <= 32 and tiny["down"]["BLOCK_K"] <= 32 and tiny["gate_up"]["BLOCK_K"] <= 64
 
