@@ -6,11 +6,19 @@ Qwen3.5-35B-A3B shapes of one rank (rank 0 of --tp), bf16, random weights and ro
 Rows, for decode batches 1..64 and prefill sizes:
 - route: the router|shared-gate GEMM and the routing (softmax, top-k, renormalise, sigmoid);
 - experts: everything after routing (the torch per-expert loop vs align + gate_up + down + combine);
-- moe: the whole block (router GEMM, routing, experts).
+- moe: the whole block (moe_torch vs moe_fast, which takes the decode kernels up to moe.FRONT_MAX_T tokens).
 "torch ms" and "fast ms" are eager (triton.testing.do_bench; the torch loop syncs with the host, so it cannot be
 graph-captured); "graph ms" is the fast path replayed from a CUDA graph, as decode steps run. GB/s: bytes the fast
 path must move (the distinct local experts hit, the shared expert and router weights, activations in and out) over
 the graph time; the floor of a decode MoE layer is those bytes at the GPU's copy bandwidth.
+
+Then the decode table (batches 1..64, us per layer from a CUDA graph; launches per layer counted eagerly with
+torch.profiler, memcpy/memset excluded):
+- before: the six-launch path (router GEMM, route_fast, align, gate_up, down, combine);
+- fused / split: the decode path with down + combine in one kernel / in two (front, gate_up, then 1 or 2);
+  "moe_fast" says which one moe_fast takes here (the tuned table's choice, else moe.DOWN_COMBINE_MAX_T);
+- front vs router GEMM + route_fast + align, and down_combine vs down + combine, each alone;
+- floor: the layer's bytes at the copy rate measured in the same run.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ import triton.testing
 
 from layers import moe
 from qwen35.config import ModelConfig
+from qwen35.step_timing import copy_rate, count_kernels
 from qwen35.synth import PRESETS
 
 DECODE = [1, 2, 4, 8, 16, 32, 64]
@@ -48,10 +57,6 @@ class Layer:
                                    rand(H, shared))
         self.expert_bytes = 3 * I * H * 2
 
-    def moe(self, x, route, experts):
-        ids, weights, gate = route(F.linear(x, self.router), self.top_k)
-        return experts(x, ids, weights, gate, self.w)
-
     def bytes(self, x, ids) -> int:
         """Weights the step must read (each local expert hit once, the shared expert, the router), x and out."""
         hit = torch.unique(ids[(ids >= self.w.start) & (ids < self.w.start + self.w.gate_up.shape[0])]).numel()
@@ -76,8 +81,8 @@ def rows_for(layer: Layer, T: int, gen: torch.Generator) -> list[dict]:
                   lambda: moe.route_fast(F.linear(x, layer.router), layer.top_k), None),
         "experts": (lambda: moe.experts_torch(x, ids, weights, gate, layer.w),
                     lambda: moe.experts_fast(x, ids, weights, gate, layer.w), layer.bytes(x, ids)),
-        "moe": (lambda: layer.moe(x, moe.route_torch, moe.experts_torch),
-                lambda: layer.moe(x, moe.route_fast, moe.experts_fast), layer.bytes(x, ids)),
+        "moe": (lambda: moe.moe_torch(x, layer.router, layer.top_k, layer.w),
+                lambda: moe.moe_fast(x, layer.router, layer.top_k, layer.w), layer.bytes(x, ids)),
     }
     out = []
     for name, (torch_fn, fast_fn, nbytes) in ops.items():
@@ -87,9 +92,41 @@ def rows_for(layer: Layer, T: int, gen: torch.Generator) -> list[dict]:
     return out
 
 
+def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
+    """One decode batch: the whole layer before / fused / split, and the replaced parts alone (see the docstring)."""
+    x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    k, w, router = layer.top_k, layer.w, layer.router
+    num_local, inter = w.gate_up.shape[0], w.down.shape[2]
+    cfg = moe.moe_config(T, num_local, layer.hidden, inter, w.shared_down.shape[1], x.device)
+    f = moe.front_fast(x, router, k, w.start, num_local, cfg["BLOCK_M"], cfg["front"])
+    act = moe.gate_up_fast(x, w, f.layout, cfg["gate_up"])
+    whole = {
+        "before": lambda: moe.experts_fast(x, *moe.route_fast(F.linear(x, router), k), w),
+        "fused": lambda: moe.moe_decode_fast(x, router, k, w, down_combine=True),
+        "split": lambda: moe.moe_decode_fast(x, router, k, w, down_combine=False),
+    }
+    parts = {
+        "front_before": lambda: moe.align(moe.route_fast(F.linear(x, router), k)[0], w.start, num_local,
+                                          cfg["BLOCK_M"]),
+        "front": lambda: moe.front_fast(x, router, k, w.start, num_local, cfg["BLOCK_M"], cfg["front"]),
+        "down_before": lambda: moe.combine_fast(moe.down_fast(act, w, f.layout, f.weights, f.shared_gate,
+                                                              cfg["down"]), f.layout, T),
+        "down_combine": lambda: moe.down_combine_fast(act, w, f.layout, f.ids, f.weights, f.shared_gate,
+                                                      cfg["down_combine"]),
+    }
+    row = {"batch": T, "moe_fast": "split" if cfg["down_combine"] is None else "fused",
+           "floor_us": layer.bytes(x, f.ids) / rate * 1e6}
+    for name, fn in whole.items():
+        row[f"{name}_launches"] = count_kernels(fn)  # eager first: compiles, and the front kernel's counters
+    for name, fn in {**whole, **parts}.items():
+        row[f"{name}_us"] = graph_ms(fn) * 1e3
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=1, help="time rank 0 of this tensor-parallel degree")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode table")
     ap.add_argument("--out", help="also write the rows as JSON here")
     args = ap.parse_args()
     cfg = model_config()
@@ -97,16 +134,29 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, TP={args.tp}: {layer.w.gate_up.shape[0]} local experts, "
           f"shared intermediate {layer.w.shared_down.shape[1]}, {cfg.num_hidden_layers} MoE layers")
-    print(f"{'op':<8} {'batch':>6} {'torch ms':>9} {'fast ms':>8} {'graph ms':>9} {'GB/s':>7}")
     rows = []
-    for T in DECODE + PREFILL:
-        for r in rows_for(layer, T, gen):
-            rows.append(r)
-            gbs = f"{r['gb_s']:7.0f}" if r["gb_s"] else f"{'':>7}"
-            print(f"{r['op']:<8} {T:>6} {r['torch_ms']:9.3f} {r['fast_ms']:8.3f} {r['graph_ms']:9.3f} {gbs}")
+    if not args.decode_only:
+        print(f"{'op':<8} {'batch':>6} {'torch ms':>9} {'fast ms':>8} {'graph ms':>9} {'GB/s':>7}")
+        for T in DECODE + PREFILL:
+            for r in rows_for(layer, T, gen):
+                rows.append(r)
+                gbs = f"{r['gb_s']:7.0f}" if r["gb_s"] else f"{'':>7}"
+                print(f"{r['op']:<8} {T:>6} {r['torch_ms']:9.3f} {r['fast_ms']:8.3f} {r['graph_ms']:9.3f} {gbs}")
+    rate = copy_rate(torch.device("cuda"))
+    print(f"\ndecode, us per layer from a CUDA graph (launches per layer, eager); copy rate {rate / 1e9:.0f} GB/s")
+    print(f"{'batch':>5} {'before':>13} {'fused':>13} {'split':>13} {'moe_fast':>8} {'floor':>6} | "
+          f"{'front was':>9} {'front':>6} {'down+comb was':>13} {'down_comb':>9}")
+    decode = []
+    for T in DECODE:
+        r = decode_row(layer, T, gen, rate)
+        decode.append(r)
+        cells = " ".join(f"{r[n + '_us']:7.1f} ({r[n + '_launches']})" for n in ("before", "fused", "split"))
+        print(f"{T:>5} {cells} {r['moe_fast']:>8} {r['floor_us']:6.1f} | {r['front_before_us']:9.1f} "
+              f"{r['front_us']:6.1f} {r['down_before_us']:13.1f} {r['down_combine_us']:9.1f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp, "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp, "copy_gb_s": rate / 1e9,
+                       "rows": rows, "decode": decode}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,13 @@
 For each tensor-parallel degree (the per-rank expert count and shared-expert width of Qwen3.5-35B-A3B at that
 degree) and each token-count bucket (powers of two: layers/moe.py keys its table by T rounded up to one), routing
 of random inputs is laid out once per BLOCK_M candidate, then the gate_up and down kernels are timed separately
-over their tile candidates; the entry kept is the BLOCK_M whose best gate_up + best down is fastest. The file
-keeps other GPUs' tables and other shapes' entries; this GPU's entries for the swept shapes are replaced.
-Triton caches compiled kernels, so a second run is mostly timing (a full sweep takes minutes).
+over their tile candidates; the entry kept is the BLOCK_M whose best gate_up + best down is fastest. Decode
+buckets (T <= moe.FRONT_MAX_T) also get the front kernel's tile (router columns per program, H step, warps) and
+the one-kernel down+combine's, or null where down + combine in two kernels (with the chosen down tile) is faster:
+that decides moe_fast's path for the bucket. Decode buckets are timed from a CUDA graph, as decode steps run (eager
+timing of a few-us kernel mostly measures the host's launch). The file keeps other GPUs' tables and other shapes' entries; this GPU's
+entries for the swept shapes are replaced. Triton caches compiled kernels, so a second run is mostly timing (a full
+sweep takes minutes).
 """
 from __future__ import annotations
 
@@ -44,35 +48,65 @@ def tile_candidates(T: int, quick: bool) -> list[dict]:
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 
-def time_ms(fn) -> float:
-    """ms per call, inf when the tile does not fit (shared memory, registers) or fails to compile."""
+def gemv_candidates(op: str, quick: bool) -> list[dict]:
+    """front: logit columns per program (BLOCK_N) and H step; down_combine: output columns per (token, tile)
+    program and I step of its [k + 1 slots, BLOCK_N, BLOCK_K] tile. The default first (--quick keeps two)."""
+    if op == "front":
+        grid = dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 64, 256], num_warps=[4, 8], num_stages=[3, 4])
+    else:
+        grid = dict(BLOCK_N=[8, 16, 4], BLOCK_K=[64, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
+    if quick:
+        grid = {k: v[:2] for k, v in grid.items()}
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def time_ms(fn, graph: bool = False) -> float:
+    """ms per call (from a CUDA graph if graph), inf when the tile does not fit (shared memory, registers) or fails
+    to compile: the eager call first compiles, so a failing tile never reaches a capture."""
     try:
         fn()
-        return triton.testing.do_bench(fn, warmup=3, rep=10)
     except Exception as e:  # triton.runtime.errors.OutOfResources and compile errors of oversized tiles
         if isinstance(e, torch.cuda.OutOfMemoryError):
             raise
         return float("inf")
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=10)
+    return triton.testing.do_bench(fn, warmup=3, rep=10)
 
 
-def best_tile(fn, T: int, quick: bool) -> tuple[float, dict]:
-    return min(((time_ms(lambda: fn(tile)), tile) for tile in tile_candidates(T, quick)), key=lambda r: r[0])
+def best_tile(fn, T: int, quick: bool, candidates: list[dict] | None = None) -> tuple[float, dict]:
+    graph = T <= moe.FRONT_MAX_T
+    return min(((time_ms(lambda: fn(tile), graph), tile) for tile in candidates or tile_candidates(T, quick)),
+               key=lambda r: r[0])
 
 
 def tune_bucket(layer: Layer, T: int, quick: bool, gen: torch.Generator) -> dict:
     x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     ids, weights, gate = moe.route_fast(F.linear(x, layer.router), layer.top_k)
+    w, num_local = layer.w, layer.w.gate_up.shape[0]
     best = None
     for block_m in block_m_candidates(T):
-        lay = moe.align(ids, layer.w.start, layer.w.gate_up.shape[0], block_m)
-        t_up, up = best_tile(lambda tile: moe.gate_up_fast(x, layer.w, lay, tile), T, quick)
-        act = moe.gate_up_fast(x, layer.w, lay, up)
-        t_down, down = best_tile(lambda tile: moe.down_fast(act, layer.w, lay, weights, gate, tile), T, quick)
+        lay = moe.align(ids, w.start, num_local, block_m)
+        t_up, up = best_tile(lambda tile: moe.gate_up_fast(x, w, lay, tile), T, quick)
+        act = moe.gate_up_fast(x, w, lay, up)
+        t_down, down = best_tile(lambda tile: moe.down_fast(act, w, lay, weights, gate, tile), T, quick)
         if best is None or t_up + t_down < best[0]:
-            best = (t_up + t_down, {"BLOCK_M": block_m, "gate_up": up, "down": down})
+            best = (t_up + t_down, {"BLOCK_M": block_m, "gate_up": up, "down": down}, lay, act)
         print(f"  T={T:<5} BLOCK_M={block_m:<3} gate_up {t_up * 1e3:8.1f} us {up}  down {t_down * 1e3:8.1f} us {down}",
               flush=True)
-    return best[1]
+    _, entry, lay, act = best
+    if T <= moe.FRONT_MAX_T:
+        t_front, entry["front"] = best_tile(
+            lambda tile: moe.front_fast(x, layer.router, layer.top_k, w.start, num_local, entry["BLOCK_M"], tile),
+            T, quick, gemv_candidates("front", quick))
+        t_dc, dc = best_tile(lambda tile: moe.down_combine_fast(act, w, lay, ids, weights, gate, tile), T, quick,
+                             gemv_candidates("down_combine", quick))
+        t_split = time_ms(lambda: moe.combine_fast(moe.down_fast(act, w, lay, weights, gate, entry["down"]), lay, T),
+                          graph=True)
+        entry["down_combine"] = dc if t_dc < t_split else None  # None: down and combine stay two kernels
+        print(f"  T={T:<5} front {t_front * 1e3:8.1f} us {entry['front']}  down_combine {t_dc * 1e3:8.1f} us {dc} "
+              f"vs down + combine {t_split * 1e3:8.1f} us", flush=True)
+    return entry
 
 
 def main() -> None:

@@ -7,11 +7,13 @@ here. The router is replicated so every rank routes identically. The shared expe
 dimension (an even share of its work on every rank). The caller's all-reduce sums the partial outputs.
 
 The router and the shared-expert gate read the same input: their weights live in one [E + 1, H] tensor (fuse_rows),
-so one GEMM gives the logits [T, E + 1] (column E is the shared gate's). Two implementations of each step
-(layers/backend.py), bound once when the layer is built:
+so one GEMM gives the logits [T, E + 1] (column E is the shared gate's). Two implementations of the block
+(layers/backend.py), bound once when the layer is built: moe_torch (the oracle) and moe_fast, made of these steps:
 
     route_torch / route_fast      softmax (fp32) over the logits rounded to the model dtype, top-k, renormalise
     experts_torch / experts_fast  routed experts + sigmoid(shared gate) * shared expert, in the model dtype
+    front_torch / front_fast      (decode) router GEMM + route + the sorted layout below, in one launch
+    down_combine_torch / _fast    (decode) the down GEMMs, routing weights and the per-token sum, in one launch
 
 experts_torch is the oracle: one expert at a time, with host syncs (eager only). experts_fast is four Triton
 launches with no host sync and buffers sized from T alone, so CUDA graphs capture it:
@@ -21,16 +23,30 @@ launches with no host sync and buffers sized from T alone, so CUDA graphs captur
     _down_kernel     grouped GEMM act @ W_down^T times the routing weight in the epilogue -> y [rows, H]
     _combine_kernel  per token: the k routed rows in top-k order, then the shared row, summed in fp32 -> [T, H]
 
-A decode step of one MoE layer is therefore 6 launches: router GEMM (cuBLAS), _route_kernel and the four above.
+With the router GEMM and _route_kernel that is 6 dependent launches per layer. They stay for T > FRONT_MAX_T, where
+the grouped kernels stream each expert's weights once for all its tokens. At decode sizes the launches, not the
+bytes, are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so moe_fast runs 3 (or 4):
+
+    _front_kernel         logits slices by many programs; the last program of each token block routes it; the last
+                          of those builds the sorted layout (deterministic: a group's pairs in pair order)
+    _gate_up_kernel       as above, on the front kernel's layout
+    _down_combine_kernel  (few tokens) per (token, N tile): the token's routed experts as one tile and the shared
+                          expert's, in one software-pipelined K loop (every expert's loads in flight together),
+                          each GEMV times its weight, summed in fp32 in a fixed order; else _down_kernel +
+                          _combine_kernel as above. The tuned table says which, per power-of-two bucket of T and
+                          rank shape (DOWN_COMBINE_MAX_T without a table)
+
+The choices depend on shapes only, at power-of-two boundaries: a decode batch padded for a CUDA graph never crosses
+the next power of two, so the padded batch takes the same kernels and gives the same bits as the batch run eagerly.
 
 Sorted layout: rows grouped in blocks of BLOCK_M rows that belong to one expert each. The shared expert is one
 more expert (index num_local, its own weight pointers; its intermediate size may differ: 64 per rank at TP=8 vs the
 routed experts' 512) and comes first: rows [0, S), S = T rounded up to BLOCK_M, row t = token t. Then each local
 expert's pairs (pair p = t * k + slot), the group padded to a multiple of BLOCK_M with pair -1. Buffers are sized
-by the worst case for T, so nothing depends on the routing on the host. Within a group the rows are placed by
-integer atomics, so their order may vary between runs; no result depends on it (every output row is computed from
-its own input row, and the combine kernel sums each token's rows in a fixed order), so the output is bitwise
-deterministic: no floating-point atomics anywhere.
+by the worst case for T, so nothing depends on the routing on the host. In _align_kernel the rows within a group
+are placed by integer atomics, so their order may vary between runs; no result depends on it (every output row is
+computed from its own input row, and the combine sums each token's rows in a fixed order), so the output is
+bitwise deterministic: no floating-point atomics anywhere.
 
 The router GEMM, the kernels' tiles and the fp32 accumulation differ from the oracle's only in rounding; the fast
 kernels round to the model dtype where the oracle does (GEMM outputs, silu, the products with the weights).
@@ -156,22 +172,45 @@ def align(ids: torch.Tensor, start: int, num_local: int, block_m: int) -> Layout
     return layout
 
 
+def align_torch(ids: torch.Tensor, start: int, num_local: int, block_m: int) -> Layout:
+    """The sorted layout in torch (the oracle of the front kernel's): a group's pairs in pair order; blocks past
+    `total` and the shared rows' sorted_pairs are -1 (the kernels leave them unwritten)."""
+    T, k = ids.shape
+    dev = ids.device
+    rows = max_rows(T, k, num_local, block_m)
+    local = ids.flatten().long() - start
+    pairs = ((local >= 0) & (local < num_local)).nonzero().squeeze(1)
+    pairs = pairs[torch.argsort(local[pairs], stable=True)]
+    experts = local[pairs]
+    counts = torch.bincount(experts, minlength=num_local)
+    padded = (counts + block_m - 1) // block_m * block_m
+    shared_rows = triton.cdiv(T, block_m) * block_m
+    offs = torch.cumsum(padded, 0) - padded + shared_rows
+    rank = torch.arange(len(pairs), device=dev) - (torch.cumsum(counts, 0) - counts)[experts]
+    row = offs[experts] + rank
+    sorted_pairs = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+    sorted_pairs[row] = pairs.int()
+    inverse = torch.full((T * k,), -1, dtype=torch.int32, device=dev)
+    inverse[pairs] = row.int()
+    block_expert = torch.full((rows // block_m,), -1, dtype=torch.int32, device=dev)
+    groups = torch.repeat_interleave(torch.arange(num_local, device=dev), padded // block_m)
+    block_expert[: shared_rows // block_m] = num_local
+    block_expert[shared_rows // block_m: shared_rows // block_m + len(groups)] = groups.int()
+    total = (shared_rows + padded.sum()).int().view(1)
+    return Layout(sorted_pairs, block_expert, inverse, total, rows, block_m, k)
+
+
 def experts_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared_gate: torch.Tensor,
                  w: ExpertWeights) -> torch.Tensor:
     """experts_torch in four Triton launches, no host sync (see the module docstring)."""
     T, H = x.shape
-    out = torch.empty_like(x)
     if T == 0:
-        return out
+        return torch.empty_like(x)
     num_local, inter = w.gate_up.shape[0], w.down.shape[2]
     cfg = moe_config(T, num_local, H, inter, w.shared_down.shape[1], x.device)
     layout = align(ids, w.start, num_local, cfg["BLOCK_M"])
     act = gate_up_fast(x.contiguous(), w, layout, cfg["gate_up"])
-    y = down_fast(act, w, layout, weights, shared_gate, cfg["down"])
-    block_h = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, block_h))](y, layout.inverse, out, H, y.stride(0), out.stride(0),
-                                                  TOP_K=ids.shape[1], BLOCK_H=block_h, num_warps=4)
-    return out
+    return combine_fast(down_fast(act, w, layout, weights, shared_gate, cfg["down"]), layout, T)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -211,6 +250,168 @@ def down_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, weights: torc
     return y
 
 
+def combine_fast(y: torch.Tensor, layout: Layout, T: int) -> torch.Tensor:
+    """out [T, H]: each token's routed rows of y in top-k order, then its shared row, summed in fp32."""
+    H = y.shape[1]
+    out = torch.empty(T, H, dtype=y.dtype, device=y.device)
+    block_h = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, block_h))](y, layout.inverse, out, H, y.stride(0), out.stride(0),
+                                                  TOP_K=layout.top_k, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- decode (T <= 64)
+FRONT_MAX_T = 64         # decode kernels at or below this many tokens; above, the grouped path (its layout is
+                         # built by one program whose pair loop and scratch grow with T)
+FRONT_BLOCK_T = 16       # tokens per front program (the GEMV tile's M, tl.dot's minimum) and per routing program
+DOWN_COMBINE_TILE = dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=4)  # untuned default
+DOWN_COMBINE_MAX_T = 8   # untuned default: down + combine in one kernel at or below. Above, re-reading an expert
+                         # two tokens share (and the shared expert, T times) costs more than the launch it saves;
+                         # how much depends on the rank's shape, so a tuned table decides per bucket (moe_config)
+
+
+class Front(NamedTuple):
+    """What the front step gives: the logits as rounded to the model dtype, the routing and the sorted layout."""
+    logits: torch.Tensor       # [T, E + 1] model dtype (router | shared gate)
+    ids: torch.Tensor          # [T, k] global expert ids (int32 from the kernel, int64 from torch)
+    weights: torch.Tensor      # [T, k] model dtype
+    shared_gate: torch.Tensor  # [T, 1] model dtype
+    layout: Layout
+
+
+def front_torch(x: torch.Tensor, router: torch.Tensor, top_k: int, start: int, num_local: int, block_m: int,
+                tile: dict | None = None) -> Front:
+    """Router GEMM, route_torch and align_torch (tile is the fast kernel's and unused here)."""
+    logits = F.linear(x, router)
+    ids, weights, shared_gate = route_torch(logits, top_k)
+    return Front(logits, ids, weights, shared_gate, align_torch(ids, start, num_local, block_m))
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Arrival counters of the front kernel (one per token block, then one for all blocks), zero between launches:
+    the last program to arrive resets its counter. One per device, shared by every layer (launches on one stream
+    run one after another). Made eagerly: an allocation inside a CUDA-graph capture would belong to its pool."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moe.front_fast: run the layer once eagerly before capturing a CUDA graph")
+        counters = _COUNTERS[device] = torch.zeros(FRONT_MAX_T // FRONT_BLOCK_T + 1, dtype=torch.int32,
+                                                   device=device)
+    return counters
+
+
+def front_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, start: int, num_local: int, block_m: int,
+               tile: dict | None = None) -> Front:
+    """front_torch in one launch (x: [T, H], T <= FRONT_MAX_T; router: [E + 1, H]). Grid (column slices of the
+    logits, token blocks of FRONT_BLOCK_T). Each program writes its slice of the logits; the last program of a token
+    block to finish (an acq_rel integer counter: it sees the others' slices) routes those tokens and counts their
+    pairs per local expert; the last of those builds the layout. Counters are reset by the programs that see them
+    full, so every launch (eager or graph replay) starts from zero; no float atomics, so the bits never vary."""
+    T, H = x.shape
+    E = router.shape[0] - 1
+    if T > FRONT_MAX_T:
+        raise ValueError(f"moe.front_fast takes at most {FRONT_MAX_T} tokens; got {T}")
+    if router.shape[1] != H or x.stride(1) != 1 or router.stride(1) != 1:
+        raise ValueError(f"moe.front_fast: router {tuple(router.shape)} and x {tuple(x.shape)} must be row-major "
+                         f"with the same hidden size")
+    dev = x.device
+    tile = _cap(tile or default_config(T)["front"], triton.next_power_of_2(E + 1), triton.next_power_of_2(H))
+    block_e, nt = triton.next_power_of_2(E), triton.cdiv(T, FRONT_BLOCK_T)
+    rows = max_rows(T, top_k, num_local, block_m)
+    sizes = [T * top_k, rows, rows // block_m, T * top_k, 1, 2 * nt * block_e, T * block_e]
+    ids, sorted_pairs, block_expert, inverse, total, counts, rank = torch.empty(
+        sum(sizes), dtype=torch.int32, device=dev).split(sizes)  # one allocation for every int32 buffer
+    logits = torch.empty(T, E + 1, dtype=x.dtype, device=dev)
+    weights = torch.empty(T, top_k, dtype=x.dtype, device=dev)
+    shared_gate = torch.empty(T, 1, dtype=x.dtype, device=dev)
+    if T:
+        counters = _counters(dev)
+        grid = (triton.cdiv(E + 1, tile["BLOCK_N"]), nt)
+        _front_kernel[grid](x, router, logits, ids, weights, shared_gate, sorted_pairs, block_expert, inverse, total,
+                            counts, rank, counters, counters[-1:], T, H, E, start, num_local, x.stride(0),
+                            router.stride(0), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_M=block_m,
+                            BLOCK_T=FRONT_BLOCK_T, NT_POW2=triton.next_power_of_2(nt), BLOCK_E=block_e,
+                            BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
+                            PAIR_CHUNK=min(256, triton.next_power_of_2(T * top_k)),
+                            NB_CHUNK=triton.cdiv(FRONT_MAX_T, block_m),
+                            PRECISION=_precision(x.dtype), num_warps=tile["num_warps"],
+                            num_stages=tile["num_stages"])
+    layout = Layout(sorted_pairs, block_expert, inverse, total, rows, block_m, top_k)
+    return Front(logits, ids.view(T, top_k), weights, shared_gate, layout)
+
+
+def down_combine_torch(act: torch.Tensor, w: ExpertWeights, layout: Layout, ids: torch.Tensor,
+                       weights: torch.Tensor, shared_gate: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
+    """out [T, H]: per token, (act[row] W_down[e]^T) rounded to the model dtype times its routing weight (rounded),
+    for its routed rows in top-k order, then the shared row times sigmoid(shared gate), summed in fp32. act and
+    layout as gate_up_fast gives them; tile is the fast kernel's and unused here."""
+    T, k = ids.shape
+    inter, shared_inter = w.down.shape[2], w.shared_down.shape[1]
+    out = torch.zeros(T, w.down.shape[1], dtype=torch.float32, device=act.device)
+    pos = layout.inverse.long().view(T, k)
+    for j in range(k):
+        mine = (pos[:, j] >= 0).nonzero().squeeze(1)
+        expert = ids[mine, j].long() - w.start
+        y = torch.bmm(w.down[expert], act[pos[mine, j], :inter].unsqueeze(2)).squeeze(2)
+        out[mine] += (y * weights[mine, j:j + 1]).float()
+    out += (shared_gate * F.linear(act[:T, :shared_inter], w.shared_down)).float()
+    return out.to(act.dtype)
+
+
+def down_combine_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, ids: torch.Tensor,
+                      weights: torch.Tensor, shared_gate: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
+    """down_combine_torch in one launch: a program per (token, N tile) reads the k + 1 expert tiles it needs, all
+    at once. For few tokens only: an expert two tokens share, and the shared expert, are read once per token."""
+    T, k = ids.shape
+    num_local, H, inter = w.down.shape
+    out = torch.empty(T, H, dtype=act.dtype, device=act.device)
+    if T == 0:
+        return out
+    width = triton.next_power_of_2(max(inter, w.shared_down.shape[1]))
+    tile = _cap(tile or DOWN_COMBINE_TILE, triton.next_power_of_2(H), width, least=4)
+    _down_combine_kernel[(T, triton.cdiv(H, tile["BLOCK_N"]))](
+        act, w.down, w.shared_down, out, ids, layout.inverse, weights, shared_gate, H, inter, w.shared_down.shape[1],
+        w.start, act.stride(0), w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), out.stride(0),
+        ids.stride(0), weights.stride(0), shared_gate.stride(0), TOP_K=k, K_POW2=triton.next_power_of_2(k),
+        BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"])
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- the block
+def moe_torch(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights) -> torch.Tensor:
+    """The block's oracle: router GEMM (model dtype, as the reference rounds the logits), route_torch, experts_torch."""
+    return experts_torch(x, *route_torch(F.linear(x, router), top_k), w)
+
+
+def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights) -> torch.Tensor:
+    """moe_torch without host syncs: the decode kernels up to FRONT_MAX_T tokens, the grouped path above."""
+    if x.shape[0] > FRONT_MAX_T:
+        return experts_fast(x, *route_fast(F.linear(x, router), top_k), w)
+    return moe_decode_fast(x, router, top_k, w)
+
+
+def moe_decode_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
+                    down_combine: bool | None = None) -> torch.Tensor:
+    """front, gate_up, then down + combine in one kernel or two: as the tile config says (a down_combine tile or
+    None), or as down_combine forces (benchmarks/bench_moe.py times both)."""
+    T, H = x.shape
+    if T == 0:
+        return torch.empty_like(x)
+    x = x.contiguous()
+    num_local, inter = w.gate_up.shape[0], w.down.shape[2]
+    cfg = moe_config(T, num_local, H, inter, w.shared_down.shape[1], x.device)
+    f = front_fast(x, router, top_k, w.start, num_local, cfg["BLOCK_M"], cfg["front"])
+    act = gate_up_fast(x, w, f.layout, cfg["gate_up"])
+    if down_combine is None:
+        down_combine = cfg["down_combine"] is not None
+    if down_combine:
+        return down_combine_fast(act, w, f.layout, f.ids, f.weights, f.shared_gate, cfg["down_combine"])
+    return combine_fast(down_fast(act, w, f.layout, f.weights, f.shared_gate, cfg["down"]), f.layout, T)
+
+
 # ------------------------------------------------------------------------------------------------- tile configs
 def _pow2_bucket(T: int) -> int:
     """Configs are keyed by T rounded up to a power of two: a decode batch padded for a CUDA graph (qwen35/
@@ -236,18 +437,23 @@ def _table(device_index: int) -> dict:
 def default_config(T: int) -> dict:
     """Tiles when the table has no entry. Decode (few rows per expert): BLOCK_M 16, one row block per expert, so
     each weight tile is read once; narrow N tiles so that the few active experts still spread over all SMs.
-    Prefill: larger tiles that reuse each weight tile over many rows."""
+    Prefill: larger tiles that reuse each weight tile over many rows. front (router columns per program, H step)
+    and down_combine (its tile, or None: down and combine in two kernels) serve T <= FRONT_MAX_T only; tables
+    tuned before them lack the keys."""
+    small = {"front": dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+             "down_combine": DOWN_COMBINE_TILE if T <= DOWN_COMBINE_MAX_T else None}
     if T <= 128:
         return {"BLOCK_M": 16, "gate_up": dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
-                "down": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)}
+                "down": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4), **small}
     block_m = 32 if T <= 1024 else 64
     return {"BLOCK_M": block_m, "gate_up": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
-            "down": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)}
+            "down": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3), **small}
 
 
 def moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: int, device: torch.device) -> dict:
     """Tiles for T tokens: the table's entry for the smallest tuned bucket >= T's bucket (else the largest), else
-    default_config; N/K tiles capped at the (power-of-two rounded) matrix sizes so that tiny models work too."""
+    default_config; N/K tiles capped at the (power-of-two rounded) matrix sizes so that tiny models work too
+    (front_fast and down_combine_fast cap their own tiles: they know the router's and the GEMV's sizes)."""
     cfg = default_config(T)
     if device.type == "cuda":
         entries = _table(device.index if device.index is not None else torch.cuda.current_device()).get(
@@ -255,15 +461,17 @@ def moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: in
         if entries:
             buckets = sorted(int(b) for b in entries)
             bucket = next((b for b in buckets if b >= _pow2_bucket(T)), buckets[-1])
-            cfg = entries[str(bucket)]
+            cfg = {**cfg, **entries[str(bucket)]}
     width = triton.next_power_of_2(max(inter, shared_inter))
     return {"BLOCK_M": cfg["BLOCK_M"],
             "gate_up": _cap(cfg["gate_up"], width, triton.next_power_of_2(hidden)),
-            "down": _cap(cfg["down"], triton.next_power_of_2(hidden), width)}
+            "down": _cap(cfg["down"], triton.next_power_of_2(hidden), width),
+            "front": cfg["front"], "down_combine": cfg["down_combine"]}
 
 
-def _cap(tile: dict, n: int, k: int) -> dict:
-    return dict(tile, BLOCK_N=max(16, min(tile["BLOCK_N"], n)), BLOCK_K=max(16, min(tile["BLOCK_K"], k)))
+def _cap(tile: dict, n: int, k: int, least: int = 16) -> dict:
+    """N and K tiles no larger than the (power-of-two) matrix, no smaller than tl.dot's 16 (a GEMV's: least)."""
+    return dict(tile, BLOCK_N=max(least, min(tile["BLOCK_N"], n)), BLOCK_K=max(least, min(tile["BLOCK_K"], k)))
 
 
 # ------------------------------------------------------------------------------------------------ Triton kernels
@@ -329,8 +537,17 @@ if triton is not None:
             pos = tl.atomic_add(scratch_ptr + BINS + e, 1, mask=mine)
             tl.store(sorted_ptr + pos, p, mask=mine)
             tl.store(inv_ptr + p, tl.where(mine, pos, -1), mask=p < n)
+        _layout_tail(sorted_ptr, block_expert_ptr, total_ptr, counts, padded, offs, bins, T, num_local, BLOCK_M,
+                     NB_CHUNK)
+
+    @triton.jit
+    def _layout_tail(sorted_ptr, block_expert_ptr, total_ptr, counts, padded, offs, experts, T, num_local,
+                     BLOCK_M: tl.constexpr, NB_CHUNK: tl.constexpr):
+        """The rest of a layout once the routed rows are placed, from per-bin vectors (pairs, padded size, first
+        row, local expert; a bin outside this rank has no pairs): the rows in use, the block table (the shared
+        expert's blocks, then each group's padded / BLOCK_M blocks) and the pad rows (-1)."""
+        shared_rows = (T + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         tl.store(total_ptr, shared_rows + tl.sum(padded, 0))
-        # block table: the shared expert's blocks, then each group's padded[g] / BLOCK_M blocks
         for b0 in range(0, shared_rows // BLOCK_M, NB_CHUNK):
             b = b0 + tl.arange(0, NB_CHUNK)
             tl.store(block_expert_ptr + b, tl.zeros([NB_CHUNK], dtype=tl.int32) + num_local,
@@ -339,9 +556,126 @@ if triton is not None:
         for j0 in range(0, (T + BLOCK_M - 1) // BLOCK_M, NB_CHUNK):  # a group holds at most T pairs
             j = j0 + tl.arange(0, NB_CHUNK)
             tl.store(block_expert_ptr + first[:, None] + j[None, :],
-                     tl.broadcast_to(bins[:, None], (BINS, NB_CHUNK)), mask=j[None, :] < nblocks[:, None])
+                     experts[:, None] + tl.zeros([NB_CHUNK], dtype=tl.int32)[None, :],
+                     mask=j[None, :] < nblocks[:, None])
         pad = (offs + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(sorted_ptr + pad, tl.full((BINS, BLOCK_M), -1, tl.int32), mask=pad < (offs + padded)[:, None])
+        tl.store(sorted_ptr + pad, tl.zeros_like(pad) - 1, mask=pad < (offs + padded)[:, None])
+
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size (and NT_POW2: 1, 2 or 4 ones)
+    def _front_kernel(x_ptr, r_ptr, logits_ptr, ids_ptr, rw_ptr, sg_ptr, sorted_ptr, block_expert_ptr, inv_ptr,
+                      total_ptr, counts_ptr, rank_ptr, block_counter_ptr, all_counter_ptr, T, H, E, start, num_local,
+                      sx, sr, TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_T: tl.constexpr, NT_POW2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PAIR_CHUNK: tl.constexpr, NB_CHUNK: tl.constexpr,
+                      PRECISION: tl.constexpr):
+        """Program (column slice n, token block b). Three phases, each run by the last program to finish the one
+        before: 1. every program: logits[b, n] = x W_router^T (fp32 accumulation, rounded to the model dtype);
+        2. the last program of block b: route its tokens; 3. the last of those: the layout. A program signals with
+        an acq_rel atomic after a barrier (every thread's stores first); the one that sees the count full resets
+        it and reads the others' results with volatile loads (from L2, past its own L1)."""
+        pid_n, pid_b = tl.program_id(0), tl.program_id(1)
+        toks = pid_b * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        tmask, cmask = toks < T, cols < E + 1
+        xp = x_ptr + toks.to(tl.int64)[:, None] * sx + ks[None, :]
+        wp = r_ptr + cols.to(tl.int64)[None, :] * sr + ks[:, None]
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kmask = k0 + ks < H
+            a = tl.load(xp + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(a, tl.load(wp + k0, mask=kmask[:, None] & cmask[None, :], other=0.0), acc,
+                         input_precision=PRECISION)
+        tl.store(logits_ptr + toks.to(tl.int64)[:, None] * (E + 1) + cols[None, :],
+                 acc.to(logits_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+        tl.debug_barrier()
+        if tl.atomic_add(block_counter_ptr + pid_b, 1, sem="acq_rel", scope="gpu") != tl.num_programs(0) - 1:
+            return
+        tl.store(block_counter_ptr + pid_b, 0)  # for the next launch
+        _route_block(logits_ptr, ids_ptr, rw_ptr, sg_ptr, counts_ptr, rank_ptr, pid_b, T, E, start, num_local,
+                     TOP_K, K_POW2, BLOCK_T, BLOCK_E)
+        tl.debug_barrier()
+        if tl.atomic_add(all_counter_ptr, 1, sem="acq_rel", scope="gpu") != tl.num_programs(1) - 1:
+            return
+        tl.store(all_counter_ptr, 0)
+        _front_layout(ids_ptr, sorted_ptr, block_expert_ptr, inv_ptr, total_ptr, counts_ptr, rank_ptr, T, start,
+                      num_local, tl.num_programs(1), TOP_K, BLOCK_M, BLOCK_T, NT_POW2, BLOCK_E, PAIR_CHUNK, NB_CHUNK)
+
+    @triton.jit
+    def _route_block(logits_ptr, ids_ptr, rw_ptr, sg_ptr, counts_ptr, rank_ptr, b, T, E, start, num_local,
+                     TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+        """_route_kernel's routing for the tokens of block b, a row each. Top-k on int64 keys (probability bits,
+        then the column reversed: one max per slot takes the largest probability, among ties the lowest id).
+        Then, for this rank's experts: counts[b, e] = the block's pairs on e, rank[t, e] = token t's place among
+        them (a cumsum over the block's rows, so pairs keep their order)."""
+        rows = b * BLOCK_T + tl.arange(0, BLOCK_T)
+        rmask = rows < T
+        cols = tl.arange(0, BLOCK_E)
+        emask = cols < E
+        lp = logits_ptr + rows.to(tl.int64) * (E + 1)
+        logit = tl.load(lp[:, None] + cols[None, :], mask=rmask[:, None] & emask[None, :], other=float("-inf"),
+                        volatile=True).to(tl.float32)
+        logit = tl.where(rmask[:, None], logit, 0.0)  # rows past T: finite, never stored
+        num = tl.exp(logit - tl.max(logit, 1)[:, None])
+        p = num / tl.sum(num, 1)[:, None]
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)[None, :]
+        key = tl.where(emask[None, :], key, -1)
+        slot = tl.arange(0, K_POW2)[None, :]
+        ids = tl.zeros([BLOCK_T, K_POW2], dtype=tl.int32)
+        vals = tl.zeros([BLOCK_T, K_POW2], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(key, 1)
+            key = tl.where(key == best[:, None], -1, key)  # taken: -1, as the columns past E
+            ids = tl.where(slot == j, (BLOCK_E - 1 - (best & (BLOCK_E - 1))).to(tl.int32)[:, None], ids)
+            vals = tl.where(slot == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)[:, None], vals)
+        w = vals / tl.sum(vals, 1)[:, None]
+        out = rows.to(tl.int64)[:, None] * TOP_K + slot
+        smask = rmask[:, None] & (slot < TOP_K)
+        tl.store(ids_ptr + out, ids, mask=smask)
+        tl.store(rw_ptr + out, w.to(rw_ptr.dtype.element_ty), mask=smask)
+        g = tl.load(lp + E, mask=rmask, other=0.0, volatile=True).to(tl.float32)
+        tl.store(sg_ptr + rows, tl.sigmoid(g).to(sg_ptr.dtype.element_ty), mask=rmask)
+        local = emask & (cols >= start) & (cols < start + num_local)
+        mine = (rmask[:, None] & local[None, :] & (key == -1)).to(tl.int32)
+        tl.store(counts_ptr + b * BLOCK_E + cols, tl.sum(mine, 0))
+        tl.store(rank_ptr + rows.to(tl.int64)[:, None] * BLOCK_E + cols[None, :], tl.cumsum(mine, 0) - mine,
+                 mask=mine > 0)
+
+    @triton.jit
+    def _front_layout(ids_ptr, sorted_ptr, block_expert_ptr, inv_ptr, total_ptr, counts_ptr, rank_ptr, T, start,
+                      num_local, NT, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                      NT_POW2: tl.constexpr, BLOCK_E: tl.constexpr, PAIR_CHUNK: tl.constexpr,
+                      NB_CHUNK: tl.constexpr):
+        """The sorted layout from the NT token blocks' counts (bins: global expert ids): group offsets as in
+        _align_kernel, then pair p (token t, expert e) at row offs[e] + (e's pairs in earlier blocks) + rank[t, e].
+        A group holds its pairs in pair order, the same on every run (align_torch's layout exactly)."""
+        cols = tl.arange(0, BLOCK_E)
+        blk = tl.arange(0, NT_POW2)[:, None]
+        cell = blk * BLOCK_E + cols[None, :]
+        per_block = tl.load(counts_ptr + cell, mask=blk < NT, other=0, volatile=True)
+        counts = tl.sum(per_block, 0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        offs = tl.cumsum(padded, 0) - padded + (T + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        if NT_POW2 == 1:  # no scan over a length-1 axis
+            before = tl.zeros_like(per_block)
+        else:
+            before = tl.cumsum(per_block, 0) - per_block
+        base_ptr = counts_ptr + NT * BLOCK_E  # first row of each (block, expert): the second half of the scratch
+        tl.store(base_ptr + cell, offs[None, :] + before, mask=blk < NT)
+        tl.debug_barrier()
+        n = T * TOP_K
+        for p0 in range(0, n, PAIR_CHUNK):
+            p = p0 + tl.arange(0, PAIR_CHUNK)
+            e = tl.load(ids_ptr + p, mask=p < n, other=-1, volatile=True)
+            mine = (p < n) & (e >= start) & (e < start + num_local)
+            e = tl.where(mine, e, 0)
+            t = p // TOP_K
+            row = tl.load(base_ptr + (t // BLOCK_T) * BLOCK_E + e, mask=mine, other=0, volatile=True) + \
+                tl.load(rank_ptr + t.to(tl.int64) * BLOCK_E + e, mask=mine, other=0, volatile=True)
+            tl.store(sorted_ptr + row, p, mask=mine)
+            tl.store(inv_ptr + p, tl.where(mine, row, -1), mask=p < n)
+        _layout_tail(sorted_ptr, block_expert_ptr, total_ptr, counts, padded, offs, cols - start, T, num_local,
+                     BLOCK_M, NB_CHUNK)
 
     @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
     def _gate_up_kernel(x_ptr, w_ptr, sw_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, T, H, I, I_s,
@@ -427,6 +761,46 @@ if triton is not None:
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * sy + cols[None, :], y, mask=valid[:, None] & cmask[None, :])
 
     @triton.jit
+    def _down_combine_kernel(act_ptr, w_ptr, sw_ptr, out_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, H, I, I_s, start,
+                             sa, swe, swh, sswh, so, sid, srw, ssg, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """Columns [n, n + BLOCK_N) of token t's output: its k routed rows (other ranks' experts masked) as one
+        [K_POW2, BLOCK_N, BLOCK_K] weight tile per K step and its shared row (row t) as another, in one loop that
+        Triton software-pipelines (tl.range num_stages: NUM_STAGES - 1 steps of every expert's loads in flight;
+        a plain loop here, with no tl.dot, would wait for memory once per step). Each GEMV is rounded, times its
+        weight, rounded (_down_kernel's epilogue); the routed ones are summed in a fixed order, then the shared
+        one, in fp32: no atomics, the same bits on every run."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < H
+        s = tl.arange(0, K_POW2)
+        row = tl.load(inv_ptr + t * TOP_K + s, mask=s < TOP_K, other=-1)
+        valid = row >= 0
+        e = tl.load(ids_ptr + t * sid + s, mask=valid, other=0).to(tl.int64) - start
+        e = tl.where(valid, e, 0)
+        rw = tl.load(rw_ptr + t * srw + s, mask=valid, other=0.0).to(tl.float32)
+        ks = tl.arange(0, BLOCK_K)
+        ap = act_ptr + tl.where(valid, row, 0).to(tl.int64)[:, None] * sa + ks[None, :]
+        wp = w_ptr + e[:, None, None] * swe + cols.to(tl.int64)[None, :, None] * swh + ks[None, None, :]
+        sap = act_ptr + t * sa + ks
+        swp = sw_ptr + cols.to(tl.int64)[:, None] * sswh + ks[None, :]
+        acc = tl.zeros([K_POW2, BLOCK_N], dtype=tl.float32)
+        acc_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, tl.maximum(I, I_s), BLOCK_K, num_stages=NUM_STAGES):
+            kr = valid[:, None] & (k0 + ks < I)[None, :]
+            a = tl.load(ap + k0, mask=kr, other=0.0).to(tl.float32)
+            w = tl.load(wp + k0, mask=kr[:, None, :] & cmask[None, :, None], other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[:, None, :], 2)
+            ksh = k0 + ks < I_s
+            a = tl.load(sap + k0, mask=ksh, other=0.0).to(tl.float32)
+            w = tl.load(swp + k0, mask=cmask[:, None] & ksh[None, :], other=0.0).to(tl.float32)
+            acc_s += tl.sum(w * a[None, :], 1)
+        dt = out_ptr.dtype.element_ty
+        y = tl.sum(round_to(round_to(acc, dt) * rw[:, None], dt), 0)  # invalid slots add 0
+        y += round_to(round_to(acc_s, dt) * tl.load(sg_ptr + t * ssg).to(tl.float32), dt)
+        tl.store(out_ptr + t * so + cols, y.to(dt), mask=cmask)
+
+    @triton.jit
     def _combine_kernel(y_ptr, inv_ptr, out_ptr, H, sy, so, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
         """out[t] = sum of token t's routed rows in top-k order, then its shared row (row t), in fp32: a fixed
         order, so no atomics and the same bits on every run."""
@@ -444,10 +818,10 @@ if triton is not None:
 
 # ------------------------------------------------------------------------------------------------------ modules
 class Experts(nn.Module):
-    """This rank's routed experts (parameters and per-expert loading) and the bound experts implementation.
+    """This rank's routed experts: parameters and per-expert loading.
 
-    sync_free: True when the bound implementation never waits for the host (experts_fast), so CUDA graphs may
-    capture it; the torch oracle reads per-expert counts on the host."""
+    sync_free: True with the fast kernels (SparseMoE binds moe_fast, which never waits for the host), so CUDA graphs
+    may capture it; the torch oracle reads per-expert counts on the host."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype=None, device=None):
         super().__init__()
@@ -457,7 +831,6 @@ class Experts(nn.Module):
         self.gate_up_proj = make_param((num_experts, 2 * intermediate, hidden), [local, None, None], dtype, device)
         self.down_proj = make_param((num_experts, hidden, intermediate), [local, None, None], dtype, device)
         self.sync_free = backend.use_fast()
-        self._experts = experts_fast if self.sync_free else experts_torch
 
     def load_expert(self, src, expert: int, proj: str) -> bool:
         """Load one per-expert tensor (`experts.{e}.{gate,up,down}_proj.weight`); False if not this rank's expert."""
@@ -474,11 +847,9 @@ class Experts(nn.Module):
         target.copy_(src.read((slice(None), slice(None))))
         return True
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared_gate: torch.Tensor,
-                shared: MLP) -> torch.Tensor:
-        """Routed experts + shared_gate * shared(x), in the model dtype (the shared expert shares the launches)."""
-        w = ExpertWeights(self.gate_up_proj, self.down_proj, self.start, shared.gate_up, shared.down_proj.weight)
-        return self._experts(x, ids, weights, shared_gate, w)
+    def weights(self, shared: MLP) -> ExpertWeights:
+        """This rank's experts with the shared expert's shard (it shares their launches)."""
+        return ExpertWeights(self.gate_up_proj, self.down_proj, self.start, shared.gate_up, shared.down_proj.weight)
 
 
 class SparseMoE(nn.Module):
@@ -492,9 +863,8 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Linear(H, 1, dtype=dtype, device=device)           # replicated
         self.router = fuse_rows(self.gate, self.shared_expert_gate)                 # [E + 1, H]: one GEMM
         self.sync_free = self.experts.sync_free
-        self._route = route_fast if backend.use_fast() else route_torch
+        self._moe = moe_fast if backend.use_fast() else moe_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.router)  # model dtype, as the reference rounds them
-        ids, weights, shared_gate = self._route(logits, self.top_k)
-        return self.experts(x, ids, weights, shared_gate, self.shared_expert)
+        """Routed experts + sigmoid(shared gate) * shared expert, in the model dtype."""
+        return self._moe(x, self.router, self.top_k, self.experts.weights(self.shared_expert))

@@ -7,18 +7,27 @@ directly (every local pair once, one expert per block, pads marked). Shapes cove
 ranks owning part of the experts, a rank with no routed pair, every token on one expert, odd hidden/intermediate
 sizes, a shared expert narrower than the routed ones (its TP=8 shard), and batch sizes 1..37.
 
+Decode kernels (T <= FRONT_MAX_T): the front kernel's logits within 1e-5 of F.linear (fp32 GEMM order), its
+routing equal to route_torch on those logits (ids exactly, weights 1e-6), its layout equal to align_torch's entry
+for entry (both keep a group's pairs in pair order), ties in the logits (integer-valued inputs) to the lowest ids,
+1 to 4 token blocks (T 1..64), arrival counters back at zero after each launch; down+combine within 1e-5 of its
+torch oracle and of the two-kernel path; the whole block within 1e-5 of moe_torch on both sides of each threshold.
+
 GPU (`-m gpu`, bf16, Qwen3.5-35B-A3B shapes: 256 experts, top-8, hidden 2048, expert intermediate 512; shared
 intermediate 512 at TP=1 and 64 per rank at TP=8 with 32 local experts): routing ids equal except at exact ties
 (checked separately), weights within one bf16 ulp of values <= 1 (4e-3); expert outputs within 1e-2 relative
 (Frobenius) of the oracle: both round every intermediate to bf16 where the reference does, so the difference is
 fp32 accumulation order flipping some of those roundings (a few 1e-3); a wrong block or weight is > 0.1.
-Padded batches, repeated runs and CUDA-graph replay must give identical bits.
+Front kernel: each logit within one bf16 ulp of cuBLAS's (2^-7 relative, + 1e-4: both round an fp32 sum), routing
+and layout exactly the oracle's on those logits. Padded batches, repeated runs and CUDA-graph replay must give
+identical bits.
 """
 import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from layers import backend, moe
 from layers.mlp import MLP, mlp_fast, mlp_torch
@@ -78,28 +87,20 @@ def test_route_ties_go_to_lowest_id():
 
 
 # ------------------------------------------------------------------------------------------------ sorted layout
-@pytest.mark.parametrize("T,E,k,start,num_local,block_m", [(1, 8, 2, 0, 8, 16), (37, 8, 2, 2, 4, 16),
-                                                          (20, 16, 4, 12, 4, 32), (9, 8, 2, 4, 4, 16),
-                                                          (600, 8, 2, 0, 8, 16),        # groups of many blocks
-                                                          (8192, 256, 8, 0, 256, 64),   # a full prefill step
-                                                          (3000, 256, 8, 32, 32, 128)])  # TP=8 rank, BLOCK_M 128
-def test_align_layout(T, E, k, start, num_local, block_m):
+def check_layout(lay, ids, start, num_local, block_m):
     """Every local pair has exactly one row, inside a block of its expert and after the shared rows; pad rows are
     -1; other ranks' pairs map to -1; the blocks in use cover exactly `total` rows; each expert's group is
-    ceil(count / block_m) blocks, in expert order. T = 8192 at k = 8 (65,536 pairs, the prefill step of
-    max_num_batched_tokens) runs the kernel's loops over several chunks of pairs and of block-table entries."""
-    gen = torch.Generator().manual_seed(T + start)
-    ids, _, _ = make_routing(T, E, k, gen, routed="low" if T == 9 else "any")
-    lay = moe.align(ids, start, num_local, block_m)
+    ceil(count / block_m) blocks, in expert order."""
+    T = ids.shape[0]
     total = int(lay.total)
     assert total % block_m == 0 and total <= lay.rows
     shared_rows = -(-T // block_m) * block_m
     blocks = lay.block_expert[: total // block_m].long()
     assert (blocks[: shared_rows // block_m] == num_local).all()
-    flat = ids.flatten() - start
+    flat = ids.flatten().long() - start
     mine = (flat >= 0) & (flat < num_local)
     counts = torch.bincount(flat[mine], minlength=num_local)
-    group_blocks = torch.repeat_interleave(torch.arange(num_local), (counts + block_m - 1) // block_m)
+    group_blocks = torch.repeat_interleave(torch.arange(num_local, device=blocks.device), (counts + block_m - 1) // block_m)
     assert torch.equal(blocks[shared_rows // block_m:], group_blocks)  # each expert's group once, in order
     inv = lay.inverse.long()
     assert torch.equal(inv < 0, ~mine)
@@ -107,10 +108,101 @@ def test_align_layout(T, E, k, start, num_local, block_m):
     assert len(set(rows.tolist())) == len(rows) and bool((rows >= shared_rows).all())
     assert torch.equal(lay.sorted_pairs.long()[rows], mine.nonzero().squeeze(1))
     assert torch.equal(blocks[rows // block_m], flat[mine])
-    routed_rows = torch.arange(shared_rows, total)
+    routed_rows = torch.arange(shared_rows, total, device=inv.device)
     pads = routed_rows[~torch.isin(routed_rows, rows)]
     assert bool((lay.sorted_pairs[pads] == -1).all())
     assert len(pads) < block_m * max(1, len(blocks) - shared_rows // block_m)
+
+
+def same_layout(a, b, T):
+    """Entry for entry, where the kernels write: the block table and the routed rows in use, every pair's row."""
+    total = int(b.total)
+    shared_rows = -(-T // b.block_m) * b.block_m
+    return (int(a.total) == total and a.rows == b.rows and torch.equal(a.inverse, b.inverse)
+            and torch.equal(a.block_expert[: total // b.block_m], b.block_expert[: total // b.block_m])
+            and torch.equal(a.sorted_pairs[shared_rows: total], b.sorted_pairs[shared_rows: total]))
+
+
+@pytest.mark.parametrize("T,E,k,start,num_local,block_m", [(1, 8, 2, 0, 8, 16), (37, 8, 2, 2, 4, 16),
+                                                          (20, 16, 4, 12, 4, 32), (9, 8, 2, 4, 4, 16),
+                                                          (600, 8, 2, 0, 8, 16),        # groups of many blocks
+                                                          (8192, 256, 8, 0, 256, 64),   # a full prefill step
+                                                          (3000, 256, 8, 32, 32, 128)])  # TP=8 rank, BLOCK_M 128
+def test_align_layout(T, E, k, start, num_local, block_m):
+    """The Triton layout and the torch one both hold; the torch one keeps each group's pairs in pair order."""
+    gen = torch.Generator().manual_seed(T + start)
+    ids, _, _ = make_routing(T, E, k, gen, routed="low" if T == 9 else "any")
+    check_layout(moe.align(ids, start, num_local, block_m), ids, start, num_local, block_m)
+    ref = moe.align_torch(ids, start, num_local, block_m)
+    check_layout(ref, ids, start, num_local, block_m)
+    routed = ref.sorted_pairs[-(-T // block_m) * block_m: int(ref.total)]
+    for e in range(num_local):
+        group = routed[ref.block_expert[torch.arange(len(routed)) // block_m + -(-T // block_m)] == e]
+        group = group[group >= 0]
+        assert bool((group.diff() > 0).all())
+
+
+# ------------------------------------------------------------------------------------------------------- front
+FRONT_CASES = [  # T, E, k, H, start, num_local, block_m, tile (None: the default)
+    (1, 8, 2, 32, 0, 8, 16, None),                                      # TP=1, one token
+    (5, 12, 3, 40, 4, 4, 16, None),                                     # a middle rank, E and H not powers of two
+    (9, 16, 4, 64, 12, 4, 16, dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=3)),  # last rank, 2 slices, 4 K
+    (17, 16, 2, 48, 8, 8, 32, None),                                    # two token blocks, BLOCK_M 32
+    (37, 8, 2, 32, 2, 4, 16, None),                                     # three token blocks
+    (64, 16, 4, 32, 0, 16, 16, dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)),  # FRONT_MAX_T: 4 blocks
+]
+
+
+def check_front(fast, x, router, k, start, num_local, block_m, tol_logits=1e-5):
+    """The front kernel against its oracle, step by step: logits vs the GEMM (tol_logits None: checked by the
+    caller); routing vs route_torch on the kernel's own logits (so that a GEMM rounding cannot move a near-tie);
+    layout vs align_torch on those ids."""
+    T = x.shape[0]
+    if tol_logits is not None:
+        assert max_diff(fast.logits, F.linear(x, router)) <= tol_logits
+    ids, w, g = moe.route_torch(fast.logits, k)
+    assert fast.ids.dtype == torch.int32 and torch.equal(fast.ids.long(), ids)
+    tol = TOL_ROUTE if x.dtype == torch.float32 else 4e-3
+    assert max_diff(fast.weights, w) <= tol and max_diff(fast.shared_gate, g) <= tol
+    assert same_layout(fast.layout, moe.align_torch(ids, start, num_local, block_m), T)
+    check_layout(fast.layout, ids, start, num_local, block_m)
+    assert not moe._counters(x.device).any()  # reset for the next launch
+
+
+@pytest.mark.parametrize("T,E,k,H,start,num_local,block_m,tile", FRONT_CASES)
+def test_front_fast_equals_torch(T, E, k, H, start, num_local, block_m, tile):
+    gen = torch.Generator().manual_seed(T * 3 + E)
+    x = torch.randn(T, H, generator=gen)
+    router = torch.randn(E + 1, H, generator=gen) * 0.3
+    fast = moe.front_fast(x, router, k, start, num_local, block_m, tile)
+    check_front(fast, x, router, k, start, num_local, block_m)
+    ref = moe.front_torch(x, router, k, start, num_local, block_m)
+    assert torch.equal(fast.ids.long(), ref.ids)  # no near-ties here: the same routing as the whole oracle
+    again = moe.front_fast(x, router, k, start, num_local, block_m, tile)
+    assert same_layout(again.layout, fast.layout, T) and torch.equal(again.weights, fast.weights)  # every run
+
+
+@pytest.mark.parametrize("T,start,num_local", [(9, 0, 16), (21, 4, 8)])
+def test_front_ties_go_to_lowest_id(T, start, num_local):
+    """Integer-valued inputs: the logits are exact small integers, with many ties among the top k."""
+    gen = torch.Generator().manual_seed(T)
+    E, k, H = 16, 4, 32
+    x = torch.randint(-1, 2, (T, H), generator=gen).float()
+    router = torch.randint(-1, 2, (E + 1, H), generator=gen).float()
+    fast = moe.front_fast(x, router, k, start, num_local, 16)
+    logits = x @ router.T
+    assert torch.equal(fast.logits, logits)
+    expected = torch.tensor([sorted(range(E), key=lambda e: (-logits[t, e].item(), e))[:k] for t in range(T)])
+    assert torch.equal(fast.ids.long(), expected)
+    assert any(len(set(logits[t, :E].tolist())) < E for t in range(T))
+    check_front(fast, x, router, k, start, num_local, 16, tol_logits=0.0)
+
+
+def test_front_rejects_too_many_tokens():
+    with pytest.raises(ValueError, match="at most"):
+        moe.front_fast(torch.zeros(moe.FRONT_MAX_T + 1, 32), torch.zeros(9, 32), 2, 0, 8, 16)
+    with pytest.raises(ValueError, match="hidden size"):
+        moe.front_fast(torch.zeros(4, 32), torch.zeros(9, 48), 2, 0, 8, 16)
 
 
 # ------------------------------------------------------------------------------------------------------ experts
@@ -151,6 +243,68 @@ def test_experts_fast_int32_ids_deterministic_and_padding_free():
     padded = moe.experts_fast(x, ids.int(), wts, gate, w)
     assert torch.equal(a, b)
     assert max_diff(padded[:5], a) <= 1e-6
+
+
+# ---------------------------------------------------------------------------------------- decode down+combine
+@pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local,routed", [c for c in EXPERT_CASES if c[0] <= 9])
+def test_down_combine_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, routed):
+    """On the layout and act of the decode path: the one-kernel down+combine against its torch oracle and against
+    the two-kernel path (down, combine), and the whole experts step against experts_torch."""
+    gen = torch.Generator().manual_seed(T * 11 + start)
+    w = make_weights(num_local, H, I, I_s, start, gen)
+    x = torch.randn(T, H, generator=gen)
+    ids, wts, gate = make_routing(T, E, k, gen, routed)
+    lay = moe.align_torch(ids, start, num_local, 16)
+    act = moe.gate_up_fast(x, w, lay, moe.moe_config(T, num_local, H, I, I_s, x.device)["gate_up"])
+    tile = dict(BLOCK_N=8, BLOCK_K=16, num_warps=2, num_stages=3)  # several N tiles and K steps here
+    fast = moe.down_combine_fast(act, w, lay, ids.int(), wts, gate, tile)
+    want = moe.down_combine_torch(act, w, lay, ids, wts, gate)
+    assert want.abs().max() > 0.3 and max_diff(fast, want) <= TOL
+    two = moe.combine_fast(moe.down_fast(act, w, lay, wts, gate, dict(BLOCK_N=16, BLOCK_K=16, num_warps=4,
+                                                                      num_stages=2)), lay, T)
+    assert max_diff(fast, two) <= TOL
+    assert max_diff(moe.down_combine_fast(act, w, lay, ids.int(), wts, gate), want) <= TOL  # default tile
+    assert max_diff(fast, moe.experts_torch(x, ids, wts, gate, w)) <= TOL
+
+
+# ------------------------------------------------------------------------------------------------- the block
+BLOCK_CASES = [  # T, E, k, H, I, I_s, start, num_local
+    (1, 8, 2, 32, 16, 8, 6, 2),       # one token, last rank, shared expert narrower
+    (3, 16, 4, 40, 24, 24, 4, 8),     # middle rank, odd sizes
+    (8, 8, 2, 32, 16, 16, 0, 8),      # DOWN_COMBINE_MAX_T
+    (9, 12, 3, 32, 16, 8, 8, 4),      # just past it: down + combine in two kernels
+    (37, 8, 2, 32, 16, 16, 2, 4),     # three token blocks
+    (64, 16, 4, 32, 16, 16, 0, 16),   # FRONT_MAX_T
+    (65, 8, 2, 32, 16, 16, 4, 4),     # just past it: the grouped path with route_fast and align
+]
+
+
+@pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local", BLOCK_CASES)
+def test_moe_fast_equals_torch(T, E, k, H, I, I_s, start, num_local):
+    """The whole block: moe_fast (which picks its kernels by T) and, where it applies, the decode path with the
+    other down+combine choice, against moe_torch."""
+    gen = torch.Generator().manual_seed(T + E)
+    w = make_weights(num_local, H, I, I_s, start, gen)
+    x = torch.randn(T, H, generator=gen)
+    router = torch.randn(E + 1, H, generator=gen) * 0.3
+    want = moe.moe_torch(x, router, k, w)
+    assert want.abs().max() > 0.3
+    assert max_diff(moe.moe_fast(x, router, k, w), want) <= TOL
+    if T <= moe.FRONT_MAX_T:
+        other = T > moe.DOWN_COMBINE_MAX_T
+        assert max_diff(moe.moe_decode_fast(x, router, k, w, down_combine=other), want) <= TOL
+
+
+def test_moe_fast_padding_and_repeat():
+    """Rows added past the batch (graph padding: 5 tokens run as 8) leave the real rows' outputs as they were, and
+    a second run gives the same bits (no atomics decide a value)."""
+    gen = torch.Generator().manual_seed(11)
+    w = make_weights(4, 32, 16, 8, 4, gen)
+    x = torch.randn(8, 32, generator=gen)
+    router = torch.randn(13, 32, generator=gen) * 0.3
+    a = moe.moe_fast(x[:5], router, 3, w)
+    assert torch.equal(moe.moe_fast(x[:5], router, 3, w), a)
+    assert max_diff(moe.moe_fast(x, router, 3, w)[:5], a) <= 1e-6
 
 
 # ------------------------------------------------------------------------------------------------------- layers
@@ -208,6 +362,9 @@ def test_padded_graph_batches_share_tiles():
         padded = next(s for s in sizes if s >= T)
         assert moe.moe_config(T, 32, 2048, 512, 64, torch.device("cpu")) == \
             moe.moe_config(padded, 32, 2048, 512, 64, torch.device("cpu"))
+    cpu = torch.device("cpu")  # no table: down + combine in one kernel exactly up to DOWN_COMBINE_MAX_T
+    assert moe.moe_config(moe.DOWN_COMBINE_MAX_T, 32, 2048, 512, 64, cpu)["down_combine"] is not None
+    assert moe.moe_config(moe.DOWN_COMBINE_MAX_T + 1, 32, 2048, 512, 64, cpu)["down_combine"] is None
     tiny = moe.moe_config(3000, 4, 40, 24, 8, torch.device("cpu"))
     assert tiny["gate_up"]["BLOCK_N"] <= 32 and tiny["down"]["BLOCK_K"] <= 32 and tiny["gate_up"]["BLOCK_K"] <= 64
 
@@ -290,6 +447,92 @@ def test_experts_fast_bits_padding_and_graph_replay(tp):
     static_logits.copy_(logits2)
     graph.replay()
     assert torch.equal(out, step(x2, logits2))
+
+
+@functools.lru_cache(maxsize=None)
+def real_router(tp: int) -> torch.Tensor:
+    """The fused router | shared gate [257, 2048], bf16, std 0.02 (logits ~ N(0, 0.9^2) for x ~ N(0, 1))."""
+    gen = torch.Generator(device="cuda").manual_seed(100 + tp)
+    return (torch.randn(257, 2048, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("T", [1, 2, 7, 16, 17, 64])
+def test_front_fast_bf16_real_shapes(tp, T):
+    """Logits within one bf16 ulp of cuBLAS's; routing and layout exactly the oracle's on the kernel's logits."""
+    w, router = real_weights(tp), real_router(tp)
+    gen = torch.Generator().manual_seed(T + 10 * tp)
+    x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
+    num_local = w.gate_up.shape[0]
+    fast = moe.front_fast(x, router, 8, w.start, num_local, 16)
+    ref = F.linear(x, router).float()
+    assert bool(((fast.logits.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-4).all())
+    check_front(fast, x, router, 8, w.start, num_local, 16, tol_logits=None)
+    tiled = moe.moe_config(T, num_local, 2048, 512, 512 // tp, x.device)
+    again = moe.front_fast(x, router, 8, w.start, num_local, tiled["BLOCK_M"], tiled["front"])
+    check_front(again, x, router, 8, w.start, num_local, tiled["BLOCK_M"], tol_logits=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("T", [1, 4, 8])
+def test_down_combine_fast_bf16(tp, T):
+    """The one-kernel down+combine against its torch oracle and the two-kernel path, on the same act."""
+    w = real_weights(tp)
+    num_local = w.gate_up.shape[0]
+    gen = torch.Generator().manual_seed(T + tp)
+    x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
+    ids, wts, gate = make_routing(T, 256, 8, gen, device="cuda", dtype=torch.bfloat16)
+    cfg = moe.moe_config(T, num_local, 2048, 512, 512 // tp, x.device)
+    lay = moe.align_torch(ids, w.start, num_local, cfg["BLOCK_M"])
+    act = moe.gate_up_fast(x, w, lay, cfg["gate_up"])
+    fast = moe.down_combine_fast(act, w, lay, ids.int(), wts, gate, cfg["down_combine"])
+    assert torch.isfinite(fast).all()
+    assert rel(fast, moe.down_combine_torch(act, w, lay, ids, wts, gate)) <= 1e-2
+    two = moe.combine_fast(moe.down_fast(act, w, lay, wts, gate, cfg["down"]), lay, T)
+    assert rel(fast, two) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("T", [1, 2, 8, 16, 64])
+def test_moe_decode_bf16_real_shapes(tp, T):
+    """The decode path (both down+combine choices) against experts_torch routed on the front kernel's logits."""
+    w, router = real_weights(tp), real_router(tp)
+    gen = torch.Generator().manual_seed(T * 5 + tp)
+    x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
+    front = moe.front_fast(x, router, 8, w.start, w.gate_up.shape[0], 16)
+    ref = moe.experts_torch(x, *moe.route_torch(front.logits, 8), w)
+    for down_combine in (True, False):
+        out = moe.moe_decode_fast(x, router, 8, w, down_combine)
+        assert torch.isfinite(out).all() and rel(out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+def test_moe_fast_bits_padding_and_graph_replay(tp):
+    """Identical bits on the decode path, for graph sizes with and without the one-kernel down+combine and with
+    several token blocks: two eager runs; n tokens vs the same padded to the graph size; CUDA-graph replays (new
+    inputs each time) vs eager; the arrival counters back at zero after the replays."""
+    w, router = real_weights(tp), real_router(tp)
+    gen = torch.Generator().manual_seed(tp)
+    for n, b in [(1, 1), (3, 4), (13, 16), (50, 56)]:
+        x = torch.randn(b, 2048, generator=gen).to("cuda", torch.bfloat16)
+        eager = moe.moe_fast(x, router, 8, w)
+        assert torch.equal(moe.moe_fast(x, router, 8, w), eager)
+        assert torch.equal(moe.moe_fast(x[:n], router, 8, w), eager[:n])
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe.moe_fast(static, router, 8, w)
+        for _ in range(3):
+            x2 = torch.randn(b, 2048, generator=gen).to("cuda", torch.bfloat16)
+            static.copy_(x2)
+            graph.replay()
+            assert torch.equal(out, moe.moe_fast(x2, router, 8, w))
+        torch.cuda.synchronize()
+        assert not moe._counters(x.device).any()
 
 
 @pytest.mark.gpu
