@@ -416,9 +416,10 @@ if triton is not None:
             heads = hk * REP + rr
             hmask = (rr < REP)[:, None] & (dd < DV)[None, :]
             out = y_ptr + b * sy_b + heads[:, None] * DV + dd[None, :]
-            o = tl.load(out, mask=hmask, other=0.0, cache_modifier=".cg").to(tl.float32)  # L2: other SMs wrote it
-            o = round_to(o * tl.rsqrt(tl.sum(o * o, 1) / DV + eps)[:, None], dtype)
+            # a name of its own: Triton 3.6 rejects re-typing `o` (a row above) as a tile inside this branch
+            group_o = tl.load(out, mask=hmask, other=0.0, cache_modifier=".cg").to(tl.float32)  # L2: other SMs
+            group_o = round_to(group_o * tl.rsqrt(tl.sum(group_o * group_o, 1) / DV + eps)[:, None], dtype)
             z = tl.load(prow + z_off + heads[:, None] * DV + dd[None, :], mask=hmask, other=0.0).to(tl.float32)
             w = tl.load(norm_w_ptr + dd, mask=dd < DV, other=0.0).to(tl.float32)
-            tl.store(out, ((w[None, :] * o) * (z * tl.sigmoid(z))).to(dtype), mask=hmask)
+            tl.store(out, ((w[None, :] * group_o) * (z * tl.sigmoid(z))).to(dtype), mask=hmask)
             tl.store(count, 0)
