@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist import parallel
+
 Ranges = list[tuple[int, int]] | None
 
 
@@ -52,34 +54,38 @@ def default_weight_loader(param: nn.Parameter, src) -> None:
 
 
 class Linear(nn.Module):
-    """y = x @ W^T, W a shard of the checkpoint's [out, in] weight: `rows` picks output rows (column parallel),
-    `cols` picks input columns (row parallel; the caller all-reduces the partial sums)."""
+    """y = x @ W^T (+ b), W a shard of the checkpoint's [out, in] weight: `rows` picks output rows (column parallel,
+    the bias sliced the same way), `cols` picks input columns (row parallel; the caller all-reduces the partial sums,
+    so every rank holds the whole bias and only rank 0 adds it)."""
 
     def __init__(self, in_features: int, out_features: int, *, rows: Ranges = None, cols: Ranges = None,
-                 dtype=None, device=None):
+                 bias: bool = False, dtype=None, device=None):
         super().__init__()
         self.weight = make_param((out_features, in_features), [rows, cols], dtype, device)
+        self.bias = make_param((out_features,), [rows], dtype, device) if bias else None
+        self.adds_bias = bias and (cols is None or parallel.tp_rank() == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias if self.adds_bias else None)
 
 
-def fuse_rows(*linears: Linear) -> torch.Tensor:
-    """One [sum of outputs, in] weight for linears that read the same input, so one GEMM computes them all.
+def fuse_rows(*linears: Linear, attr: str = "weight") -> torch.Tensor:
+    """One [sum of outputs, in] weight (or with attr="bias" one [sum of outputs] bias) for linears that read the
+    same input, so one GEMM computes them all.
 
-    Each linear's weight becomes a view of its rows of the fused tensor (same name, full_shape and shard), so the
+    Each linear's parameter becomes a view of its rows of the fused tensor (same name, full_shape and shard), so the
     loader and the dummy initialiser still fill each one by its checkpoint name, and no memory is duplicated."""
-    first = linears[0].weight
-    rows = sum(lin.weight.shape[0] for lin in linears)
-    fused = torch.empty(rows, first.shape[1], dtype=first.dtype, device=first.device)
+    first = getattr(linears[0], attr)
+    rows = sum(getattr(lin, attr).shape[0] for lin in linears)
+    fused = torch.empty(rows, *first.shape[1:], dtype=first.dtype, device=first.device)
     offset = 0
     for lin in linears:
-        old = lin.weight
+        old = getattr(lin, attr)
         n = old.shape[0]
         view = fused[offset: offset + n]
         view.copy_(old.data)
         p = nn.Parameter(view, requires_grad=False)
         p.full_shape, p.shard = old.full_shape, old.shard
-        lin.weight = p
+        setattr(lin, attr, p)
         offset += n
     return fused

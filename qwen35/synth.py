@@ -130,8 +130,9 @@ _ZERO_CENTRED_NORMS = {"input_layernorm", "post_attention_layernorm", "norm", "q
                        "pre_fc_norm_embedding", "pre_fc_norm_hidden"}
 
 
-def init_tensor_(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Fill `t` in place as HF `Qwen3_5MoePreTrainedModel._init_weights` would initialise parameter `name`.
+def init_tensor_(name: str, t: torch.Tensor, gen: torch.Generator, zero_centred_norms: bool = True) -> torch.Tensor:
+    """Fill `t` in place as HF `Qwen3_5MoePreTrainedModel._init_weights` would initialise parameter `name` (with
+    zero_centred_norms=False, as a LLaMA-like's: its RMSNorm weights are ones).
 
     `t` may be any dtype/device and may be one rank's shard of the full tensor; `gen` must live on t.device.
     """
@@ -147,7 +148,7 @@ def init_tensor_(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tens
     if name.startswith("model.visual.") and "norm" in module:
         return t.fill_(1.0)  # vision LayerNorms (plain, not zero-centred)
     if module in _ZERO_CENTRED_NORMS and name.endswith(".weight"):
-        return t.zero_()
+        return t.zero_() if zero_centred_norms else t.fill_(1.0)
     # Linear, embedding, router, fused/per-expert weights, conv1d (HF inits Conv1d like Linear), pos_embed
     return t.normal_(0.0, INIT_STD, generator=gen)
 
