@@ -341,3 +341,91 @@ def _compare_rotary(scaling: dict, head_dim: int, positions: int, max_pos: int):
     if scaling["rope_type"] != "dynamic":  # the scaling does something (dynamic within range is plain RoPE)
         plain = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, positions)
         assert (ours.cos - plain.cos).abs().max().item() > 1e-2
+
+
+# ------------------------------------------------------------------------------ served: LLM, tokenizer, server
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """The `tiny-llama` preset, synthesized (Llama layout, Qwen tokenizer files beside it)."""
+    from qwen35.hub import resolve_model
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("QWEN35_CACHE", str(tmp_path_factory.mktemp("cache")))
+        return resolve_model("tiny-llama")
+
+
+def test_tiny_llama_preset_through_llm_matches_transformers_generate(tiny_llama):
+    """The synthetic checkpoint loads in transformers as written; the offline LLM API (scheduler, sampler, the
+    Jinja chat template of the model's tokenizer_config) reproduces transformers' greedy generate."""
+    from transformers import LlamaForCausalLM
+
+    from qwen35 import LLM, SamplingParams
+    from qwen35.chat_template import render_chat
+    from qwen35.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_llama)
+    assert tok.chat_template  # rendered with jinja2: the tokenizer_config's template, which is Qwen3.5's here
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    assert tok.apply_chat_template(messages) == render_chat(messages, enable_thinking=False)
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = tok.encode_chat(messages)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(ids):]
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=128, max_num_seqs=2)
+    try:
+        out = llm.generate([messages], SamplingParams(max_tokens=12, min_tokens=12))[0]
+    finally:
+        llm.shutdown()
+    assert out.token_ids == want.tolist() and out.finish_reason == "length"
+
+
+def test_chat_without_a_template_is_a_clear_400(tiny_llama, tmp_path):
+    """A model whose files carry no chat template: chat requests get a 400 naming /v1/completions, and never
+    reach the engine."""
+    import asyncio
+    import shutil
+
+    import httpx
+
+    import server
+    from qwen35.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
+
+    for f in ("config.json", "tokenizer.json"):
+        shutil.copy(os.path.join(tiny_llama, f), tmp_path / f)
+    tok = load_tokenizer(tmp_path)
+    assert tok.chat_template == NO_CHAT_TEMPLATE and tok.eos_token_ids == [248046, 248044]  # config.json's
+
+    class NeverCalled:
+        ready = True
+
+        def generate(self, *a):
+            raise AssertionError("a request without a prompt reached the engine")
+
+    async def main():
+        app = server.build_app(NeverCalled(), tok, "m", 4096)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as http:
+            return await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+
+    r = asyncio.run(main())
+    assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
+
+
+def test_bench_latency_and_create_engine_traces_run(tiny_llama, tmp_path):
+    """qwen35.bench's latency mode (beside transformers' generate on the same weights: in fp32 every greedy token
+    agrees) and the create_engine traces, at toy sizes on the CPU."""
+    from qwen35 import bench
+    out = tmp_path / "latency.json"
+    bench.main(["--model", tiny_llama, "--load-format", "safetensors", "--device", "cpu", "--dtype", "float32",
+                "--mode", "latency", "--latency-shapes", "12:5,30:3", "--latency-reps", "1", "--compare-hf",
+                "--max-num-seqs", "2", "--prefix-cache-slots", "0", "--out", str(out)])
+    rows = json.loads(out.read_text())["latency"]["rows"]
+    assert [(r["prompt"], r["output"]) for r in rows] == [(12, 5), (30, 3)]
+    assert all(r["greedy_tokens_agreeing"] == r["output"] and r["ms"] > 0 and r["hf_ms"] > 0 for r in rows)
+    out = tmp_path / "harness.json"
+    bench.main(["--model", tiny_llama, "--load-format", "dummy", "--device", "cpu", "--mode", "prefill,decode,mixed",
+                "--harness-prefill", "2x24", "--harness-decode-batches", "3", "--harness-context", "10",
+                "--harness-steps", "2", "--mixed-requests", "5", "--mixed-concurrency", "2",
+                "--mixed-prompt-lens", "3-20", "--mixed-output-lens", "1-4", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["prefill"][0]["batch"] == 2 and res["decode"][0]["steps"] == 2
+    mixed = res["mixed"]
+    assert mixed["output_tokens"] >= mixed["requests"] and mixed["prefill_tokens"] >= 3 * mixed["requests"]
