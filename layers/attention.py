@@ -9,8 +9,8 @@ head block is a contiguous row block) and the matching o_proj columns. KV heads:
 many as ranks, else each rank keeps (a replica of) the one KV head its query heads use.
 
 A step runs, per layer: one GEMM for q (+gate) | k | v (the three weights fused by rows), one op for the q/k
-RMSNorm + partial RoPE + paged K/V write, the attention with the sigmoid output gate (if any) applied to its
-output, and o_proj. Each op has a torch oracle `<op>_torch` and a Triton version `<op>_fast` with the same signature; the layer
+RMSNorm + partial RoPE + paged K/V write, the attention with the sigmoid output gate applied to its output, and
+o_proj. Each op has a torch oracle `<op>_torch` and a Triton version `<op>_fast` with the same signature; the layer
 binds one set at construction (layers/backend.py). Decode attention splits each sequence's context across
 programs (flash-decoding) so that a few long sequences still fill the GPU; the split count depends only on shapes,
 so a CUDA graph can hold it. Prefill and mixed steps use the per-sequence SDPA oracle in both kernel sets for now.
@@ -247,8 +247,8 @@ def paged_prefill_attention_torch(q, k_cache, v_cache, batch: ForwardBatch, scal
 # ------------------------------------------------------------------------------------------ decode attention
 def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate) -> torch.Tensor:
     """One query per sequence over its paged keys, all sequences at once (no host sync; fixed shapes for a given
-    block-table width), gated (gate None: not): [B, H*D]. q, gate: [B, H, D]; block_tables: [B, max_blocks]; context_lens: [B]
-    (keys 0..len-1 visible)."""
+    block-table width), gated: [B, H*D]. q, gate: [B, H, D] (gate None: no gate); block_tables: [B, max_blocks];
+    context_lens: [B] (keys 0..len-1 visible)."""
     B, H, D = q.shape
     n_kv = k_cache.shape[2]
     k = k_cache[block_tables].flatten(1, 2)                       # [B, L, kv, D]
