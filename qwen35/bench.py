@@ -242,6 +242,7 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--latency-reps", type=int, default=3, help="runs per shape (the median is reported)")
     g.add_argument("--compare-hf", action="store_true",
                    help="also time transformers' generate on the same weights in the same run (TP=1)")
+    g.add_argument("--hf-reps", type=int, default=1, help="transformers runs per shape (the median is reported)")
     g = ap.add_argument_group("create_engine traces (prefill, decode, mixed)")
     g.add_argument("--harness-prefill", default="1x2048,1x8192,8x2048,4x8192",
                    help="BATCHxLEN prompts per prefill call, comma separated")
@@ -303,7 +304,7 @@ def main(argv=None) -> None:
             print(f"latency on {dev}, tp={parallel.tp_size()}, kernels={engine.runner.kernels}, "
                   f"dtype={engine.runner.dtype}, {args.latency_reps} runs per shape (median)")
             results["latency"] = latency.latency(engine, latency.parse_shapes(args.latency_shapes),
-                                                 args.latency_reps, args.compare_hf, rng)
+                                                 args.latency_reps, args.compare_hf, rng, args.hf_reps)
         if "static" in modes:
             sizes = _ints(args.batch_sizes)
             rows = []

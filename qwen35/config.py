@@ -87,10 +87,6 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
-    def is_qwen35(self) -> bool:
-        return self.model_type not in LLAMA_LIKE
-
-    @property
     def full_attention_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
 

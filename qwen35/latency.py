@@ -2,7 +2,8 @@
 tokens, exactly O output tokens (greedy, EOS ignored), through the whole engine (scheduler, CUDA graphs, sampler,
 detokenizer), for each shape of `--latency-shapes` (default 64:128, 2048:256, 8192:256, the shapes single-GPU users
 of the dense Qwen3.5 models measure). Per shape: end-to-end ms (add_request to the last token), time to the first
-token, ms per later token; the median of `reps` runs after a warm-up.
+token, ms per later token; the median of `reps` runs after a warm-up (transformers: of `hf_reps`, by default one:
+it compiles nothing, and its runs are long).
 
 With --compare-hf (TP=1): transformers' `generate` on the same weights (our dummy weights copied into the
 transformers model of the same config, same device and dtype, its default attention and, for Qwen3.5's DeltaNet,
@@ -98,7 +99,8 @@ def hf_run(hf, prompt: list[int], output_len: int) -> dict:
     return {"ms": 1e3 * (time.perf_counter() - t0), "tokens": out[0, len(prompt):].tolist()}
 
 
-def latency(engine, shapes: list[tuple[int, int]], reps: int, compare_hf: bool, rng: random.Random) -> dict:
+def latency(engine, shapes: list[tuple[int, int]], reps: int, compare_hf: bool, rng: random.Random,
+            hf_reps: int = 1) -> dict:
     vocab = min(engine.tokenizer.num_real_tokens - 33, engine.config.vocab_size)  # ordinary tokens only
     hf = build_hf_model(engine) if compare_hf else None
     warm = [rng.randrange(vocab) for _ in range(16)]
@@ -114,7 +116,7 @@ def latency(engine, shapes: list[tuple[int, int]], reps: int, compare_hf: bool, 
                "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 2),
                "tpot_ms": round(statistics.median(r["tpot_ms"] for r in runs), 3)}
         if hf is not None:
-            hf_runs = [hf_run(hf, prompt, o) for _ in range(reps)]
+            hf_runs = [hf_run(hf, prompt, o) for _ in range(hf_reps)]
             row["hf_ms"] = round(statistics.median(r["ms"] for r in hf_runs), 1)
             row["speedup"] = round(row["hf_ms"] / row["ms"], 2)
             ours, theirs = runs[0]["tokens"], hf_runs[0]["tokens"]
@@ -124,4 +126,4 @@ def latency(engine, shapes: list[tuple[int, int]], reps: int, compare_hf: bool, 
         print(f"  {p:5d} / {o:4d}: {row['ms']:9.1f} ms (TTFT {row['ttft_ms']:.1f} ms, {row['tpot_ms']:.2f} ms/token)"
               + (f"   transformers {row['hf_ms']:9.1f} ms ({row['speedup']:.2f}x), greedy agree "
                  f"{row['greedy_tokens_agreeing']} tokens" if hf is not None else ""), flush=True)
-    return {"rows": rows, "compare_hf": compare_hf}
+    return {"rows": rows, "compare_hf": compare_hf, "hf_reps": hf_reps if compare_hf else 0}
