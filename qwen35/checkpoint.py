@@ -92,6 +92,7 @@ class _Tracker:
     def __init__(self, model):
         self.params = dict(model.named_parameters())
         self.done: set[str] = set()
+        self.skipped: list[str] = []  # checkpoint names that are not the text model's
         self.expert_parts: dict[str, set] = {}
 
     def missing(self, model) -> list[str]:
@@ -140,7 +141,7 @@ def load_checkpoint(model, model_dir: str, device, progress: bool = False) -> No
     missing = tracker.missing(model)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}"
-                         + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+                         + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "") + _names_hint(tracker))
 
 
 def load_torch_state_dict(model, path: str) -> None:
@@ -164,12 +165,21 @@ def load_state_dict(model, state_dict: dict[str, torch.Tensor], file: str = "<me
     missing = tracker.missing(model)
     if missing:
         raise ValueError(f"state dict {file} lacks tensors for: {', '.join(missing[:8])}"
-                         + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+                         + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "") + _names_hint(tracker))
+
+
+def _names_hint(tracker: _Tracker) -> str:
+    """When nothing loaded, what the names looked like (a state dict saved without the `model.` prefix, say)."""
+    if tracker.done - {"lm_head.weight"} or not tracker.skipped:
+        return ""
+    return (f"; none of its {len(tracker.skipped)} tensor names is a Hugging Face name of the text model "
+            f"(model.layers.0.self_attn.q_proj.weight, ...): e.g. {', '.join(tracker.skipped[:3])}")
 
 
 def _load_one(model, tracker: _Tracker, src) -> None:
     name = module_name(src.name)
     if name is None:
+        tracker.skipped.append(src.name)
         return
     dtype = getattr(src, "dtype", None)
     if dtype is not None and dtype not in FLOAT_DTYPES:

@@ -20,10 +20,10 @@ LINEAR_ATTENTION = "linear_attention"
 # the dense LLaMA-likes, as transformers builds them from their config: Qwen2's q/k/v projections always have biases
 # (its o_proj never); Llama and Qwen3 have q/k/v/o biases only with attention_bias; Qwen3 norms q and k per head
 # and defaults head_dim to 128 where the config has none (the others to hidden_size / heads)
-LLAMA_LIKE = {
-    "llama": {"qkv_bias": False, "qk_norm": False, "head_dim": None},
-    "qwen2": {"qkv_bias": True, "qk_norm": False, "head_dim": None},
-    "qwen3": {"qkv_bias": False, "qk_norm": True, "head_dim": 128},
+LLAMA_LIKE = {  # bias None: as the config's attention_bias says
+    "llama": {"qkv_bias": None, "o_bias": None, "qk_norm": False, "head_dim": None},
+    "qwen2": {"qkv_bias": True, "o_bias": False, "qk_norm": False, "head_dim": None},
+    "qwen3": {"qkv_bias": None, "o_bias": None, "qk_norm": True, "head_dim": 128},
 }
 ROPE_SCALINGS = ("linear", "dynamic", "llama3", "yarn")  # layers/rotary.py rope_frequencies
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -231,8 +231,8 @@ class ModelConfig:
             attn_output_gate=False,
             qk_norm=family["qk_norm"],
             zero_centred_norms=False,
-            qkv_bias=True if family["qkv_bias"] else bias,
-            o_bias=bias,
+            qkv_bias=bias if family["qkv_bias"] is None else family["qkv_bias"],
+            o_bias=bias if family["o_bias"] is None else family["o_bias"],
             mlp_bias=bool(raw.get("mlp_bias", False)),
             rope_scaling=scaling,
         )

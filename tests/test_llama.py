@@ -290,6 +290,9 @@ def test_bad_model_pt_is_a_clear_error(llama_pt, tmp_path):
     torch.save(sd, tmp_path / "model.pt")
     with pytest.raises(ValueError, match="layers.1.mlp.up_proj.weight"):
         create_engine(cfg, str(tmp_path), device="cpu", max_num_seqs=1)
+    torch.save({k.removeprefix("model."): v for k, v in hf.state_dict().items()}, tmp_path / "model.pt")
+    with pytest.raises(ValueError, match="none of its .* names is a Hugging Face name"):
+        create_engine(cfg, str(tmp_path), device="cpu", max_num_seqs=1)
     (tmp_path / "model.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="model.pt"):
         create_engine(cfg, str(tmp_path), device="cpu", max_num_seqs=1)
