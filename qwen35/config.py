@@ -191,7 +191,6 @@ class ModelConfig:
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type")) or "default"
         rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
         max_pos = int(raw.get("max_position_embeddings", 2048))
         scaling = None
         if rope_type not in ("default", *ROPE_SCALINGS):
@@ -219,7 +218,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=head_dim,
-            rotary_dim=int(head_dim * partial),
+            rotary_dim=head_dim,  # transformers rotates whole heads for these (no partial rotary)
             rope_theta=rope_theta,
             intermediate_size=int(raw["intermediate_size"]),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),

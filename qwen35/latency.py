@@ -109,14 +109,15 @@ def latency(engine, shapes: list[tuple[int, int]], reps: int, compare_hf: bool, 
         hf_run(hf, warm, 4)
     rows = []
     for p, o in shapes:
-        prompt = [rng.randrange(vocab) for _ in range(p)]
-        runs = [engine_run(engine, prompt, o, f"latency-{p}-{o}-{r}") for r in range(reps)]
+        # a new prompt every run: a repeated one would be served from the prefix cache
+        prompts = [[rng.randrange(vocab) for _ in range(p)] for _ in range(max(reps, hf_reps))]
+        runs = [engine_run(engine, prompts[r], o, f"latency-{p}-{o}-{r}") for r in range(reps)]
         row = {"prompt": p, "output": o, "reps": reps,
                "ms": round(statistics.median(r["ms"] for r in runs), 1),
                "ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 2),
                "tpot_ms": round(statistics.median(r["tpot_ms"] for r in runs), 3)}
         if hf is not None:
-            hf_runs = [hf_run(hf, prompt, o) for _ in range(hf_reps)]
+            hf_runs = [hf_run(hf, prompts[r], o) for r in range(hf_reps)]
             row["hf_ms"] = round(statistics.median(r["ms"] for r in hf_runs), 1)
             row["speedup"] = round(row["hf_ms"] / row["ms"], 2)
             ours, theirs = runs[0]["tokens"], hf_runs[0]["tokens"]
