@@ -432,3 +432,21 @@ def test_bench_latency_and_create_engine_traces_run(tiny_llama, tmp_path):
     assert res["prefill"][0]["batch"] == 2 and res["decode"][0]["steps"] == 2
     mixed = res["mixed"]
     assert mixed["output_tokens"] >= mixed["requests"] and mixed["prefill_tokens"] >= 3 * mixed["requests"]
+
+
+def test_sentencepiece_vocabulary_streams():
+    """Non-byte-level vocabularies (Llama 2's SentencePiece style: U+2581 for spaces, <0xHH> byte tokens) stream
+    through the incremental detokenizer; a two-byte character split over byte tokens comes out whole."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    from qwen35.tokenizer import IncrementalDetokenizer, Tokenizer
+    vocab = {"<unk>": 0, "\u2581Hi": 1, "<0x0A>": 2, "\u2581there": 3, "<0xC3>": 4, "<0xA9>": 5, "!": 6}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok = Tokenizer(hf, eos_token_ids=[])
+    assert tok.token_bytes(1) == b" Hi" and tok.token_bytes(2) == b"\n" and tok.token_bytes(4) == b"\xc3"
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.add(t) for t in (1, 2, 3, 4, 5, 6)]
+    assert pieces[3] == "" and pieces[4] == "\u00e9"  # held back until the character is complete
+    assert detok.text == " Hi\n there\u00e9!" == hf.decode([1, 2, 3, 4, 5, 6])
