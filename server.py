@@ -46,6 +46,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from qwen35.chat_template import ChatTemplateUnavailable
 from qwen35.engine import GenerationError
 from qwen35.sampling_params import INT64, MAX_TEMPERATURE, SamplingParams
 
@@ -308,6 +309,8 @@ class _Server:
         thinking = _field(kwargs, "enable_thinking", (bool,), False)
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
+        except ChatTemplateUnavailable as e:  # a model without a renderable chat template: completions only
+            raise APIError(str(e), param="messages") from e
         except Exception as e:  # the template rejects some conversations (e.g. a system message not first)
             raise APIError(f"the chat template rejected the messages: {e}", param="messages") from e
         return self.tokenizer.encode(text), "messages"

@@ -6,7 +6,9 @@
 # Stages: profile (benchmarks.profile_step: top kernels per phase, PROFILE_ARGS), tune (benchmarks.tune_moe:
 # writes layers/moe_configs.json, copied to $OUT; TUNE_TP), record (qwen35.bench --mode record: the decode/prefill rows of record, RECORD_ARGS), kernels (each
 # benchmarks/bench_<layer>.py micro-benchmark), tests (pytest -m gpu), parity (benchmarks.gpu_parity at TP=1 and TP=NGPU), bench (qwen35.bench at TP=NGPU
-# and TP=1, full-size dummy weights), server (start.sh at TP=NGPU + benchmarks.throughput). Sizes come from the
+# and TP=1, full-size dummy weights), latency and harness (issue #11: qwen35.bench --mode latency --compare-hf on
+# qwen3.5-4b; --mode prefill,decode,mixed on llama-1b; one GPU each), server (start.sh at TP=NGPU +
+# benchmarks.throughput). Sizes come from the
 # environment (BENCH_ARGS, TRACE_ARGS, THROUGHPUT_ARGS) so that one call fits the device time at hand.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -48,6 +50,12 @@ for stage in "$@"; do
         CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 1 -m qwen35.bench $BENCH_ARGS --out "$OUT/bench_tp1.json" \
           2>&1 | tail -14
       fi ;;
+    latency)  # issue #11: Qwen3.5-4B one request at a time, beside transformers' generate, one GPU
+      CUDA_VISIBLE_DEVICES=0 python3 -m qwen35.bench --model qwen3.5-4b --mode latency --compare-hf \
+        ${LATENCY_ARGS:-} --out "$OUT/latency_qwen3.5-4b_tp1.json" 2>&1 | grep -v "falling back" | tail -8 ;;
+    harness)  # issue #11: the create_engine traces on a ~1B Llama, one GPU
+      CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 1 -m qwen35.bench --model llama-1b \
+        --mode prefill,decode,mixed ${HARNESS_ARGS:-} --out "$OUT/harness_llama-1b_tp1.json" 2>&1 | tail -14 ;;
     server)
       ./start.sh --port 8000 --model qwen3.5-35b-a3b --load-format dummy --tp "$NGPU" --log "$OUT/server.log" \
         --timeout 600 ${SERVER_ARGS:-} || { tail -30 "$OUT/server.log"; continue; }

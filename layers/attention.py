@@ -1,8 +1,12 @@
-"""Gated full attention (spec §4) with a paged KV cache.
+"""Gated full attention (spec §4) with a paged KV cache, and the plain attention of the LLaMA-likes.
 
-TP split: each rank takes a contiguous block of query heads (each head's q_proj rows are [q | gate], so a head
-block is a contiguous row block) and the matching o_proj columns. KV heads: split when there are at least as many
-as ranks, else each rank keeps (a replica of) the one KV head its query heads use.
+The options come from the config: the sigmoid output gate (Qwen3.5; q_proj rows per head [q | gate]), the per-head
+q/k RMSNorm (Qwen3.5 zero-centred, Qwen3 plain; Llama and Qwen2 none), q/k/v biases (Qwen2; added in the fused
+GEMM), an o_proj bias (Llama/Qwen3 attention_bias), the rotary dims (partial for Qwen3.5).
+
+TP split: each rank takes a contiguous block of query heads (each head's q_proj rows are [q | gate] or [q], so a
+head block is a contiguous row block) and the matching o_proj columns. KV heads: split when there are at least as
+many as ranks, else each rank keeps (a replica of) the one KV head its query heads use.
 
 A step runs, per layer: one GEMM for q (+gate) | k | v (the three weights fused by rows), one op for the q/k
 RMSNorm + partial RoPE + paged K/V write, the attention with the sigmoid output gate applied to its output, and
@@ -59,14 +63,24 @@ class GatedAttention(nn.Module):
         self.scale = D ** -0.5
         self.eps = cfg.rms_norm_eps
         self.rotary = rotary
-        self.q_proj = Linear(hidden, H * 2 * D, rows=[(h_start * 2 * D, self.num_heads * 2 * D)], dtype=dtype, device=device)
-        self.k_proj = Linear(hidden, KV * D, rows=[(kv_start * D, self.num_kv_heads * D)], dtype=dtype, device=device)
-        self.v_proj = Linear(hidden, KV * D, rows=[(kv_start * D, self.num_kv_heads * D)], dtype=dtype, device=device)
-        self.o_proj = Linear(H * D, hidden, cols=[(h_start * D, self.num_heads * D)], dtype=dtype, device=device)
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device)
-        # rows: per local head [q | gate], then the local KV heads' k, then their v (split_qkv reads this layout)
+        # the options default to Qwen3.5's (gate, zero-centred q/k norm, no biases) for configs that lack them
+        self.gated = getattr(cfg, "attn_output_gate", True)
+        self.plain_norm = not getattr(cfg, "zero_centred_norms", True)
+        has_qkv_bias, has_o_bias = getattr(cfg, "qkv_bias", False), getattr(cfg, "o_bias", False)
+        Q = 2 * D if self.gated else D  # q_proj rows per head
+        qkv_bias = dict(bias=has_qkv_bias, dtype=dtype, device=device)
+        self.q_proj = Linear(hidden, H * Q, rows=[(h_start * Q, self.num_heads * Q)], **qkv_bias)
+        self.k_proj = Linear(hidden, KV * D, rows=[(kv_start * D, self.num_kv_heads * D)], **qkv_bias)
+        self.v_proj = Linear(hidden, KV * D, rows=[(kv_start * D, self.num_kv_heads * D)], **qkv_bias)
+        self.o_proj = Linear(H * D, hidden, cols=[(h_start * D, self.num_heads * D)], bias=has_o_bias, dtype=dtype,
+                             device=device)
+        self.q_norm = self.k_norm = None
+        if getattr(cfg, "qk_norm", True):
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device, plain=self.plain_norm)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device, plain=self.plain_norm)
+        # rows: per local head [q | gate] (or [q]), then the local KV heads' k, then their v (split_qkv reads this)
         self.qkv_weight = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_bias = fuse_rows(self.q_proj, self.k_proj, self.v_proj, attr="bias") if has_qkv_bias else None
         # [num_blocks, block_size, num_kv_heads, head_dim], allocated by the runner
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -76,10 +90,11 @@ class GatedAttention(nn.Module):
         self._prefill = paged_prefill_attention_fast if fast else paged_prefill_attention_torch
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_weight)
-        q = self._norm_rope_cache(qkv, batch.positions, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight,
-                                  self.rotary.cos, self.rotary.sin, self.k_cache, self.v_cache, self.eps)
-        gate = split_qkv(qkv, self.num_kv_heads, self.head_dim)[1]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qw, kw = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        q = self._norm_rope_cache(qkv, batch.positions, batch.slot_mapping, qw, kw, self.rotary.cos, self.rotary.sin,
+                                  self.k_cache, self.v_cache, self.eps, self.gated, self.plain_norm)
+        gate = split_qkv(qkv, self.num_kv_heads, self.head_dim, self.gated)[1]  # None without the output gate
         if batch.is_decode:
             o = self._decode(q, self.k_cache, self.v_cache, batch.block_tables, batch.context_lens, self.scale, gate)
         else:
@@ -87,57 +102,78 @@ class GatedAttention(nn.Module):
         return self.o_proj(o)
 
 
-def split_qkv(qkv: torch.Tensor, num_kv_heads: int, head_dim: int):
+def split_qkv(qkv: torch.Tensor, num_kv_heads: int, head_dim: int, gated: bool = True):
     """Views (q, gate, k, v) of the fused projection [T, H*2D + 2*KV*D]: q, gate [T, H, D] (strided: each head's
-    rows are [q_h | gate_h], spec §4), k, v [T, KV, D]."""
+    rows are [q_h | gate_h], spec §4), k, v [T, KV, D]. Without the gate ([T, H*D + 2*KV*D]) gate is None."""
     T, D = qkv.shape[0], head_dim
-    H = (qkv.shape[1] - 2 * num_kv_heads * D) // (2 * D)
-    q, gate = qkv[:, : H * 2 * D].view(T, H, 2 * D).split(D, dim=-1)
-    k, v = qkv[:, H * 2 * D:].view(T, 2, num_kv_heads, D).unbind(1)
+    Q = 2 * D if gated else D
+    H = (qkv.shape[1] - 2 * num_kv_heads * D) // Q
+    if gated:
+        q, gate = qkv[:, : H * Q].view(T, H, Q).split(D, dim=-1)
+    else:
+        q, gate = qkv[:, : H * Q].view(T, H, D), None
+    k, v = qkv[:, H * Q:].view(T, 2, num_kv_heads, D).unbind(1)
     return q, gate, k, v
 
 
 # ------------------------------------------------------------------------------ q/k norm + RoPE + KV-cache write
 def qk_norm_rope_cache_torch(qkv, positions, slot_mapping, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache,
-                             eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm of q and k heads, partial RoPE at `positions`, K (post-norm, post-RoPE) and V written to
-    the paged cache at `slot_mapping`. qkv: [T, H*2D + 2*KV*D]; caches [blocks, block_size, KV, D]. Returns q
-    [T, H, D] in the model dtype."""
+                             eps: float, gated: bool = True, plain_norm: bool = False) -> torch.Tensor:
+    """RMSNorm of q and k heads (zero-centred, or plain with `plain_norm`; none when the weights are None), partial
+    RoPE at `positions`, K (post-norm, post-RoPE) and V written to the paged cache at `slot_mapping`. qkv:
+    [T, H*2D + 2*KV*D] ([T, H*D + 2*KV*D] when not `gated`); caches [blocks, block_size, KV, D]. Returns q [T, H, D]
+    in the model dtype."""
     n_kv, D = k_cache.shape[2], k_cache.shape[3]
-    q, _, k, v = split_qkv(qkv, n_kv, D)
-    q = rope_torch(rms_norm_torch(q, q_norm_weight, eps), positions, cos, sin)
-    k = rope_torch(rms_norm_torch(k, k_norm_weight, eps), positions, cos, sin)
+    q, _, k, v = split_qkv(qkv, n_kv, D, gated)
+    if q_norm_weight is not None:
+        q, k = rms_norm_torch(q, q_norm_weight, eps, plain_norm), rms_norm_torch(k, k_norm_weight, eps, plain_norm)
+    q = rope_torch(q, positions, cos, sin)
+    k = rope_torch(k, positions, cos, sin)
     k_cache.view(-1, n_kv, D)[slot_mapping] = k
     v_cache.view(-1, n_kv, D)[slot_mapping] = v
     return q
 
 
 def qk_norm_rope_cache_fast(qkv, positions, slot_mapping, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache,
-                            eps: float) -> torch.Tensor:
+                            eps: float, gated: bool = True, plain_norm: bool = False) -> torch.Tensor:
     """One launch, one program per (token, q or KV head)."""
     n_kv, D = k_cache.shape[2], k_cache.shape[3]
     T = qkv.shape[0]
-    H = (qkv.shape[1] - 2 * n_kv * D) // (2 * D)
+    Q = 2 * D if gated else D
+    H = (qkv.shape[1] - 2 * n_kv * D) // Q
     q = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
     if T:
         kc, vc = k_cache.view(-1, n_kv, D), v_cache.view(-1, n_kv, D)
         block = triton.next_power_of_2(D)
+        has_norm = q_norm_weight is not None
+        qw, kw = (q_norm_weight, k_norm_weight) if has_norm else (qkv, qkv)  # placeholders, never read
         _norm_rope_cache_kernel[(T, H + n_kv)](
-            qkv, positions, slot_mapping, q_norm_weight, k_norm_weight, cos, sin, q, kc, vc, eps,
+            qkv, positions, slot_mapping, qw, kw, cos, sin, q, kc, vc, eps,
             qkv.stride(0), cos.stride(0), kc.stride(0), kc.stride(1),
-            H=H, KV=n_kv, D=D, RD=cos.shape[1], BLOCK_D=block, num_warps=max(1, min(4, block // 128)))
+            H=H, KV=n_kv, D=D, Q=Q, RD=cos.shape[1], BLOCK_D=block, HAS_NORM=has_norm, PLAIN=plain_norm,
+            num_warps=max(1, min(4, block // 128)))
     return q
 
 
 if triton is not None:
     @triton.jit
+    def _normed(x, inv, w, PLAIN: tl.constexpr, dtype: tl.constexpr):
+        """The q/k RMSNorm's output as the oracle rounds it: x * inv * (1 + w) rounded once (zero-centred), or
+        round(round(x * inv) * w) (plain, Llama-style)."""
+        if PLAIN:
+            return round_to(round_to(x * inv, dtype) * w, dtype)
+        return round_to(x * inv * (1.0 + w), dtype)
+
+    @triton.jit
     def _norm_rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr,
                                 eps, s_qkv, s_cos, s_slot, s_kvh,
-                                H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
-                                BLOCK_D: tl.constexpr):
+                                H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, Q: tl.constexpr,
+                                RD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
+                                PLAIN: tl.constexpr):
         """Program (t, h): h < H is query head h, else KV head h - H (its K row is normed and rotated, its V row
-        copied). Every rounding the torch oracle does in the model dtype is done here too: the norm's output, cos
-        and sin, each product of the rotation and their sum."""
+        copied). Q: a query head's row count (2D with the gate rows after it, D without). Every rounding the torch
+        oracle does in the model dtype is done here too: the norm's output (and its product with w when PLAIN),
+        cos and sin, each product of the rotation and their sum."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         dtype = q_ptr.dtype.element_ty
@@ -148,18 +184,21 @@ if triton is not None:
         partner = tl.where(d < half, d + half, d - half)  # the other half of the rotated pair (d < RD only)
         row = qkv_ptr + t * s_qkv
         if h < H:
-            src = row + h * 2 * D
+            src = row + h * Q
             w_ptr = qw_ptr
         else:
-            src = row + H * 2 * D + (h - H) * D
+            src = row + H * Q + (h - H) * D
             w_ptr = kw_ptr
         x = tl.load(src + d, mask=in_head, other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-        w = tl.load(w_ptr + d, mask=in_head, other=0.0).to(tl.float32)
-        y = round_to(x * inv * (1.0 + w), dtype)
         xp = tl.load(src + partner, mask=rotates, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=rotates, other=0.0).to(tl.float32)
-        yp = round_to(xp * inv * (1.0 + wp), dtype)
+        if HAS_NORM:
+            inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+            w = tl.load(w_ptr + d, mask=in_head, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=rotates, other=0.0).to(tl.float32)
+            y = _normed(x, inv, w, PLAIN, dtype)
+            yp = _normed(xp, inv, wp, PLAIN, dtype)
+        else:
+            y, yp = x, xp
         pos = tl.load(pos_ptr + t)
         c = round_to(tl.load(cos_ptr + pos * s_cos + d, mask=rotates, other=0.0), dtype)
         s = round_to(tl.load(sin_ptr + pos * s_cos + d, mask=rotates, other=0.0), dtype)
@@ -173,14 +212,17 @@ if triton is not None:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             dst = slot * s_slot + (h - H) * s_kvh + d
             tl.store(kc_ptr + dst, out, mask=in_head)
-            v = tl.load(row + H * 2 * D + KV * D + (h - H) * D + d, mask=in_head, other=0.0)
+            v = tl.load(row + H * Q + KV * D + (h - H) * D + d, mask=in_head, other=0.0)
             tl.store(vc_ptr + dst, v, mask=in_head)
 
 
 # -------------------------------------------------------------------------------------------- output gate
-def gate_torch(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """o * sigmoid(gate) as [T, H*D] in the model dtype (spec §4: elementwise, before o_proj)."""
+def gate_torch(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """o * sigmoid(gate) as [T, H*D] in the model dtype (spec §4: elementwise, before o_proj); o itself as
+    [T, H*D] when there is no gate (None)."""
     T = o.shape[0]
+    if gate is None:
+        return o.reshape(T, -1)
     return o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
 
 
@@ -322,8 +364,8 @@ if triton is not None:
 # ------------------------------------------------------------------------------------------ decode attention
 def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate) -> torch.Tensor:
     """One query per sequence over its paged keys, all sequences at once (no host sync; fixed shapes for a given
-    block-table width), gated: [B, H*D]. q, gate: [B, H, D]; block_tables: [B, max_blocks]; context_lens: [B]
-    (keys 0..len-1 visible)."""
+    block-table width), gated: [B, H*D]. q, gate: [B, H, D] (gate None: no gate); block_tables: [B, max_blocks];
+    context_lens: [B] (keys 0..len-1 visible)."""
     B, H, D = q.shape
     n_kv = k_cache.shape[2]
     k = k_cache[block_tables].flatten(1, 2)                       # [B, L, kv, D]
@@ -338,8 +380,8 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens
 
 def paged_decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate) -> torch.Tensor:
     """Flash-decoding: each (sequence, KV head) context is cut into `decode_splits(...)` parts (a value that depends
-    only on shapes), each part one program; a combine kernel merges the parts and applies the gate. With one split
-    the attention kernel applies the gate itself and there is no combine."""
+    only on shapes), each part one program; a combine kernel merges the parts and applies the gate (if any). With
+    one split the attention kernel applies the gate itself and there is no combine."""
     splits = decode_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device)
     return paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale, gate, splits)
 
@@ -375,18 +417,21 @@ def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: 
         lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
         part = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(D)
+    has_gate = gate is not None
+    if not has_gate:
+        gate = q  # a placeholder, never read
     assert q.stride(2) == 1 and gate.stride(2) == 1
     _decode_split_kernel[(B, n_kv, splits)](
         q, kc, vc, block_tables, context_lens, gate, out, lse, part, scale, splits,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0), gate.stride(0), gate.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        TILE=tile, MIN_TILES=min_tiles, ONE_SPLIT=splits == 1, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2)
+        TILE=tile, MIN_TILES=min_tiles, ONE_SPLIT=splits == 1, HAS_GATE=has_gate,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     if splits > 1:
         _decode_combine_kernel[(B, H)](
             lse, part, context_lens, gate, out, splits, gate.stride(0), gate.stride(1),
             H=H, D=D, BLOCK_D=block_d, TILE=tile, MIN_TILES=min_tiles, BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=max(1, min(4, block_d // 128)))
+            HAS_GATE=has_gate, num_warps=max(1, min(4, block_d // 128)))
     return out
 
 
@@ -409,7 +454,7 @@ if triton is not None:
                              splits, sq_b, sq_h, s_slot, s_kvh, st_b, sg_b, sg_h,
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MIN_TILES: tl.constexpr,
-                             ONE_SPLIT: tl.constexpr, PREC: tl.constexpr):
+                             ONE_SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, PREC: tl.constexpr):
         """Program (b, kv head, split): the GROUP query heads of one KV head over one contiguous part of sequence
         b's context, TILE tokens at a time (gathered through the block table), with an online softmax in fp32.
         One split: normalise, gate and store the output. Several: store the part's normalised output and its
@@ -450,8 +495,12 @@ if triton is not None:
         l_safe = tl.where(l > 0, l, 1.0)
         o = acc / l_safe[:, None]
         if ONE_SPLIT:
-            gate = tl.load(gate_ptr + b * sg_b + heads[:, None] * sg_h + d[None, :], mask=mask, other=0.0)
-            tl.store(out_ptr + b * H * D + heads[:, None] * D + d[None, :], _apply_gate(o, gate), mask=mask)
+            if HAS_GATE:
+                gate = tl.load(gate_ptr + b * sg_b + heads[:, None] * sg_h + d[None, :], mask=mask, other=0.0)
+                res = _apply_gate(o, gate)
+            else:
+                res = o.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + b * H * D + heads[:, None] * D + d[None, :], res, mask=mask)
         else:
             rows = (b * H + heads) * splits + split
             tl.store(lse_ptr + rows, tl.where(l > 0, m + tl.log(l_safe), float("-inf")), mask=g < GROUP)
@@ -461,7 +510,7 @@ if triton is not None:
     @triton.jit
     def _decode_combine_kernel(lse_ptr, part_ptr, lens_ptr, gate_ptr, out_ptr, splits, sg_b, sg_h,
                                H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
-                               MIN_TILES: tl.constexpr, BLOCK_S: tl.constexpr):
+                               MIN_TILES: tl.constexpr, BLOCK_S: tl.constexpr, HAS_GATE: tl.constexpr):
         """Program (b, head): merge the non-empty parts (their count follows from the context length exactly as
         the split kernel cut them) weighted by exp(lse), then apply the gate."""
         b = tl.program_id(0).to(tl.int64)
@@ -478,5 +527,9 @@ if triton is not None:
         for s in range(0, n):
             w = tl.exp(tl.load(lse_ptr + row + s) - top)
             acc += w * tl.load(part_ptr + (row + s) * D + d, mask=d < D, other=0.0)
-        gate = tl.load(gate_ptr + b * sg_b + h * sg_h + d, mask=d < D, other=0.0)
-        tl.store(out_ptr + (b * H + h) * D + d, _apply_gate(acc / total, gate), mask=d < D)
+        if HAS_GATE:
+            gate = tl.load(gate_ptr + b * sg_b + h * sg_h + d, mask=d < D, other=0.0)
+            res = _apply_gate(acc / total, gate)
+        else:
+            res = (acc / total).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + (b * H + h) * D + d, res, mask=d < D)

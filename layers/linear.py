@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist import parallel
 from layers import backend
 from layers.backend import tl, triton
 
@@ -67,33 +68,36 @@ def default_weight_loader(param: nn.Parameter, src) -> None:
 
 
 class Linear(nn.Module):
-    """y = x @ W^T, W a shard of the checkpoint's [out, in] weight: `rows` picks output rows (column parallel),
-    `cols` picks input columns (row parallel; the caller all-reduces the partial sums). The layers call it for their
-    out projections (DeltaNet out_proj, attention o_proj); the kernel set binds linear_torch or linear_fast."""
+    """y = x @ W^T (+ b), W a shard of the checkpoint's [out, in] weight: `rows` picks output rows (column parallel,
+    the bias sliced the same way), `cols` picks input columns (row parallel; the caller all-reduces the partial sums,
+    so every rank holds the whole bias and only rank 0 adds it). The layers call it for their out projections
+    (DeltaNet out_proj, attention o_proj); the kernel set binds linear_torch or linear_fast."""
 
     def __init__(self, in_features: int, out_features: int, *, rows: Ranges = None, cols: Ranges = None,
-                 dtype=None, device=None):
+                 bias: bool = False, dtype=None, device=None):
         super().__init__()
         self.weight = make_param((out_features, in_features), [rows, cols], dtype, device)
+        self.bias = make_param((out_features,), [rows], dtype, device) if bias else None
+        self.adds_bias = bias and (cols is None or parallel.tp_rank() == 0)
         self._linear = linear_fast if backend.use_fast() else linear_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.weight)
+        return self._linear(x, self.weight, self.bias if self.adds_bias else None)
 
 
-def linear_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
 
 
-def linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype: the skinny kernel for 1..SKINNY_MAX_M rows, F.linear
-    otherwise (and for a weight whose rows are not contiguous)."""
+def linear_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype: the skinny kernel for 1..SKINNY_MAX_M rows
+    without a bias, F.linear otherwise (and for a weight whose rows are not contiguous)."""
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"linear: input has {x.shape[-1]} features, the weight {tuple(weight.shape)} expects {K}")
     M = x.numel() // K if K else 0
-    if not 0 < M <= SKINNY_MAX_M or weight.stride(1) != 1 or x.dtype != weight.dtype:
-        return F.linear(x, weight)
+    if not 0 < M <= SKINNY_MAX_M or weight.stride(1) != 1 or x.dtype != weight.dtype or bias is not None:
+        return F.linear(x, weight, bias)
     x2 = x.reshape(M, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -108,23 +112,24 @@ def linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], N)
 
 
-def fuse_rows(*linears: Linear) -> torch.Tensor:
-    """One [sum of outputs, in] weight for linears that read the same input, so one GEMM computes them all.
+def fuse_rows(*linears: Linear, attr: str = "weight") -> torch.Tensor:
+    """One [sum of outputs, in] weight (or with attr="bias" one [sum of outputs] bias) for linears that read the
+    same input, so one GEMM computes them all.
 
-    Each linear's weight becomes a view of its rows of the fused tensor (same name, full_shape and shard), so the
+    Each linear's parameter becomes a view of its rows of the fused tensor (same name, full_shape and shard), so the
     loader and the dummy initialiser still fill each one by its checkpoint name, and no memory is duplicated."""
-    first = linears[0].weight
-    rows = sum(lin.weight.shape[0] for lin in linears)
-    fused = torch.empty(rows, first.shape[1], dtype=first.dtype, device=first.device)
+    first = getattr(linears[0], attr)
+    rows = sum(getattr(lin, attr).shape[0] for lin in linears)
+    fused = torch.empty(rows, *first.shape[1:], dtype=first.dtype, device=first.device)
     offset = 0
     for lin in linears:
-        old = lin.weight
+        old = getattr(lin, attr)
         n = old.shape[0]
         view = fused[offset: offset + n]
         view.copy_(old.data)
         p = nn.Parameter(view, requires_grad=False)
         p.full_shape, p.shard = old.full_shape, old.shard
-        lin.weight = p
+        setattr(lin, attr, p)
         offset += n
     return fused
 

@@ -2,7 +2,8 @@
 
 TP split by the intermediate dimension: gate/up rows and down columns; the caller all-reduces the partial sums.
 gate_proj and up_proj read the same input, so their local shards live in one [2 * I_local, hidden] tensor
-(`gate_up`, rows gate then up: layers/linear.py fuse_rows) and one GEMM computes both.
+(`gate_up`, rows gate then up: layers/linear.py fuse_rows) and one GEMM computes both. With `bias` (Llama's
+mlp_bias) the biases are added in the GEMMs; down_proj's only on rank 0 (its partial sums are all-reduced).
 
     mlp_torch  GEMM, silu, mul, GEMM (the oracle)
     mlp_fast   GEMM, one Triton kernel for silu(gate) * up, GEMM
@@ -19,13 +20,15 @@ from layers.backend import round_to, tl, triton
 from layers.linear import Linear, even_split, fuse_rows
 
 
-def mlp_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+def mlp_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+              down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    gate, up = F.linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down, down_bias)
 
 
-def mlp_fast(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(silu_mul_fast(F.linear(x, gate_up)), down)
+def mlp_fast(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+             down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(silu_mul_fast(F.linear(x, gate_up, gate_up_bias)), down, down_bias)
 
 
 def silu_mul_fast(h: torch.Tensor) -> torch.Tensor:
@@ -56,14 +59,17 @@ class MLP(nn.Module):
     """sync_free: no implementation needs the host (CUDA graphs may capture it)."""
     sync_free = True
 
-    def __init__(self, hidden: int, intermediate: int, dtype=None, device=None):
+    def __init__(self, hidden: int, intermediate: int, dtype=None, device=None, bias: bool = False):
         super().__init__()
         start, size = even_split(intermediate, parallel.tp_rank(), parallel.tp_size())
-        self.gate_proj = Linear(hidden, intermediate, rows=[(start, size)], dtype=dtype, device=device)
-        self.up_proj = Linear(hidden, intermediate, rows=[(start, size)], dtype=dtype, device=device)
-        self.down_proj = Linear(intermediate, hidden, cols=[(start, size)], dtype=dtype, device=device)
+        kw = dict(bias=bias, dtype=dtype, device=device)
+        self.gate_proj = Linear(hidden, intermediate, rows=[(start, size)], **kw)
+        self.up_proj = Linear(hidden, intermediate, rows=[(start, size)], **kw)
+        self.down_proj = Linear(intermediate, hidden, cols=[(start, size)], **kw)
         self.gate_up = fuse_rows(self.gate_proj, self.up_proj)  # [2 * size, hidden]; the loader fills the views
+        self.gate_up_bias = fuse_rows(self.gate_proj, self.up_proj, attr="bias") if bias else None
         self._mlp = mlp_fast if backend.use_fast() else mlp_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._mlp(x, self.gate_up, self.down_proj.weight)
+        down_bias = self.down_proj.bias if self.down_proj.adds_bias else None
+        return self._mlp(x, self.gate_up, self.down_proj.weight, self.gate_up_bias, down_bias)

@@ -1,5 +1,6 @@
 """RMSNorm variants of Qwen3.5 (spec §2.1): the zero-centred one (weight stored as a delta around 1) and the gated
-one of the DeltaNet output (weight used directly, then multiplied by silu(z)).
+one of the DeltaNet output (weight used directly, then multiplied by silu(z)); and the LLaMA-likes' plain one
+(`plain=True`: x / rms(x) rounded to the model dtype, then times w in the model dtype, as LlamaRMSNorm does).
 
 The layer norms take the residual stream too: `norm(x, residual)` returns (norm(x + residual), x + residual), the
 sum rounded to the model dtype first as the reference's residual add is, so that one kernel replaces an add, a norm
@@ -17,16 +18,19 @@ from layers.backend import round_to, tl, triton
 from layers.linear import make_param
 
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, plain: bool = False) -> torch.Tensor:
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if plain:
+        return weight.to(x.dtype) * y.to(x.dtype)  # Llama: cast, then multiply in the model dtype
     return (y * (1.0 + weight.float())).to(x.dtype)  # multiply in fp32, then cast (unlike Llama)
 
 
-def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       plain: bool = False):
     """(rms_norm(x + residual), x + residual), the sum in the model dtype."""
     s = x + residual
-    return rms_norm_torch(s, weight, eps), s
+    return rms_norm_torch(s, weight, eps, plain), s
 
 
 def gated_rms_norm_torch(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,15 +62,16 @@ def gated_rms_norm_fast(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, 
     return out.view(shape)
 
 
-def rms_norm_fast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _launch(x, None, weight, eps)[0]
+def rms_norm_fast(x: torch.Tensor, weight: torch.Tensor, eps: float, plain: bool = False) -> torch.Tensor:
+    return _launch(x, None, weight, eps, plain)[0]
 
 
-def add_rms_norm_fast(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    return _launch(x, residual, weight, eps)
+def add_rms_norm_fast(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      plain: bool = False):
+    return _launch(x, residual, weight, eps, plain)
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, plain):
     shape, n = x.shape, x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
@@ -80,7 +85,7 @@ def _launch(x, residual, weight, eps):
     if rows:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](x2, res_in, res_out, weight, out, n, x2.stride(0), res_in.stride(0), eps,
-                                  HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                  HAS_RESIDUAL=residual is not None, PLAIN=plain, BLOCK=block,
                                   num_warps=max(1, min(8, block // 256)))
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
@@ -88,8 +93,9 @@ def _launch(x, residual, weight, eps):
 if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, n, sx, sr, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-        """One row: s = x (+ residual, rounded to the model dtype, stored); out = s / rms(s) * (1 + w)."""
+                         HAS_RESIDUAL: tl.constexpr, PLAIN: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: s = x (+ residual, rounded to the model dtype, stored); out = s / rms(s) * (1 + w), or with
+        PLAIN round(s / rms(s)) * w rounded (the oracle's two roundings in the model dtype)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -101,7 +107,12 @@ if triton is not None:
         s = s.to(tl.float32)
         inv = tl.rsqrt(tl.sum(s * s, 0) / n + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n + cols, (s * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+        dt = out_ptr.dtype.element_ty
+        if PLAIN:
+            y = round_to(s * inv, dt) * w
+        else:
+            y = s * inv * (1.0 + w)
+        tl.store(out_ptr + row * n + cols, y.to(dt), mask=mask)
 
     @triton.jit
     def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, H, D, sx_r, sx_h, sz_r, sz_h, eps,
@@ -122,15 +133,17 @@ if triton is not None:
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred: y = x / rms(x) * (1 + w). Used for layer norms, the final norm and q/k norms.
+    """Zero-centred: y = x / rms(x) * (1 + w); or with plain=True (LLaMA-likes) y = x / rms(x) * w. Used for layer
+    norms, the final norm and q/k norms.
 
     forward(x) -> y;  forward(x, residual) -> (norm(x + residual), x + residual)."""
 
-    def __init__(self, dim: int, eps: float, dtype=None, device=None):
+    def __init__(self, dim: int, eps: float, dtype=None, device=None, plain: bool = False):
         super().__init__()
         self.eps = eps
+        self.plain = plain
         self.weight = make_param((dim,), [None], dtype, device)  # replicated
-        self.weight.data.zero_()
+        self.weight.data.fill_(1.0 if plain else 0.0)  # the identity either way
         fast = backend.use_fast()
         self._norm = rms_norm_fast if fast else rms_norm_torch
         self._add_norm = add_rms_norm_fast if fast else add_rms_norm_torch
@@ -138,13 +151,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return self._norm(x, self.weight, self.eps)
-        return self._add_norm(x, residual, self.weight, self.eps)
+            return self._norm(x, self.weight, self.eps, self.plain)
+        return self._add_norm(x, residual, self.weight, self.eps, self.plain)
 
     def all_reduce_add(self, x: torch.Tensor, residual: torch.Tensor):
         """A layer boundary: x holds this rank's partial sums (row-parallel projections, local experts);
         returns (norm(sum_ranks(x) + residual), sum_ranks(x) + residual)."""
-        return self._reduce_add_norm(x, residual, self.weight, self.eps)
+        return self._reduce_add_norm(x, residual, self.weight, self.eps, self.plain)
 
 
 class GatedRMSNorm(nn.Module):
@@ -168,16 +181,19 @@ class GatedRMSNorm(nn.Module):
 # its buffer, barrier, sum every rank's rows in rank order (identical bits on every rank), add the residual, norm,
 # barrier (the buffer may be rewritten once every rank has read it).
 
-def all_reduce_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def all_reduce_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                  plain: bool = False):
     """x holds this rank's partial sums: (rms_norm(sum_ranks(x) + residual), sum_ranks(x) + residual)."""
-    return add_rms_norm_torch(parallel.all_reduce(x), residual, weight, eps)
+    return add_rms_norm_torch(parallel.all_reduce(x), residual, weight, eps, plain)
 
 
-def all_reduce_add_rms_norm_fast(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """One kernel when the one-shot path takes the message, else the all-reduce and then add_rms_norm_fast."""
+def all_reduce_add_rms_norm_fast(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                 plain: bool = False):
+    """One kernel when the one-shot path takes the message (zero-centred norms: the fused kernel has no plain
+    variant yet), else the all-reduce and then add_rms_norm_fast."""
     ws = allreduce.current()
-    if allreduce.choose(x, ws) != "one_shot":
-        return add_rms_norm_fast(parallel.all_reduce(x), residual, weight, eps)
+    if plain or allreduce.choose(x, ws) != "one_shot":
+        return add_rms_norm_fast(parallel.all_reduce(x), residual, weight, eps, plain)
     return fused_all_reduce_add_rms_norm(x, residual, weight, eps, ws)
 
 

@@ -81,7 +81,10 @@ def create_engine(model_config: dict, weight_dir: str, device: str = "cuda", dty
                   max_num_seqs: int = 64, max_model_len: int | None = None, **runner_kwargs) -> LogitsEngine:
     """A LogitsEngine over the checkpoint in `weight_dir`; sizes come only from `model_config` (a config.json dict).
 
-    Defaults: fp32 on CPU, bf16 on GPU. Under torchrun every rank must make the same calls (tensor parallel)."""
+    The model follows the config's `model_type` (else `architectures`): Qwen3.5 (qwen3_5, qwen3_5_moe) or a dense
+    LLaMA-like (llama, qwen2, qwen3). Weights: the directory's safetensors, else its `model.pt` state dict (HF
+    names); `load_format="dummy"` with weight_dir None makes random ones. Defaults: fp32 on CPU, bf16 on GPU.
+    Under torchrun every rank must make the same calls (tensor parallel)."""
     parallel.init_distributed("cuda" if device.startswith("cuda") else "cpu")
     config = ModelConfig.from_dict(model_config)
     runner = ModelRunner(config, model_dir=weight_dir, device=device, dtype=dtype, max_num_seqs=max_num_seqs,

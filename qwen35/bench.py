@@ -1,9 +1,11 @@
-"""In-engine benchmarks (no HTTP): a static-batch table and a replay of the serving workload.
+"""In-engine benchmarks (no HTTP): a static-batch table, a replay of the serving workload, single-request latency,
+and the traces correctness harnesses run through create_engine.
 
     torchrun --nproc-per-node N -m qwen35.bench [--model qwen3.5-35b-a3b --load-format dummy]
-        [--mode record,static,trace] [--batch-sizes 1,2,4,...,64] [--input-len 1024] [--output-len 256]
+        [--mode record,static,trace,latency] [--batch-sizes 1,2,4,...,64] [--input-len 1024] [--output-len 256]
         [--levels 1,2,4,8,16,32,64] [--num-requests 64] [--output-len-dist exp:290,1024|fixed:N|...]
-        [--out results.json]
+        [--latency-shapes 64:128,2048:256,8192:256] [--compare-hf] [--out results.json]
+    torchrun --nproc-per-node N -m qwen35.bench --model llama-1b --mode prefill,decode,mixed [harness flags]
 
 record (the figures of record; qwen35/step_timing.py says how each is measured): per batch size, a decode step at
   context 1024: kernels per step (eager, profiler), step ms (CUDA graph, CUDA events), the memory floor (bytes the
@@ -16,7 +18,13 @@ static: for each batch size B, B requests of `--input-len` random tokens generat
 trace: the closed-loop workload of the serving contract (per level 2 warm-up then `--num-requests` requests, exactly
   c in flight; 1024-token random-text prompts through the chat template, the same prompts at every level), with
   fixed or distributed output lengths (synthetic weights never stop on their own); weighted score as the contract's.
-Rank 0 drives the engine and prints; the other ranks run the worker loop.
+latency: one request at a time per shape PROMPT:OUTPUT (qwen35/latency.py), with --compare-hf beside
+  transformers' generate on the same weights (TP=1).
+prefill, decode, mixed: the create_engine traces of qwen35/harness.py (batched long-prompt prefill, repeated decode
+  over many live requests, a closed loop of prefill/decode/remove calls). They build a LogitsEngine instead of the
+  serving engine, so they run in an invocation of their own (both would hold a full KV cache).
+Rank 0 drives the engine and prints; the other ranks run the worker loop (or, for the create_engine traces, make
+the same calls).
 """
 from __future__ import annotations
 
@@ -32,11 +40,13 @@ from types import SimpleNamespace
 import torch
 
 from dist import parallel
-from qwen35 import step_timing, workload
+from qwen35 import harness, latency, step_timing, workload
 from qwen35.engine import EngineArgs, LLMEngine
 from qwen35.sampling_params import SamplingParams
 
 WEIGHTS = {1: 1, 2: 1, 4: 2, 8: 2, 16: 4, 32: 4, 64: 8}
+ENGINE_MODES = ("record", "static", "trace", "latency")
+HARNESS_MODES = ("prefill", "decode", "mixed")
 
 
 def _ints(s: str) -> list[int]:
@@ -89,8 +99,13 @@ def run_to_completion(engine: LLMEngine, step_times: list | None = None) -> dict
     return seen
 
 
+def _vocab(engine: LLMEngine) -> int:
+    """Random prompt ids: ordinary tokens of the tokenizer that the model's vocabulary also has."""
+    return min(engine.tokenizer.num_real_tokens - 33, engine.config.vocab_size)
+
+
 def static_batch(engine: LLMEngine, batch: int, input_len: int, output_len: int, rng: random.Random) -> dict:
-    vocab = engine.tokenizer.num_real_tokens - 33  # ordinary tokens only
+    vocab = _vocab(engine)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"static-{batch}-{i}", [rng.randrange(vocab) for _ in range(input_len)], params)
@@ -109,7 +124,7 @@ def static_batch(engine: LLMEngine, batch: int, input_len: int, output_len: int,
 
 def profile_steps(engine: LLMEngine, batch: int, input_len: int, decode_steps: int, rng: random.Random) -> dict:
     """Mean per decode step at `batch`: step wall, forward wall, forward GPU, CPU outside the forward."""
-    vocab = engine.tokenizer.num_real_tokens - 33
+    vocab = _vocab(engine)
     params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"profile-{batch}-{i}", [rng.randrange(vocab) for _ in range(input_len)], params)
@@ -160,6 +175,9 @@ def _running(engine: LLMEngine):
 
 def trace(engine: LLMEngine, args, rng: random.Random) -> dict:
     from qwen35.workload import NUM_WARMUP, output_lengths, random_prompt
+    if engine.tokenizer.num_real_tokens > engine.config.vocab_size:
+        raise SystemExit(f"trace: the prompts are text of this tokenizer ({engine.tokenizer.num_real_tokens} "
+                         f"tokens), past the model's vocabulary ({engine.config.vocab_size}); use latency/static")
     counter = SimpleNamespace(tok=engine.tokenizer)
     n_prompts = min(62, args.num_requests)
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": random_prompt(counter, args.input_len, rng)}])
@@ -197,12 +215,17 @@ def closed_loop(engine: LLMEngine, work: list[tuple[list[int], int]], concurrenc
     return time.perf_counter() - t0, tokens
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    EngineArgs.add_cli_args(ap)
-    ap.set_defaults(model="qwen3.5-35b-a3b", load_format="dummy", max_num_seqs=64)
+def _pairs(spec: str, sep: str) -> list[tuple[int, int]]:
+    out = [tuple(int(x) for x in item.split(sep)) for item in spec.split(",") if item]
+    if not out or any(len(p) != 2 for p in out):
+        raise SystemExit(f"expected A{sep}B[,A{sep}B...], got {spec!r}")
+    return out
+
+
+def add_bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mode", default="record,trace",
-                    help="comma list of: record (decode + prefill rows of record), static, trace")
+                    help="comma list of: record (decode + prefill rows of record), static, trace, latency; or of "
+                         "the create_engine traces prefill, decode, mixed (in a run of their own)")
     ap.add_argument("--context", type=int, default=1024, help="context of every sequence in the decode rows")
     ap.add_argument("--prefill-seqs", default="1,8,64", help="prompts per prefill row (of --input-len tokens)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
@@ -214,36 +237,74 @@ def main(argv=None) -> None:
     ap.add_argument("--output-len-dist", default=workload.STANDARD_OUTPUT_LEN_DIST,
                     help=f"trace output lengths: {workload.FORMS} (default {workload.STANDARD_OUTPUT_LEN_DIST}, the "
                          "standard for synthetic weights)")
+    g = ap.add_argument_group("latency")
+    g.add_argument("--latency-shapes", default=latency.DEFAULT_SHAPES, help="PROMPT:OUTPUT tokens, comma separated")
+    g.add_argument("--latency-reps", type=int, default=3, help="runs per shape (the median is reported)")
+    g.add_argument("--compare-hf", action="store_true",
+                   help="also time transformers' generate on the same weights in the same run (TP=1)")
+    g.add_argument("--hf-reps", type=int, default=1, help="transformers runs per shape (the median is reported)")
+    g = ap.add_argument_group("create_engine traces (prefill, decode, mixed)")
+    g.add_argument("--harness-prefill", default="1x2048,1x8192,8x2048,4x8192",
+                   help="BATCHxLEN prompts per prefill call, comma separated")
+    g.add_argument("--harness-decode-batches", default="1,8,32,64")
+    g.add_argument("--harness-context", type=int, default=1024, help="tokens per request before the decode calls")
+    g.add_argument("--harness-steps", type=int, default=64, help="decode calls timed per batch")
+    g.add_argument("--mixed-requests", type=int, default=128)
+    g.add_argument("--mixed-concurrency", type=int, default=32)
+    g.add_argument("--mixed-prompt-lens", default="128-2048", help="uniform range LO-HI")
+    g.add_argument("--mixed-output-lens", default="16-256", help="uniform range LO-HI")
+    g.add_argument("--mixed-prefill-batch", type=int, default=4, help="most new requests per prefill call")
     ap.add_argument("--out", default=None,
-                    help="results JSON (default with record: benchmarks/results/<date>_bench_<device>_tp<N>.json)")
+                    help="results JSON (default with record, latency or the create_engine traces: "
+                         "benchmarks/results/<date>_<bench|latency|harness>_<device>_tp<N>.json)")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    EngineArgs.add_cli_args(ap)
+    ap.set_defaults(model="qwen3.5-35b-a3b", load_format="dummy", max_num_seqs=64)
+    add_bench_args(ap)
     for a in ap._actions:  # --model has a default here
         if a.dest == "model":
             a.required = False
     args = ap.parse_args(argv)
+    modes = set(args.mode.split(","))
+    unknown = modes - set(ENGINE_MODES) - set(HARNESS_MODES)
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {', '.join(sorted(unknown))}: use {', '.join(ENGINE_MODES + HARNESS_MODES)}")
+    if modes & set(HARNESS_MODES) and modes & set(ENGINE_MODES):
+        raise SystemExit("run the create_engine traces (prefill, decode, mixed) in an invocation of their own: "
+                         "both engines would hold a full KV cache")
     eargs = EngineArgs.from_cli(args)
     parallel.init_distributed(eargs.device_type)
+    if modes & set(HARNESS_MODES):
+        return run_harness(args, eargs, modes, argv)
+    if "latency" in modes:
+        shapes = latency.parse_shapes(args.latency_shapes)
+        if eargs.num_kv_blocks is None and modes == {"latency"}:
+            # one request at a time: KV for the longest shape only, which leaves room for transformers' copy
+            eargs.max_model_len = eargs.max_model_len or max(p + o for p, o in shapes)
+            eargs.num_kv_blocks = 2 * -(-eargs.max_model_len // eargs.block_size)
     engine = LLMEngine(eargs)
     if not parallel.is_driver():
         engine.run_worker_loop()
         parallel.destroy()
         return
     rng = random.Random(0)
-    modes = set(args.mode.split(","))
     dev = torch.cuda.get_device_name() if engine.runner.device.type == "cuda" else "cpu"
-    today = datetime.date.today().isoformat()
-    results = {"date": today, "time": datetime.datetime.now().isoformat(timespec="seconds"), "device": dev,
-               "tp": parallel.tp_size(), "model": eargs.model, "load_format": eargs.load_format,
-               "dtype": str(engine.runner.dtype), "kernels": engine.runner.kernels,
-               "command": f"torchrun --nproc-per-node {parallel.tp_size()} -m qwen35.bench "
-                          + " ".join(sys.argv[1:] if argv is None else argv)}
+    results = _header(args, eargs, dev, engine.runner, argv)
     out = args.out
-    if out is None and "record" in modes:
-        slug = dev.replace("NVIDIA ", "").replace(" ", "").lower()
-        out = f"benchmarks/results/{today}_bench_{slug}_tp{parallel.tp_size()}.json"
+    if out is None and modes & {"record", "latency"}:
+        out = _default_out("bench" if "record" in modes else "latency", dev)
     try:
         if "record" in modes:  # first, while no request holds cache blocks or state slots
             record(engine, args, results, rng)
         static_batch(engine, 1, 16, 4, rng)  # warm-up: first-use costs stay out of the table
+        if "latency" in modes:
+            print(f"latency on {dev}, tp={parallel.tp_size()}, kernels={engine.runner.kernels}, "
+                  f"dtype={engine.runner.dtype}, {args.latency_reps} runs per shape (median)")
+            results["latency"] = latency.latency(engine, latency.parse_shapes(args.latency_shapes),
+                                                 args.latency_reps, args.compare_hf, rng, args.hf_reps)
         if "static" in modes:
             sizes = _ints(args.batch_sizes)
             rows = []
@@ -268,11 +329,80 @@ def main(argv=None) -> None:
             print(f"weighted score {results['trace']['weighted_score']:.0f}")
     finally:
         engine.shutdown()
+    _write(out, results)
+    parallel.destroy()
+
+
+def run_harness(args, eargs: EngineArgs, modes: set, argv) -> None:
+    """The create_engine traces: every rank builds the LogitsEngine and makes the same calls; rank 0 reports."""
+    from qwen35.api import create_engine
+    from qwen35.hub import resolve_model
+    model_dir = parallel.broadcast_object(resolve_model(eargs.model, load_format=eargs.load_format)
+                                          if parallel.is_driver() else None)
+    with open(f"{model_dir}/config.json") as f:
+        raw = json.load(f)
+    prefill = _pairs(args.harness_prefill, "x")
+    batches = _ints(args.harness_decode_batches)
+    prompt_lens, output_lens = _pairs(args.mixed_prompt_lens, "-")[0], _pairs(args.mixed_output_lens, "-")[0]
+    seqs = max([b for b, _ in prefill] + batches + [args.mixed_concurrency])
+    longest = max([n for _, n in prefill] + [args.harness_context + args.harness_steps + 2,
+                                             prompt_lens[1] + output_lens[1]])
+    eng = create_engine(raw, None if eargs.load_format == "dummy" else model_dir, device=eargs.device_type,
+                        dtype=eargs.dtype, max_num_seqs=seqs, max_model_len=eargs.max_model_len or longest,
+                        load_format=eargs.load_format, block_size=eargs.block_size,
+                        gpu_memory_utilization=eargs.gpu_memory_utilization, num_kv_blocks=eargs.num_kv_blocks,
+                        enforce_eager=eargs.enforce_eager, seed=eargs.seed, kernels=eargs.kernels)
+    vocab = eng.runner.config.vocab_size
+    rng = random.Random(0)  # the same on every rank: the same calls everywhere
+    dev = torch.cuda.get_device_name() if eng.runner.device.type == "cuda" else "cpu"
+    driver = parallel.is_driver()
+    results = _header(args, eargs, dev, eng.runner, argv)
+    if driver:
+        print(f"create_engine traces on {dev}, tp={parallel.tp_size()}, kernels={eng.runner.kernels}, "
+              f"dtype={eng.runner.dtype}, model {eargs.model}")
+    if "prefill" in modes:
+        results["prefill"] = rows = harness.prefill_rows(eng, prefill, vocab, 3, rng)
+        if driver:
+            for r in rows:
+                print(f"  prefill {r['batch']:3d} x {r['len']:5d}: {r['ms']:9.1f} ms  {r['tok_s']:10.0f} tok/s",
+                      flush=True)
+    if "decode" in modes:
+        results["decode"] = rows = harness.decode_rows(eng, batches, args.harness_context, args.harness_steps,
+                                                       vocab, rng)
+        if driver:
+            for r in rows:
+                print(f"  decode batch {r['batch']:3d} at {r['context']}: {r['ms_per_call']:8.2f} ms/call  "
+                      f"{r['tok_s']:9.0f} tok/s", flush=True)
+    if "mixed" in modes:
+        results["mixed"] = r = harness.mixed_trace(eng, args.mixed_requests, args.mixed_concurrency, prompt_lens,
+                                                   output_lens, args.mixed_prefill_batch, vocab, rng)
+        if driver:
+            print(f"  mixed: {r['requests']} requests, {r['concurrency']} live, {r['calls']} calls in "
+                  f"{r['wall_s']:.1f} s: {r['tok_s_with_prefill']:.0f} tok/s with prompt tokens, "
+                  f"{r['tok_s_without_prefill']:.0f} without", flush=True)
+    if driver:
+        _write(args.out or _default_out("harness", dev), results)
+    parallel.destroy()
+
+
+def _header(args, eargs: EngineArgs, dev: str, runner, argv) -> dict:
+    return {"date": datetime.date.today().isoformat(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
+            "device": dev, "tp": parallel.tp_size(), "model": eargs.model, "load_format": eargs.load_format,
+            "dtype": str(runner.dtype), "kernels": runner.kernels,
+            "command": f"torchrun --nproc-per-node {parallel.tp_size()} -m qwen35.bench "
+                       + " ".join(sys.argv[1:] if argv is None else argv)}
+
+
+def _default_out(kind: str, dev: str) -> str:
+    slug = dev.replace("NVIDIA ", "").replace(" ", "").lower()
+    return f"benchmarks/results/{datetime.date.today().isoformat()}_{kind}_{slug}_tp{parallel.tp_size()}.json"
+
+
+def _write(out: str | None, results: dict) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
         print(f"wrote {out}")
-    parallel.destroy()
 
 
 if __name__ == "__main__":

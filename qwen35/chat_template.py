@@ -12,6 +12,7 @@ history gate `loop.index0 > ns.last_query_index`).
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -350,3 +351,47 @@ def render_chat(
         out.append("<|im_start|>assistant\n")
         out.append("<think>\n\n</think>\n\n" if enable_thinking is False else "<think>\n")
     return "".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Other models (the dense LLaMA-likes): their own Jinja chat template, rendered as transformers renders it
+
+class ChatTemplateUnavailable(ValueError):
+    """The model has no chat template we can render (none in its files, or jinja2 missing): chat requests get a 400
+    telling the client to send prompts to /v1/completions."""
+
+
+def render_jinja(template: str, messages: Sequence[Mapping], add_generation_prompt: bool = True,
+                 tools: Sequence[Mapping] | None = None, **variables: Any) -> str:
+    """Render a model's own chat template (from its tokenizer_config.json / chat_template.jinja) the way
+    transformers does: a sandboxed Jinja environment with trim_blocks and lstrip_blocks, loop controls, `tojson`
+    as json.dumps(ensure_ascii=False), `raise_exception` and `strftime_now`. `variables`: bos_token, eos_token,
+    enable_thinking, ... (templates read what they know and ignore the rest)."""
+    compiled = _compile_jinja(template)
+    return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
+                           **variables)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_jinja(template: str):
+    try:
+        import jinja2
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:
+        raise ChatTemplateUnavailable("this model's chat template needs the jinja2 package, which is not "
+                                      "installed on the server: send the prompt as text to /v1/completions") from e
+    from datetime import datetime
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)

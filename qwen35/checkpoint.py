@@ -1,4 +1,7 @@
-"""Load a Hugging Face Qwen3.5 safetensors checkpoint into a (tensor-parallel shard of the) model.
+"""Load a Hugging Face checkpoint (Qwen3.5 or a dense LLaMA-like) into a (tensor-parallel shard of the) model:
+safetensors (one file, or sharded with an index), or where a directory has no safetensors, one PyTorch state dict
+`model.pt` with the same names (read with torch.load(weights_only=True, mmap=True): only the pages of the slices a
+rank keeps are read).
 
 Each rank opens the files lazily (`safe_open` + `get_slice`) and reads only the ranges of each tensor that its
 parameters keep (see layers/linear.py), straight to its device, so host memory holds one tensor slice at a time.
@@ -19,6 +22,9 @@ from layers.linear import default_weight_loader
 from layers.moe import Experts
 
 SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.")
+SKIP_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer older transformers saved with the weights; we compute our own
+STATE_DICT_FILE = "model.pt"
+TORCH_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 TEXT_PREFIXES = ("model.language_model.", "model.")
 PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
@@ -41,7 +47,10 @@ class InMemorySource:
     """The same interface over a tensor already in memory (tests, tied weights)."""
 
     def __init__(self, tensor: torch.Tensor, name: str, file: str = "<memory>"):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"entry {name!r} in {file} is a {type(tensor).__name__}, not a tensor")
         self.tensor, self.name, self.file, self.shape = tensor, name, file, tuple(tensor.shape)
+        self.dtype = TORCH_DTYPES.get(tensor.dtype, str(tensor.dtype))
 
     def read(self, index) -> torch.Tensor:
         return self.tensor[index]
@@ -56,7 +65,7 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
         return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        raise FileNotFoundError(f"no *.safetensors files (nor a {STATE_DICT_FILE}) in {model_dir}")
     mapping = {}
     for file in files:
         path = os.path.join(model_dir, file)
@@ -67,7 +76,7 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
 
 def module_name(ckpt_name: str) -> str | None:
     """Our parameter name for a checkpoint tensor name, or None for tensors the text model does not use."""
-    if ckpt_name.startswith(SKIP_PREFIXES):
+    if ckpt_name.startswith(SKIP_PREFIXES) or ckpt_name.endswith(SKIP_SUFFIXES):
         return None
     if ckpt_name == "lm_head.weight":
         return ckpt_name
@@ -83,6 +92,7 @@ class _Tracker:
     def __init__(self, model):
         self.params = dict(model.named_parameters())
         self.done: set[str] = set()
+        self.skipped: list[str] = []  # checkpoint names that are not the text model's
         self.expert_parts: dict[str, set] = {}
 
     def missing(self, model) -> list[str]:
@@ -102,6 +112,12 @@ class _Tracker:
 
 
 def load_checkpoint(model, model_dir: str, device, progress: bool = False) -> None:
+    """Fill every parameter of `model` from the checkpoint in `model_dir`: its safetensors, else its model.pt."""
+    state_dict_file = os.path.join(model_dir, STATE_DICT_FILE)
+    has_safetensors = os.path.exists(os.path.join(model_dir, "model.safetensors.index.json")) or any(
+        f.endswith(".safetensors") for f in os.listdir(model_dir))
+    if not has_safetensors and os.path.isfile(state_dict_file):
+        return load_torch_state_dict(model, state_dict_file)
     files = checkpoint_files(model_dir)
     tracker = _Tracker(model)
     by_file: dict[str, list[str]] = {}
@@ -125,23 +141,45 @@ def load_checkpoint(model, model_dir: str, device, progress: bool = False) -> No
     missing = tracker.missing(model)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}"
-                         + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+                         + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "") + _names_hint(tracker))
 
 
-def load_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load from in-memory tensors named as in a checkpoint (tests; same rules and checks as files)."""
+def load_torch_state_dict(model, path: str) -> None:
+    """Load a PyTorch state dict file (HF parameter names), memory-mapped: tensors only (weights_only)."""
+    try:
+        state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise ValueError(f"cannot read {path} as a PyTorch state dict (torch.load weights_only, mmap): "
+                         f"{type(e).__name__}: {e}") from e
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"{path} holds a {type(state_dict).__name__}, not a state dict (name -> tensor)")
+    load_state_dict(model, state_dict, path)
+
+
+def load_state_dict(model, state_dict: dict[str, torch.Tensor], file: str = "<memory>") -> None:
+    """Load from in-memory tensors named as in a checkpoint (same rules and checks as files)."""
     tracker = _Tracker(model)
     for name, tensor in state_dict.items():
-        _load_one(model, tracker, InMemorySource(tensor, name))
+        _load_one(model, tracker, InMemorySource(tensor, str(name), file))
     _tie_lm_head(model, tracker)
     missing = tracker.missing(model)
     if missing:
-        raise ValueError(f"state dict lacks tensors for: {', '.join(missing[:8])}")
+        raise ValueError(f"state dict {file} lacks tensors for: {', '.join(missing[:8])}"
+                         + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "") + _names_hint(tracker))
+
+
+def _names_hint(tracker: _Tracker) -> str:
+    """When nothing loaded, what the names looked like (a state dict saved without the `model.` prefix, say)."""
+    if tracker.done - {"lm_head.weight"} or not tracker.skipped:
+        return ""
+    return (f"; none of its {len(tracker.skipped)} tensor names is a Hugging Face name of the text model "
+            f"(model.layers.0.self_attn.q_proj.weight, ...): e.g. {', '.join(tracker.skipped[:3])}")
 
 
 def _load_one(model, tracker: _Tracker, src) -> None:
     name = module_name(src.name)
     if name is None:
+        tracker.skipped.append(src.name)
         return
     dtype = getattr(src, "dtype", None)
     if dtype is not None and dtype not in FLOAT_DTYPES:

@@ -2,6 +2,10 @@
 dense MLP), final norm and LM head. Module names mirror the checkpoint's (minus its prefix), so that the loader maps
 names one to one.
 
+The dense LLaMA-likes (Llama, Qwen2, Qwen3) are this same decoder with every layer full attention and the config's
+options switched (qwen35/config.py): no output gate, q/k norm or not, biases, plain norms, scaled RoPE. Their
+checkpoint names are the same too (`model.layers.N.self_attn.q_proj.weight`, ...).
+
 Each decoder layer does exactly two all-reduces under TP: after the mixer and after the feed-forward (both produce
 partial sums of row-parallel projections / local experts). Each is fused with the residual add and the norm that
 follows it (`RMSNorm.all_reduce_add`): the feed-forward's partial sums leave the layer as they are and the next
@@ -26,8 +30,9 @@ from qwen35.config import LINEAR_ATTENTION, ModelConfig
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_type: str, rotary: RotaryEmbedding, dtype=None, device=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        norm = dict(dtype=dtype, device=device, plain=not cfg.zero_centred_norms)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
         self.is_linear = layer_type == LINEAR_ATTENTION
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, device=device)
@@ -36,7 +41,7 @@ class DecoderLayer(nn.Module):
         if cfg.is_moe:
             self.mlp = SparseMoE(cfg, dtype=dtype, device=device)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
         """x: the previous layer's feed-forward output, this rank's partial sums (the embeddings, already whole, for
@@ -55,11 +60,13 @@ class Qwen35Model(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype=None, device=None, max_positions: int = 8192):
         super().__init__()
         self.config = cfg
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, max_positions, device=device)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, max_positions, device=device,
+                                      scaling=cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, self.rotary, dtype=dtype, device=device)
                                     for t in cfg.layer_types)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device,
+                            plain=not cfg.zero_centred_norms)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

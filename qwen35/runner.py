@@ -52,14 +52,17 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights made on the device (no disk), by the same rule as the synthetic checkpoints.
 
     Replicated parameters get a seed from their name alone, so every rank holds the same values (the router must
-    route identically everywhere); sharded ones also mix in the rank."""
+    route identically everywhere); sharded ones also mix in the rank. A tied LM head is the embedding."""
     from qwen35.synth import init_tensor_
+    cfg = model.config
     for name, p in model.named_parameters():
         sharded = tuple(p.shape) != p.full_shape
         key = f"{seed}:{name}:{parallel.tp_rank() if sharded else 'all'}"
         gen = torch.Generator(device=p.device)
         gen.manual_seed(zlib.crc32(key.encode()))
-        init_tensor_(name, p.data, gen)
+        init_tensor_(name, p.data, gen, zero_centred_norms=cfg.zero_centred_norms)
+    if cfg.tie_word_embeddings:  # the same vocab rows on every rank (layers/embedding.py)
+        model.lm_head.weight.data.copy_(model.embed_tokens.weight.data)
 
 
 class ModelRunner:

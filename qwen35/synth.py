@@ -1,4 +1,5 @@
-"""Synthetic Qwen3.5 checkpoints in the exact Hugging Face release layout (random weights).
+"""Synthetic Qwen3.5 checkpoints in the exact Hugging Face release layout (random weights), and dense LLaMA-like
+ones (`tiny-llama`, `llama-1b`) in transformers' LlamaForCausalLM layout.
 
     python -m qwen35.synth --preset tiny --out /tmp/tiny [--seed 0] [--per-expert] [--max-shard-size 5GB]
 
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from qwen35.config import ModelConfig
+from qwen35.config import LLAMA_LIKE, ModelConfig
 
 FULL, LINEAR = "full_attention", "linear_attention"
 FP32_ON_DISK = ("linear_attn.A_log", "linear_attn.norm.weight")  # as in the BF16 release (spec section 7)
@@ -114,7 +115,35 @@ PRESETS: dict[str, dict] = {
         _vision("qwen3_5_vision", 2560, depth=24, hidden=1024, inter=4096, heads=16, npos=2304),
     ),
 }
-TINY_PRESETS = ("tiny", "tiny-dense")
+
+
+def _llama(dtype: str, **sizes) -> dict:
+    """A LlamaForCausalLM config.json as transformers writes one (v4 field names, which it still reads)."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+           "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": INIT_STD, "mlp_bias": False,
+           "pretraining_tp": 1, "rms_norm_eps": 1e-5, "use_cache": True, "dtype": dtype}
+    cfg.update(sizes)
+    return cfg
+
+
+PRESETS.update({
+    # A tiny Llama for CPU runs of the LLaMA-like path end to end (LLM, server): the vocabulary covers the Qwen
+    # tokenizer written beside it, so any text it encodes is in range.
+    "tiny-llama": _llama("float32", vocab_size=248320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                         rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=248044,
+                         eos_token_id=[248046, 248044]),
+    # Llama-3.2-1B-shaped (1.24B parameters): sizes of the public meta-llama/Llama-3.2-1B config as commonly
+    # quoted (hidden 2048, MLP 8192, 16 layers, 32 heads / 8 KV heads of 64, vocab 128256, tied, llama3 RoPE
+    # factor 32 over 8192, theta 5e5); not checked against the hub here. For benchmarks with dummy weights.
+    "llama-1b": _llama("bfloat16", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                       num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                       max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
+                       rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                       bos_token_id=128000, eos_token_id=128001),
+})
+TINY_PRESETS = ("tiny", "tiny-dense", "tiny-llama")
 
 GENERATION_CONFIG = {  # spec section 1; sampling values are the model-card ones, not confirmed for this repo
     "bos_token_id": 248044, "eos_token_id": [248046, 248044], "pad_token_id": 248044,
@@ -130,8 +159,9 @@ _ZERO_CENTRED_NORMS = {"input_layernorm", "post_attention_layernorm", "norm", "q
                        "pre_fc_norm_embedding", "pre_fc_norm_hidden"}
 
 
-def init_tensor_(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Fill `t` in place as HF `Qwen3_5MoePreTrainedModel._init_weights` would initialise parameter `name`.
+def init_tensor_(name: str, t: torch.Tensor, gen: torch.Generator, zero_centred_norms: bool = True) -> torch.Tensor:
+    """Fill `t` in place as HF `Qwen3_5MoePreTrainedModel._init_weights` would initialise parameter `name` (with
+    zero_centred_norms=False, as a LLaMA-like's: its RMSNorm weights are ones).
 
     `t` may be any dtype/device and may be one rank's shard of the full tensor; `gen` must live on t.device.
     """
@@ -147,7 +177,7 @@ def init_tensor_(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tens
     if name.startswith("model.visual.") and "norm" in module:
         return t.fill_(1.0)  # vision LayerNorms (plain, not zero-centred)
     if module in _ZERO_CENTRED_NORMS and name.endswith(".weight"):
-        return t.zero_()
+        return t.zero_() if zero_centred_norms else t.fill_(1.0)
     # Linear, embedding, router, fused/per-expert weights, conv1d (HF inits Conv1d like Linear), pos_embed
     return t.normal_(0.0, INIT_STD, generator=gen)
 
@@ -211,12 +241,17 @@ def checkpoint_layout(raw: dict, per_expert: bool = False) -> list[TensorSpec]:
             add(f"{p}linear_attn.out_proj.weight", (h, vd))
         else:
             nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-            add(f"{p}self_attn.q_proj.weight", (2 * nh * hd, h))  # per head [query | gate]
-            add(f"{p}self_attn.k_proj.weight", (nkv * hd, h))
-            add(f"{p}self_attn.v_proj.weight", (nkv * hd, h))
+            q_rows = (2 if cfg.attn_output_gate else 1) * nh * hd  # with the gate: per head [query | gate]
+            for proj, rows in (("q_proj", q_rows), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+                add(f"{p}self_attn.{proj}.weight", (rows, h))
+                if cfg.qkv_bias:
+                    add(f"{p}self_attn.{proj}.bias", (rows,))
             add(f"{p}self_attn.o_proj.weight", (h, nh * hd))
-            add(f"{p}self_attn.q_norm.weight", (hd,))
-            add(f"{p}self_attn.k_norm.weight", (hd,))
+            if cfg.o_bias:
+                add(f"{p}self_attn.o_proj.bias", (h,))
+            if cfg.qk_norm:
+                add(f"{p}self_attn.q_norm.weight", (hd,))
+                add(f"{p}self_attn.k_norm.weight", (hd,))
         if cfg.is_moe:
             add(f"{p}mlp.gate.weight", (cfg.num_experts, h))
             experts(p, split_experts)
@@ -229,6 +264,10 @@ def checkpoint_layout(raw: dict, per_expert: bool = False) -> list[TensorSpec]:
             add(f"{p}mlp.gate_proj.weight", (cfg.intermediate_size, h))
             add(f"{p}mlp.up_proj.weight", (cfg.intermediate_size, h))
             add(f"{p}mlp.down_proj.weight", (h, cfg.intermediate_size))
+            if cfg.mlp_bias:
+                for proj, n in (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size),
+                                ("down_proj", h)):
+                    add(f"{p}mlp.{proj}.bias", (n,))
         add(f"{p}input_layernorm.weight", (h,))
         add(f"{p}post_attention_layernorm.weight", (h,))
 
@@ -319,7 +358,10 @@ def write_checkpoint(out_dir: str, preset: str | dict, seed: int = 0, per_expert
     os.makedirs(out_dir, exist_ok=True)
     if weights:
         _write_weights(out_dir, raw, seed, per_expert, max_shard_bytes)
-    _write_json(os.path.join(out_dir, "generation_config.json"), GENERATION_CONFIG)
+    gen_config = GENERATION_CONFIG
+    if raw.get("model_type") in LLAMA_LIKE:  # its own special tokens, greedy defaults
+        gen_config = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if raw.get(k) is not None}
+    _write_json(os.path.join(out_dir, "generation_config.json"), gen_config)
     if tokenizer:
         try:
             from qwen35.tokenizer import write_tokenizer_files
@@ -336,6 +378,7 @@ def _write_weights(out_dir: str, raw: dict, seed: int, per_expert: bool, max_sha
     shards = _plan_shards(specs, max_shard_bytes)
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    zero_centred = ModelConfig.from_dict(raw).zero_centred_norms
 
     gen = torch.Generator()
     cached: tuple[str, torch.Tensor] | None = None  # last fused source, reused by its per-expert slices
@@ -346,7 +389,8 @@ def _write_weights(out_dir: str, raw: dict, seed: int, per_expert: bool, max_sha
             for s in shard:
                 if cached is None or cached[0] != s.source:
                     src = torch.empty(s.source_shape, dtype=torch.float32)  # fp32, then cast: same values per dtype
-                    cached = (s.source, init_tensor_(s.source, src, gen.manual_seed(tensor_seed(seed, s.source))))
+                    gen.manual_seed(tensor_seed(seed, s.source))
+                    cached = (s.source, init_tensor_(s.source, src, gen, zero_centred_norms=zero_centred))
                 tensors[s.name] = cached[1][s.index].to(s.dtype).contiguous()
                 weight_map[s.name] = fname
                 bar.update(s.nbytes)

@@ -17,6 +17,7 @@ import codecs
 import hashlib
 import json
 import os
+import re
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Iterable, Mapping, Sequence
 
 import tokenizers
 
-from qwen35.chat_template import QWEN35_CHAT_TEMPLATE, render_chat
+from qwen35.chat_template import QWEN35_CHAT_TEMPLATE, ChatTemplateUnavailable, render_chat, render_jinja
 
 # Bump when the generated tokenizer.json changes shape, so stale caches are not reused.
 _BUILD_VERSION = "1"
@@ -44,6 +45,8 @@ SPECIAL_TOKENS = (
 _NON_SPECIAL_IDS = range(248_058, 248_070)
 NUM_REAL_TOKENS = NUM_RANKS + len(SPECIAL_TOKENS)  # 248077; logits are padded wider
 DEFAULT_EOS_TOKEN_IDS = (248_046, 248_044)  # <|im_end|>, <|endoftext|>
+NO_CHAT_TEMPLATE = ""  # Tokenizer.chat_template of a model that has none (None: the built-in Qwen3.5 renderer)
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte-fallback tokens
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -221,27 +224,40 @@ def write_tokenizer_files(out_dir: str | os.PathLike) -> None:
     _write_atomic(out / "tokenizer_config.json", json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False))
 
 
-def _eos_from_generation_config(model_dir: Path | None) -> list[int]:
-    path = model_dir / "generation_config.json" if model_dir else None
+def _read_json(path: Path | None) -> dict:
     if path is None or not path.exists():
-        return list(DEFAULT_EOS_TOKEN_IDS)
-    eos = json.loads(path.read_text()).get("eos_token_id")
+        return {}
+    return json.loads(path.read_text())
+
+
+def _eos_from_generation_config(model_dir: Path | None, fallback: Sequence[int] = DEFAULT_EOS_TOKEN_IDS) -> list[int]:
+    eos = _read_json(model_dir / "generation_config.json" if model_dir else None).get("eos_token_id")
     if eos is None:
-        return list(DEFAULT_EOS_TOKEN_IDS)
+        return list(fallback)
     return [eos] if isinstance(eos, int) else list(eos)
 
 
 class Tokenizer:
-    """Engine-facing tokenizer: no BOS ever; special-token text is matched atomically."""
+    """Engine-facing tokenizer: no BOS ever; special-token text is matched atomically.
 
-    def __init__(self, hf: tokenizers.Tokenizer, eos_token_ids: Sequence[int] = DEFAULT_EOS_TOKEN_IDS):
+    `chat_template`: None renders Qwen3.5's template in plain Python (qwen35/chat_template.py); another model's
+    Jinja template (a string) is rendered with jinja2, with `template_vars` (bos_token, eos_token); a model without
+    one has NO_CHAT_TEMPLATE and its chat requests fail with ChatTemplateUnavailable."""
+
+    def __init__(self, hf: tokenizers.Tokenizer, eos_token_ids: Sequence[int] = DEFAULT_EOS_TOKEN_IDS,
+                 chat_template: str | None = None, template_vars: Mapping | None = None):
         self.hf = hf
         self.eos_token_ids = list(eos_token_ids)
+        self.chat_template = chat_template
+        self.template_vars = dict(template_vars or {})
         self.num_real_tokens = hf.get_vocab_size(with_added_tokens=True)
         added = hf.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         # Added-token text is literal, not byte-level chars; keep their UTF-8 bytes apart.
         self._added_bytes = {i: t.content.encode("utf-8") for i, t in added.items()}
+        # byte-level BPE (Qwen, Llama 3) maps every byte to a printable char; SentencePiece-style vocabularies
+        # (Llama 2) spell spaces as U+2581 and unknown bytes as <0xHH> tokens
+        self._byte_level = type(hf.decoder).__name__ == "ByteLevel"
 
     def encode(self, text: str) -> list[int]:
         # encode_batch, not encode: the Rust encode() holds the GIL for the whole call (seconds for a prompt of
@@ -259,7 +275,12 @@ class Tokenizer:
         if token_id in self._added_bytes:
             return self._added_bytes[token_id]
         token = self.hf.id_to_token(token_id)
-        return b"" if token is None else bytes(CHAR_TO_BYTE[c] for c in token)
+        if token is None:
+            return b""
+        if self._byte_level:
+            return bytes(CHAR_TO_BYTE[c] for c in token)
+        byte = _BYTE_TOKEN.match(token)
+        return bytes([int(byte.group(1), 16)]) if byte else token.replace("\u2581", " ").encode("utf-8")
 
     def apply_chat_template(
         self,
@@ -269,7 +290,13 @@ class Tokenizer:
         tools: Sequence[Mapping] | None = None,
     ) -> str:
         # Engine default: thinking off (the official template's default is on; pass True for it).
-        return render_chat(messages, add_generation_prompt, enable_thinking, tools)
+        if self.chat_template is None:
+            return render_chat(messages, add_generation_prompt, enable_thinking, tools)
+        if self.chat_template == NO_CHAT_TEMPLATE:
+            raise ChatTemplateUnavailable("this model has no chat template (no chat_template.jinja, no chat_template "
+                                          "in tokenizer_config.json): send the prompt as text to /v1/completions")
+        return render_jinja(self.chat_template, messages, add_generation_prompt, tools,
+                            enable_thinking=enable_thinking, **self.template_vars)
 
     def encode_chat(
         self,
@@ -282,13 +309,18 @@ class Tokenizer:
 
 
 def load_tokenizer(model_dir: str | os.PathLike | None = None) -> Tokenizer:
-    """Tokenizer for a model directory: its tokenizer.json if present, else the built one.
+    """Tokenizer for a model directory: its tokenizer.json if present, else (Qwen3.5 only) the built one.
 
     A built tokenizer.json is saved into a writable `model_dir` so the directory becomes
-    loadable by HF tools too.
+    loadable by HF tools too. Another model (config.json model_type not qwen3_5*) needs its own
+    tokenizer.json, and brings its own chat template and EOS ids (generation_config.json, else config.json).
     """
     directory = Path(model_dir) if model_dir is not None else None
     file = directory / "tokenizer.json" if directory else None
+    config = _read_json(directory / "config.json" if directory else None)
+    model_type = config.get("model_type") or (config.get("text_config") or {}).get("model_type")
+    if model_type is not None and not str(model_type).startswith("qwen3_5"):
+        return _load_other(directory, config)
     if file is not None and file.exists():
         hf = tokenizers.Tokenizer.from_file(str(file))
     else:
@@ -296,6 +328,29 @@ def load_tokenizer(model_dir: str | os.PathLike | None = None) -> Tokenizer:
         if directory is not None and directory.is_dir() and os.access(directory, os.W_OK):
             _write_atomic(file, tokenizer_json_text())
     return Tokenizer(hf, _eos_from_generation_config(directory))
+
+
+def _load_other(directory: Path, config: dict) -> Tokenizer:
+    """A non-Qwen3.5 model's tokenizer: its tokenizer.json, chat template and special tokens."""
+    file = directory / "tokenizer.json"
+    if not file.exists():
+        raise FileNotFoundError(f"{directory} has no tokenizer.json: a {config.get('model_type')} model needs its "
+                                "own tokenizer to serve text (the logits-level create_engine needs none)")
+    hf = tokenizers.Tokenizer.from_file(str(file))
+    tok_config = _read_json(directory / "tokenizer_config.json")
+    template_file = directory / "chat_template.jinja"  # where transformers 5 saves it
+    template = template_file.read_text() if template_file.exists() else tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+
+    def token_text(key):
+        value = tok_config.get(key)
+        return value.get("content") if isinstance(value, dict) else value
+
+    eos = config.get("eos_token_id")
+    fallback = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return Tokenizer(hf, _eos_from_generation_config(directory, fallback), template or NO_CHAT_TEMPLATE,
+                     {"bos_token": token_text("bos_token") or "", "eos_token": token_text("eos_token") or ""})
 
 
 class IncrementalDetokenizer:

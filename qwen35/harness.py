@@ -1,0 +1,118 @@
+"""The traces correctness harnesses drive through `create_engine` (qwen35/api.py), timed: `qwen35.bench --mode
+prefill,decode,mixed`.
+
+    prefill  batched long-prompt prefill: B prompts of L tokens in one `prefill` call (rows "BxL"), tokens/s
+    decode   B live requests at context C, then repeated `decode` calls over all of them: tokens/s and ms per call
+    mixed    a closed loop of prefill, decode and remove calls: up to `concurrency` live requests, new ones
+             prefilled as others finish (in batches of at most `prefill_batch`), each finished one removed in random
+             order; tokens/s with and without the prompt tokens (output tokens: each request's first, from its
+             prefill call, and every decoded one)
+
+Every call returns next-token logits [B, vocab] on every rank (as a harness compares them with its reference); the
+token fed back is the logits' argmax. Prompts are random ids, the same on every rank (seeded), so that under
+torchrun every rank makes the same calls. Timings are wall time around the calls, after a CUDA synchronize.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _prompts(rng: random.Random, vocab: int, n: int, length: int) -> list[torch.Tensor]:
+    return [torch.tensor([rng.randrange(vocab) for _ in range(length)]) for _ in range(n)]
+
+
+def prefill_rows(eng, shapes: list[tuple[int, int]], vocab: int, reps: int, rng: random.Random) -> list[dict]:
+    """Per (B, L): B fresh prompts of L tokens in one prefill call; median wall of `reps` (after one warm-up)."""
+    dev, rows = eng.runner.device, []
+    for b, length in shapes:
+        walls = []
+        for r in range(reps + 1):
+            ids = [f"p{b}x{length}-{r}-{i}" for i in range(b)]
+            prompts = _prompts(rng, vocab, b, length)
+            _sync(dev)
+            t0 = time.perf_counter()
+            eng.prefill(ids, prompts)
+            _sync(dev)
+            if r:  # the first is a warm-up
+                walls.append(time.perf_counter() - t0)
+            eng.remove(ids)
+        wall = statistics.median(walls)
+        rows.append({"batch": b, "len": length, "ms": round(1e3 * wall, 2), "tok_s": round(b * length / wall, 1)})
+    return rows
+
+
+def decode_rows(eng, batches: list[int], context: int, steps: int, vocab: int, rng: random.Random) -> list[dict]:
+    """Per B: B requests prefilled to `context` tokens (untimed, a few at a time), then `steps` decode calls over
+    all B, each feeding the argmax of the previous call's logits."""
+    dev, rows = eng.runner.device, []
+    for b in batches:
+        ids = [f"d{b}-{i}" for i in range(b)]
+        per_call = max(1, 16384 // context)
+        last = []
+        for s in range(0, b, per_call):
+            last.append(eng.prefill(ids[s:s + per_call], _prompts(rng, vocab, len(ids[s:s + per_call]), context)))
+        tokens = torch.cat(last).argmax(-1)
+        tokens = eng.decode(ids, tokens).argmax(-1)  # warm-up
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tokens = eng.decode(ids, tokens).argmax(-1)
+        _sync(dev)
+        wall = time.perf_counter() - t0
+        eng.remove(ids)
+        rows.append({"batch": b, "context": context, "steps": steps, "ms_per_call": round(1e3 * wall / steps, 3),
+                     "tok_s": round(b * steps / wall, 1)})
+    return rows
+
+
+def mixed_trace(eng, num_requests: int, concurrency: int, prompt_lens: tuple[int, int],
+                output_lens: tuple[int, int], prefill_batch: int, vocab: int, rng: random.Random) -> dict:
+    """The closed loop of the module doc. Lengths uniform in the given [lo, hi] ranges."""
+    work = [(_prompts(rng, vocab, 1, rng.randint(*prompt_lens))[0], rng.randint(*output_lens))
+            for _ in range(num_requests)]
+    pending = list(range(num_requests))
+    live: dict[int, int] = {}  # request -> tokens still to decode
+    last: dict[int, int] = {}  # request -> the token to feed next
+    prefill_tokens = output_tokens = calls = 0
+    dev = eng.runner.device
+    _sync(dev)
+    t0 = time.perf_counter()
+    while pending or live:
+        room = min(concurrency - len(live), prefill_batch, len(pending))
+        if room > 0:
+            new = [pending.pop(0) for _ in range(room)]
+            logits = eng.prefill(new, [work[r][0] for r in new])
+            for r, t in zip(new, logits.argmax(-1).tolist()):
+                live[r], last[r] = work[r][1] - 1, t  # the prefill gave the first output token
+            prefill_tokens += sum(len(work[r][0]) for r in new)
+            output_tokens += len(new)
+            calls += 1
+        active = [r for r, left in live.items() if left > 0]
+        if active:
+            logits = eng.decode(active, torch.tensor([last[r] for r in active]))
+            for r, t in zip(active, logits.argmax(-1).tolist()):
+                live[r] -= 1
+                last[r] = t
+            output_tokens += len(active)
+            calls += 1
+        done = [r for r, left in live.items() if left == 0]
+        rng.shuffle(done)  # removed in any order
+        for r in done:
+            eng.remove([r])
+            del live[r], last[r]
+    _sync(dev)
+    wall = time.perf_counter() - t0
+    return {"requests": num_requests, "concurrency": concurrency, "prompt_lens": list(prompt_lens),
+            "output_lens": list(output_lens), "prefill_batch": prefill_batch, "calls": calls, "wall_s": round(wall, 3),
+            "prefill_tokens": prefill_tokens, "output_tokens": output_tokens,
+            "tok_s_with_prefill": round((prefill_tokens + output_tokens) / wall, 1),
+            "tok_s_without_prefill": round(output_tokens / wall, 1)}
