@@ -25,7 +25,9 @@ launches with no host sync and buffers sized from T alone, so CUDA graphs captur
 
 With the router GEMM and _route_kernel that is 6 dependent launches per layer. They stay for T > FRONT_MAX_T, where
 the grouped kernels stream each expert's weights once for all its tokens. At decode sizes the launches, not the
-bytes, are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so moe_fast runs 3 (or 4):
+bytes, are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so the decode path is meant to run 3
+(or 4) — but the front kernel measured slower than what it replaces (USE_FRONT below: off), so today moe_fast runs
+the router GEMM, _route_kernel, _align_kernel, _gate_up_kernel and _down_combine_kernel at T <= 8 (5 launches):
 
     _front_kernel         logits slices by many programs; the last program of each token block routes it; the last
                           of those builds the sorted layout (deterministic: a group's pairs in pair order)
@@ -210,6 +212,8 @@ def experts_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shar
     cfg = moe_config(T, num_local, H, inter, w.shared_down.shape[1], x.device)
     layout = align(ids, w.start, num_local, cfg["BLOCK_M"])
     act = gate_up_fast(x.contiguous(), w, layout, cfg["gate_up"])
+    if T <= FRONT_MAX_T and cfg["down_combine"] is not None:
+        return down_combine_fast(act, w, layout, ids, weights, shared_gate, cfg["down_combine"])
     return combine_fast(down_fast(act, w, layout, weights, shared_gate, cfg["down"]), layout, T)
 
 
@@ -261,6 +265,11 @@ def combine_fast(y: torch.Tensor, layout: Layout, T: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------- decode (T <= 64)
+# The front kernel measured slower than the three launches it replaces on 1x H200 (2026-11-23, python -m
+# benchmarks.bench_moe --tp 1 --decode-only: ~32 us per layer at T = 1..64 against 11.7-18.5 us for router GEMM +
+# route + align, all inside CUDA graphs), so the decode path keeps those until it is reworked; down + combine in one
+# kernel did pay at T <= 8 (6.8 against 9.0 us at T = 1) and stays.
+USE_FRONT = False
 FRONT_MAX_T = 64         # decode kernels at or below this many tokens; above, the grouped path (its layout is
                          # built by one program whose pair loop and scratch grow with T)
 FRONT_BLOCK_T = 16       # tokens per front program (the GEMV tile's M, tl.dot's minimum) and per routing program
@@ -387,10 +396,11 @@ def moe_torch(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeight
 
 
 def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights) -> torch.Tensor:
-    """moe_torch without host syncs: the decode kernels up to FRONT_MAX_T tokens, the grouped path above."""
-    if x.shape[0] > FRONT_MAX_T:
-        return experts_fast(x, *route_fast(F.linear(x, router), top_k), w)
-    return moe_decode_fast(x, router, top_k, w)
+    """moe_torch without host syncs: the front kernel's path up to FRONT_MAX_T tokens when USE_FRONT, else the
+    router GEMM, route_fast and experts_fast (whose down + combine is one kernel where the tile table says)."""
+    if USE_FRONT and x.shape[0] <= FRONT_MAX_T:
+        return moe_decode_fast(x, router, top_k, w)
+    return experts_fast(x, *route_fast(F.linear(x, router), top_k), w)
 
 
 def moe_decode_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
