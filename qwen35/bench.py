@@ -78,7 +78,8 @@ def static_batch(engine: LLMEngine, batch: int, input_len: int, output_len: int,
 def profile_steps(engine: LLMEngine, batch: int, input_len: int, decode_steps: int, rng: random.Random) -> dict:
     """Mean per decode step at `batch`, as the engine measures its own steps (StepTimes): wall time per step, host
     time outside the forward (cpu_ms: scheduling, the plan broadcast, sampling, postprocess; with overlap it runs
-    while the device computes), time queueing the forward, and time the host waited for the device's tokens."""
+    while the device computes), time queueing the forward, time the host waited for the device's tokens, and on a
+    GPU the time the device sat idle between steps (gpu_idle_ms: the host time the overlap did not hide)."""
     vocab = engine.tokenizer.num_real_tokens - 33
     params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
     for i in range(batch):
@@ -91,7 +92,8 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, decode_steps: i
     wall, t = time.perf_counter() - t0, engine.times
     n = max(1, t.steps)
     return {"batch": batch, "steps": t.steps, "overlap": engine.overlap, "step_ms": 1e3 * wall / n,
-            "cpu_ms": 1e3 * t.host_s / n, "forward_queue_ms": 1e3 * t.forward_s / n, "wait_ms": 1e3 * t.wait_s / n}
+            "cpu_ms": 1e3 * t.host_s / n, "forward_queue_ms": 1e3 * t.forward_s / n, "wait_ms": 1e3 * t.wait_s / n,
+            "gpu_idle_ms": 1e3 * t.gpu_idle_s / t.gpu_gaps if t.gpu_gaps else float("nan")}
 
 
 def record(engine: LLMEngine, args, results: dict, rng: random.Random) -> None:
@@ -103,15 +105,17 @@ def record(engine: LLMEngine, args, results: dict, rng: random.Random) -> None:
     results["copy_rate_tb_s"] = round(rate / 1e12, 3)
     print(f"record on {results['device']}, tp={parallel.tp_size()}, kernels={runner.kernels}, "
           f"copy {rate / 1e12:.2f} TB/s (read + write)")
-    print(f"{'batch':>5} {'kernels':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'cpu ms':>7}")
+    print(f"{'batch':>5} {'kernels':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'cpu ms':>7} {'idle ms':>8}")
     rows = []
     for b in _ints(args.batch_sizes):
         row = step_timing.decode_row(runner, b, args.context, rate)
         # host time per step outside the forward, from real engine steps (short prompts: the context is irrelevant)
-        row["cpu_ms"] = round(profile_steps(engine, b, 16, args.profile_steps, rng)["cpu_ms"], 4)
+        prof = profile_steps(engine, b, 16, args.profile_steps, rng)
+        row["cpu_ms"], row["gpu_idle_ms"] = round(prof["cpu_ms"], 4), round(prof["gpu_idle_ms"], 4)
+        row["overlap"] = prof["overlap"]
         rows.append(row)
         print(f"{b:5d} {row['kernels_per_step']:8d} {row['step_ms']:8.2f} {row['floor_ms']:9.2f} "
-              f"{row['step_ms'] / row['floor_ms']:8.2f} {row['cpu_ms']:7.2f}", flush=True)
+              f"{row['step_ms'] / row['floor_ms']:8.2f} {row['cpu_ms']:7.3f} {row['gpu_idle_ms']:8.3f}", flush=True)
     results["decode"] = rows
     print(f"{'seqs':>5} {'len':>5} {'ms':>9} {'tok/s':>10}")
     results["prefill"] = []
@@ -220,10 +224,10 @@ def main(argv=None) -> None:
             results["static"] = rows
             results["profile"] = [profile_steps(engine, b, args.input_len, args.profile_steps, rng)
                                   for b in sorted({sizes[0], sizes[-1]})]
-            print(f"{'batch':>5} {'step ms':>8} {'cpu ms':>7} {'fwd queue ms':>13} {'wait ms':>8}")
+            print(f"{'batch':>5} {'step ms':>8} {'cpu ms':>7} {'fwd queue ms':>13} {'wait ms':>8} {'idle ms':>8}")
             for p in results["profile"]:
                 print(f"{p['batch']:5d} {p['step_ms']:8.2f} {p['cpu_ms']:7.3f} {p['forward_queue_ms']:13.3f} "
-                      f"{p['wait_ms']:8.2f}")
+                      f"{p['wait_ms']:8.2f} {p['gpu_idle_ms']:8.3f}")
         if "trace" in modes:
             print(f"trace: {args.num_requests} requests per level, prompts of {args.input_len} tokens, outputs "
                   f"{args.output_len_dist}")

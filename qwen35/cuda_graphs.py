@@ -94,7 +94,8 @@ class DecodeGraphs:
         self.block_tables[:n, : batch.block_tables.shape[1]].copy_(batch.block_tables)
         self.context_lens[:n].copy_(batch.context_lens)
         self.state_slots[:n].copy_(batch.state_slots)
-        self._pad(n, b)
+        if b > n:
+            self._pad(n, b)
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]

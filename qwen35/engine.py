@@ -112,6 +112,10 @@ class StepTimes:
     host_s: float = 0.0      # outside the forward: schedule, plan broadcast, sampling, postprocess
     forward_s: float = 0.0   # queueing the forward (runner.execute)
     wait_s: float = 0.0      # waiting for a step's tokens to reach the host
+    # GPU only: time the device sat idle between the end of a step and the start of the next one queued right
+    # after it (CUDA events): the part of the host's time that the overlap did not hide
+    gpu_idle_s: float = 0.0
+    gpu_gaps: int = 0
 
 
 @dataclass
@@ -120,6 +124,8 @@ class _Launched:
     sampled: list[Request]
     tokens: torch.Tensor | None     # [n] int64 on the host (pinned on a GPU), filled by a non-blocking copy
     ready: torch.cuda.Event | None  # recorded after that copy (GPU only)
+    start: torch.cuda.Event | None = None  # recorded before the step's first device work (GPU only)
+    after: torch.cuda.Event | None = None  # the end of the step queued just before this one, if back to back
 
     def host_tokens(self) -> list[int]:
         if self.ready is not None:
@@ -171,6 +177,7 @@ class LLMEngine:
         self.overlap = args.overlap
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._in_flight: _Launched | None = None
+        self._last_end: torch.cuda.Event | None = None  # end of the step queued last, while steps follow back to back
         self._failed: list[RequestOutput] = []  # requests that failed while their step was being queued
         self.total_prompt_tokens = 0      # prompt tokens prefilled
         self.total_completion_tokens = 0  # tokens sampled
@@ -203,6 +210,8 @@ class LLMEngine:
             return None
         self.scheduler.free(req)
         req.abort()
+        if not self.requests:  # a queued step holds only rows of ended requests: nothing to collect from it
+            self._in_flight = self._last_end = None
         return req.take_output()
 
     def has_unfinished(self) -> bool:
@@ -213,6 +222,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         forward_s, wait_s = self.times.forward_s, self.times.wait_s
         launched = self._launch()
+        if launched is None:
+            self._last_end = None  # the device may now idle for want of work: not a gap of the loop
         done = launched
         if self.overlap:
             done, self._in_flight = self._in_flight, launched
@@ -230,6 +241,7 @@ class LLMEngine:
         plan = step.plan
         if not plan.num_seqs:
             return None
+        start = self._event()
         self._bind(step.admitted)
         parallel.broadcast_ints(plan.encode())
         t0 = time.perf_counter()
@@ -239,13 +251,24 @@ class LLMEngine:
         self.runner.accept_tokens(tokens)
         self.total_prompt_tokens += step.num_prompt_tokens
         self.num_steps += 1
-        if tokens is None or not self._pin:
+        if not self._pin:
             return _Launched(step.sampled, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return _Launched(step.sampled, host, ready)
+        host = None
+        if tokens is not None:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+        launched = _Launched(step.sampled, host, self._event(), start)
+        if self._last_end is not None:  # a gap to measure once both ends have run (in _postprocess)
+            launched.after = self._last_end
+        self._last_end = launched.ready
+        return launched
+
+    def _event(self) -> torch.cuda.Event | None:
+        if not self._pin:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _bind(self, admitted: list[Request]) -> None:
         """Give newly admitted requests their sampling state: their slot's row of slot_sampling (one copy for all,
@@ -300,6 +323,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         tokens = launched.host_tokens()
         self.times.wait_s += time.perf_counter() - t0
+        if launched.after is not None:  # the step before this one has ended too: both events have run
+            self.times.gpu_idle_s += launched.after.elapsed_time(launched.start) / 1e3
+            self.times.gpu_gaps += 1
         outputs = []
         for req, token in zip(launched.sampled, tokens):
             if req.is_finished:  # aborted, failed or stopped while this step was queued: the token is dropped

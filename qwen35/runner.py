@@ -151,6 +151,10 @@ class ModelRunner:
         self.block_table[rows, cols] = blocks.to(torch.int32)
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:
+        """The step's inputs on the device (the block tables the plan sets are written first)."""
+        if not plan.num_seqs:
+            raise ValueError("bad step plan: no rows")
+        self._set_tables(plan)
         bs = self.block_size
         slots, starts, lens = plan.state_slots, plan.start_pos, plan.seq_lens
         ctx = [s + n for s, n in zip(starts, lens)]
@@ -222,7 +226,6 @@ class ModelRunner:
     def execute(self, plan: StepPlan, gather_to_all: bool = False, eager: bool = False) -> torch.Tensor | None:
         """Queue one step on the device; logits [n_want_logits, vocab] float32 on rank 0 (or on all ranks with
         gather_to_all). `eager` skips the CUDA graphs (kernel counts)."""
-        self._set_tables(plan)
         self._apply_copies(plan)
         batch = self.prepare(plan)
         if not eager and self.graphs is not None and self.graphs.can_run(batch):

@@ -340,7 +340,8 @@ def early_stops(tok, hf_tokens):
         if stop:
             must_stop.append(f"str{i}")
         reqs.append((f"str{i}", PROMPTS[i], SamplingParams(max_tokens=N_NEW, stop=[stop or "@@"])))
-        reqs.append((f"seed{i}", PROMPTS[i], SamplingParams(max_tokens=20, temperature=1.0, seed=i, stop=[stop or "@@"])))
+        seeded = SamplingParams(max_tokens=20, temperature=1.0, seed=i, stop=[stop or "@@"])
+        reqs.append((f"seed{i}", PROMPTS[i], seeded))
     return reqs, expect, must_stop
 
 
@@ -369,17 +370,50 @@ def test_abort_with_a_step_in_flight(small_engine, hf_tokens):
     assert eng.overlap
     eng.add_request("gone", PROMPTS[0], GREEDY)
     eng.add_request("stays", PROMPTS[1], GREEDY)
-    gone = []
-    while len(gone) < 3:
-        gone += [t for o in eng.step() if o.request_id == "gone" for t in o.token_ids]
+    early = {"gone": [], "stays": []}
+    while len(early["gone"]) < 3:
+        for o in eng.step():
+            early[o.request_id] += o.token_ids
     assert eng._in_flight is not None and any(r.request_id == "gone" for r in eng._in_flight.sampled)
     out = eng.abort_request("gone")  # its next token is being computed: it is dropped, its slot is free at once
-    assert out.finish_reason == "abort" and eng.stats()["state_slots_used"] == 1
+    assert out.finish_reason == "abort" and not out.token_ids and eng.stats()["state_slots_used"] == 1
     eng.add_request("reuses", PROMPTS[3], GREEDY)  # takes the aborted request's slot
     done, _ = run(eng, [])
-    assert "gone" not in done and done["stays"][0] == hf_tokens[1] and done["reuses"][0] == hf_tokens[3]
-    assert gone == hf_tokens[0][:len(gone)]
+    assert "gone" not in done and early["stays"] + done["stays"][0] == hf_tokens[1]
+    assert done["reuses"][0] == hf_tokens[3] and early["gone"] == hf_tokens[0][:len(early["gone"])]
     assert_pools_empty(eng)
+
+
+@pytest.mark.gpu
+def test_gpu_queueing_a_step_never_waits_for_the_device(tiny_dir):
+    """On a GPU, queueing a step (schedule, plan, forward, sampling, the tokens into the next step's input and their
+    copy to the host) never waits for the device: torch's sync debug mode turns any wait into an error. The
+    overlapped loop gives the serial loop's tokens (bf16, fast kernels, CUDA graphs; every request runs to
+    max_tokens, so that both loops run the very same batches and bf16 rounding cannot differ)."""
+    sampled = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=N_NEW, min_tokens=N_NEW, seed=7)
+    reqs = [(f"g{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:4])] + \
+        [(f"s{i}", p, dataclasses.replace(sampled, seed=i)) for i, p in enumerate(PROMPTS[4:])]
+    got = {}
+    for overlap in (True, False):
+        eng = LLMEngine(EngineArgs(model=tiny_dir, device="cuda", max_num_seqs=4, max_model_len=256,
+                                   max_num_batched_tokens=64, overlap=overlap))
+        assert eng.runner.graphs is not None
+        run(eng, [(f"warm{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])  # kernels compiled, graphs warm
+        launch = eng._launch
+
+        def strict():
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return launch()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        eng._launch = strict
+        eng.times = type(eng.times)()
+        got[overlap], _ = run(eng, reqs, arrive_every=1)
+        assert_pools_empty(eng)
+        assert eng.times.gpu_gaps > 0
+    assert got[True] == got[False]
 
 
 def _tp_worker(rank, port, tiny_dir, cache_dir, out_path):
