@@ -117,6 +117,15 @@ class StepTimes:
     gpu_idle_s: float = 0.0
     gpu_gaps: int = 0
 
+    def start(self) -> None:
+        self._t0, self._forward0, self._wait0 = time.perf_counter(), self.forward_s, self.wait_s
+
+    def stop(self) -> float:
+        """The step's wall time; its part outside the forward and the wait goes to host_s."""
+        wall = time.perf_counter() - self._t0
+        self.host_s += wall - (self.forward_s - self._forward0) - (self.wait_s - self._wait0)
+        return wall
+
 
 @dataclass
 class _Launched:
@@ -219,20 +228,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Queue the next step, then take the tokens of the step queued before it (overlap) or of this one."""
-        t0 = time.perf_counter()
-        forward_s, wait_s = self.times.forward_s, self.times.wait_s
+        self.times.start()
         launched = self._launch()
-        if launched is None:
-            self._last_end = None  # the device may now idle for want of work: not a gap of the loop
         done = launched
         if self.overlap:
             done, self._in_flight = self._in_flight, launched
         outputs = self._postprocess(done) if done is not None else []
         outputs, self._failed = outputs + self._failed, []
-        self.last_step_time = time.perf_counter() - t0
-        t = self.times
-        t.steps += launched is not None
-        t.host_s += self.last_step_time - (t.forward_s - forward_s) - (t.wait_s - wait_s)
+        self.last_step_time = self.times.stop()
         return outputs
 
     def _launch(self) -> _Launched | None:
@@ -240,7 +243,9 @@ class LLMEngine:
         step = self.scheduler.schedule()
         plan = step.plan
         if not plan.num_seqs:
+            self._last_end = None  # the device may now idle for want of work: not a gap of the loop
             return None
+        self.times.steps += 1
         start = self._event()
         self._bind(step.admitted)
         parallel.broadcast_ints(plan.encode())

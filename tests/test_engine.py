@@ -358,6 +358,7 @@ def test_overlapped_loop_equals_serial_loop(small_engine, tiny_dir, tok, hf_toke
     for eng in (small_engine, serial):
         got[eng.overlap], _ = run(eng, reqs, arrive_every=1)
         assert_pools_empty(eng)
+        assert eng.times.steps == eng.num_steps and eng.times.host_s > 0  # the loop's own measure, per step queued
     assert got[True] == got[False]
     for rid, tokens in expect.items():
         assert got[True][rid][0] == tokens and got[True][rid][2] == "stop", rid
