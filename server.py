@@ -4,8 +4,9 @@
 ASGI app; `qwen35.serve` builds the engine and runs it. Routes: GET /health, /ping, /v1/models, /metrics;
 POST /v1/chat/completions, /v1/completions, /invocations (= chat completions).
 
-Every request is validated here, before the engine sees it, so bad input is an HTTP 4xx with an OpenAI error body
-and never an engine error: every number is bounded (integers to what the sampler's tensors hold and to the
+Every request is validated here, before the engine sees it (the engine trusts what it gets), so bad input is an HTTP
+4xx with an OpenAI error body and never an engine error: the fields below, then the engine's own limits
+(engine.check_request: context length, vocabulary, what the KV cache can ever hold); every number is bounded (integers to what the sampler's tensors hold and to the
 vocabulary, floats finite and in range). A body past max_request_bytes is a 413, refused from its Content-Length or
 as soon as that much has arrived; parsing, template rendering and tokenizing run in worker threads, so a huge
 prompt never stalls the event loop (/health and every other client keep their answers). Policy on request fields:
@@ -47,8 +48,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from qwen35.chat_template import ChatTemplateUnavailable
-from qwen35.engine import GenerationError
-from qwen35.sampling_params import INT64, MAX_TEMPERATURE, SamplingParams
+from qwen35.async_engine import GenerationError
+from scheduler.sampling_params import INT64, MAX_TEMPERATURE, SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_TOKEN_IDS = 1024  # far more than anyone sends; each is masked out of the logits at every step
@@ -301,6 +302,10 @@ class _Server:
         prompt_ids, prompt_param = prompt_of(body)
         params = _sampling_params(body, len(prompt_ids), self.max_model_len, self.eos_ids, self.vocab_size,
                                   prompt_param)
+        try:
+            self.engine.check_request(prompt_ids, params)
+        except ValueError as e:  # what only the engine knows, e.g. a request bigger than the whole KV cache
+            raise APIError(str(e), param=prompt_param) from e
         return body, prompt_ids, params
 
     def _chat_prompt(self, body: dict) -> tuple[list[int], str]:
@@ -350,8 +355,6 @@ class _Server:
         rid = f"{kind}-{uuid.uuid4().hex}"
         try:
             outputs = self.engine.generate(rid, prompt_ids, params)
-        except ValueError as e:  # what only the engine can tell, e.g. a request bigger than the whole KV cache
-            raise APIError(str(e)) from e
         except RuntimeError as e:  # the engine is not running (yet, or any more: shutting down, stalled)
             raise APIError(str(e), status=503, type_="service_unavailable") from e
         if stream:

@@ -3,10 +3,12 @@
 Every rank of a torchrun job is one tensor-parallel rank. Without torchrun (or with world size 1) every collective
 is a no-op, so the same model code runs on one device with no process group at all.
 
-Two groups exist when running on GPUs: the default NCCL group for tensor collectives inside the forward, and a
-gloo group on the CPU for the small per-step metadata broadcast (so that rank 0's Python objects never need a
-device round trip). `all_reduce` sums small messages through torch symmetric memory instead of NCCL once
-`setup_symmetric_all_reduce` has run (dist/allreduce.py: one-shot / two-shot by size, NCCL beyond).
+Two groups exist when running on GPUs: the default NCCL group for tensor collectives on the device (inside the
+forward, and the sampled tokens), and a gloo group on the host for the small per-step metadata (a packed int64
+tensor): a worker rank receives step N+1's metadata while its device still runs step N, which a broadcast queued
+on the device behind step N's collectives would not allow. `all_reduce` sums small messages through torch
+symmetric memory instead of NCCL once `setup_symmetric_all_reduce` has run (dist/allreduce.py: one-shot / two-shot
+by size, NCCL beyond).
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ log = logging.getLogger("qwen35.dist")
 _WORLD = 1
 _RANK = 0
 _CPU_GROUP = None
+# broadcast_ints sends this many values in its first collective (the length first); longer tensors need a second
+INTS_FIRST = 1024
+_ints_buffer: torch.Tensor | None = None
 
 
 def init_distributed(device_type: str = "cuda", timeout_s: float = 1800.0) -> tuple[int, int]:
@@ -135,7 +140,8 @@ def gather_last_dim_to_driver(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def broadcast_object(obj=None, src: int = 0):
-    """Send a picklable object from `src` to every rank over the CPU group; returns it on every rank."""
+    """Send a picklable object from `src` to every rank over the CPU group; returns it on every rank. For setup
+    (e.g. the model path), never per step."""
     if _WORLD == 1:
         return obj
     if _RANK == src:
@@ -150,6 +156,40 @@ def broadcast_object(obj=None, src: int = 0):
         buf = torch.empty(int(header.item()), dtype=torch.uint8)
     torch_dist.broadcast(buf, src=src, group=_CPU_GROUP)
     return obj if _RANK == src else pickle.loads(buf.numpy().tobytes())
+
+
+def broadcast_ints(values: torch.Tensor | None = None, src: int = 0) -> torch.Tensor:
+    """Send a 1-D int64 CPU tensor from `src` to every rank over the host group; returns it on every rank (on the
+    others a fresh tensor). One collective when it holds fewer than INTS_FIRST values, two otherwise."""
+    global _ints_buffer
+    if _WORLD == 1:
+        return values
+    if _ints_buffer is None:
+        _ints_buffer = torch.empty(INTS_FIRST, dtype=torch.int64)
+    buf, head = _ints_buffer, INTS_FIRST - 1
+    if _RANK == src:
+        n = values.numel()
+        buf[0] = n
+        buf[1:1 + min(n, head)] = values[:head]
+    torch_dist.broadcast(buf, src=src, group=_CPU_GROUP)
+    if _RANK == src:
+        if n > head:
+            torch_dist.broadcast(values[head:].contiguous(), src=src, group=_CPU_GROUP)
+        return values
+    n = int(buf[0])
+    if n <= head:
+        return buf[1:1 + n].clone()
+    rest = torch.empty(n - head, dtype=torch.int64)
+    torch_dist.broadcast(rest, src=src, group=_CPU_GROUP)
+    return torch.cat([buf[1:], rest])
+
+
+def broadcast_tensor_(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Overwrite `x` on every rank with src's `x`, in place, over the device group (queued on the device: no host
+    sync on a GPU). Every rank passes a tensor of the same shape and dtype."""
+    if _WORLD > 1:
+        torch_dist.broadcast(x, src=src)
+    return x
 
 
 def barrier() -> None:

@@ -2,7 +2,7 @@
 
     from qwen35 import LLM, SamplingParams, create_engine
 """
-from qwen35.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "create_engine"]
 

@@ -1,7 +1,8 @@
 """The logits-level interface that correctness harnesses drive: create_engine(...).prefill/decode/remove.
 
-No scheduler and no sampling: each call is one forward over the listed requests, returning their next-token logits.
-Request state (a DeltaNet state slot and paged-KV blocks) is held per request id between calls.
+No batching policy and no sampling: each call is one forward over the listed requests, returning their next-token
+logits. Request state (a DeltaNet state slot and paged-KV blocks, taken from the same Scheduler pools the serving
+engine allocates from) is held per request id between calls.
 """
 from __future__ import annotations
 
@@ -9,16 +10,19 @@ import torch
 
 from dist import parallel
 from qwen35.config import ModelConfig
+from qwen35.engine_config import resolve_device
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
-from scheduler.pools import BlockPool, StateSlotPool
+from scheduler.scheduler import Scheduler
 
 
 class LogitsEngine:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.blocks = BlockPool(runner.num_kv_blocks, runner.block_size)
-        self.slots = StateSlotPool(runner.num_state_slots)
+        # the capacity of the runner's caches; each call's batch is the caller's, so its batching policy is unused
+        self.scheduler = Scheduler(runner.num_kv_blocks, runner.block_size, runner.num_state_slots,
+                                   runner.max_num_seqs, runner.max_num_seqs)
+        self.blocks, self.slots = self.scheduler.blocks, self.scheduler.slots
         self._state: dict = {}  # request id -> {"slot", "blocks", "len"}
 
     def prefill(self, request_ids: list, input_ids: list[torch.Tensor]) -> torch.Tensor:
@@ -67,6 +71,7 @@ class LogitsEngine:
             st["blocks"] += self.blocks.allocate(need)
 
     def _run(self, request_ids: list, tokens: list[list[int]]) -> torch.Tensor:
+        # every row gives its tokens and its whole block table (the runner keeps the table per slot)
         states = [self._state[r] for r in request_ids]
         plan = StepPlan(state_slots=[s["slot"] for s in states], token_ids=tokens,
                         start_pos=[s["len"] for s in states], block_tables=[list(s["blocks"]) for s in states],
@@ -83,10 +88,10 @@ def create_engine(model_config: dict, weight_dir: str, device: str = "cuda", dty
 
     The model follows the config's `model_type` (else `architectures`): Qwen3.5 (qwen3_5, qwen3_5_moe) or a dense
     LLaMA-like (llama, qwen2, qwen3). Weights: the directory's safetensors, else its `model.pt` state dict (HF
-    names); `load_format="dummy"` with weight_dir None makes random ones. Defaults: fp32 on CPU, bf16 on GPU.
-    Under torchrun every rank must make the same calls (tensor parallel)."""
-    parallel.init_distributed("cuda" if device.startswith("cuda") else "cpu")
-    config = ModelConfig.from_dict(model_config)
-    runner = ModelRunner(config, model_dir=weight_dir, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-                         max_model_len=max_model_len or min(config.max_position_embeddings, 8192), **runner_kwargs)
+    names); `load_format="dummy"` with weight_dir None makes random ones. Defaults (EngineConfig's, as the serving
+    engine's): fp32 on CPU, bf16 on GPU, max_model_len the model's max_position_embeddings up to 32768. Under
+    torchrun every rank must make the same calls (tensor parallel)."""
+    parallel.init_distributed(resolve_device(device).type)
+    runner = ModelRunner(ModelConfig.from_dict(model_config), model_dir=weight_dir, device=device, dtype=dtype,
+                         max_num_seqs=max_num_seqs, max_model_len=max_model_len, **runner_kwargs)
     return LogitsEngine(runner)

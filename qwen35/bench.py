@@ -10,11 +10,12 @@ and the traces correctness harnesses run through create_engine.
 record (the figures of record; qwen35/step_timing.py says how each is measured): per batch size, a decode step at
   context 1024: kernels per step (eager, profiler), step ms (CUDA graph, CUDA events), the memory floor (bytes the
   step moves / copy rate measured in the same run) and the host time per step outside the forward; prefill of 1, 8
-  and 64 prompts of --input-len tokens. Written to benchmarks/results/<date>_bench_<device>_tp<N>.json.
+  and 64 prompts of --input-len tokens. Written to benchmarks/results/<date>_bench_<device>_tp<N>.json. The
+  host time per step (cpu_ms) is the engine's own measure (LLMEngine.times), with overlap unless --no-overlap.
 static: for each batch size B, B requests of `--input-len` random tokens generating exactly `--output-len` tokens
   (ignore_eos), all added at once: latency, prefill (input) tok/s, decode (output) tok/s, inter-token latency. Also a
-  per-step profile at the smallest and largest batch: step wall time, forward wall time, GPU time of the forward
-  (CUDA events) and CPU time outside the forward.
+  per-step profile at the smallest and largest batch: step wall time, host time outside the forward, time queueing
+  the forward and time waiting for the device.
 trace: the closed-loop workload of the serving contract (per level 2 warm-up then `--num-requests` requests, exactly
   c in flight; 1024-token random-text prompts through the chat template, the same prompts at every level), with
   fixed or distributed output lengths (synthetic weights never stop on their own); weighted score as the contract's.
@@ -32,7 +33,6 @@ import argparse
 import datetime
 import json
 import random
-import statistics
 import sys
 import time
 from types import SimpleNamespace
@@ -41,8 +41,8 @@ import torch
 
 from dist import parallel
 from qwen35 import harness, latency, step_timing, workload
-from qwen35.engine import EngineArgs, LLMEngine
-from qwen35.sampling_params import SamplingParams
+from qwen35.engine import EngineArgs, LLMEngine, StepTimes
+from scheduler.sampling_params import SamplingParams
 
 WEIGHTS = {1: 1, 2: 1, 4: 2, 8: 2, 16: 4, 32: 4, 64: 8}
 ENGINE_MODES = ("record", "static", "trace", "latency")
@@ -53,44 +53,12 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
-class StepTimer:
-    """Wraps runner.execute to split each step into forward wall time, forward GPU time and everything else."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine, self.cuda = engine, engine.runner.device.type == "cuda"
-        self.forward_wall, self.forward_gpu = [], []
-        inner = engine.runner.execute
-
-        def timed(plan, **kw):
-            if self.cuda:
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            out = inner(plan, **kw)
-            if self.cuda:
-                end.record()
-                torch.cuda.synchronize()
-                self.forward_gpu.append(start.elapsed_time(end) / 1e3)
-            self.forward_wall.append(time.perf_counter() - t0)
-            return out
-
-        engine.runner.execute = timed
-        self._inner = inner
-
-    def restore(self):
-        self.engine.runner.execute = self._inner
-
-
-def run_to_completion(engine: LLMEngine, step_times: list | None = None) -> dict[str, dict]:
+def run_to_completion(engine: LLMEngine) -> dict[str, dict]:
     """Step until every request finished; per request: first-token time and finish time (perf_counter)."""
     seen: dict[str, dict] = {}
     while engine.has_unfinished():
-        t0 = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
-        if step_times is not None:
-            step_times.append(now - t0)
         for o in outs:
             rec = seen.setdefault(o.request_id, {"first": now, "tokens": 0})
             rec["tokens"] = o.num_completion_tokens
@@ -123,23 +91,24 @@ def static_batch(engine: LLMEngine, batch: int, input_len: int, output_len: int,
 
 
 def profile_steps(engine: LLMEngine, batch: int, input_len: int, decode_steps: int, rng: random.Random) -> dict:
-    """Mean per decode step at `batch`: step wall, forward wall, forward GPU, CPU outside the forward."""
+    """Mean per decode step at `batch`, as the engine measures its own steps (StepTimes): wall time per step, host
+    time outside the forward (cpu_ms: scheduling, the plan broadcast, sampling, postprocess; with overlap it runs
+    while the device computes), time queueing the forward, time the host waited for the device's tokens, and on a
+    GPU the time the device sat idle between steps (gpu_idle_ms: the host time the overlap did not hide)."""
     vocab = _vocab(engine)
     params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"profile-{batch}-{i}", [rng.randrange(vocab) for _ in range(input_len)], params)
-    while any(not r.output_ids for r in _running(engine)):  # prefill first, untimed
+    while any(not r.output_ids for r in engine.requests.values()):  # prefill first, untimed
         engine.step()
-    timer, steps = StepTimer(engine), []
-    try:
-        run_to_completion(engine, steps)
-    finally:
-        timer.restore()
-    n = len(steps)
-    gpu = statistics.mean(timer.forward_gpu) if timer.forward_gpu else float("nan")
-    fwd = statistics.mean(timer.forward_wall)
-    return {"batch": batch, "steps": n, "step_ms": 1e3 * statistics.mean(steps), "forward_wall_ms": 1e3 * fwd,
-            "forward_gpu_ms": 1e3 * gpu, "cpu_outside_forward_ms": 1e3 * (statistics.mean(steps) - fwd)}
+    engine.times = StepTimes()
+    t0 = time.perf_counter()
+    run_to_completion(engine)
+    wall, t = time.perf_counter() - t0, engine.times
+    n = max(1, t.steps)
+    return {"batch": batch, "steps": t.steps, "overlap": engine.overlap, "step_ms": 1e3 * wall / n,
+            "cpu_ms": 1e3 * t.host_s / n, "forward_queue_ms": 1e3 * t.forward_s / n, "wait_ms": 1e3 * t.wait_s / n,
+            "gpu_idle_ms": 1e3 * t.gpu_idle_s / t.gpu_gaps if t.gpu_gaps else float("nan")}
 
 
 def record(engine: LLMEngine, args, results: dict, rng: random.Random) -> None:
@@ -151,15 +120,17 @@ def record(engine: LLMEngine, args, results: dict, rng: random.Random) -> None:
     results["copy_rate_tb_s"] = round(rate / 1e12, 3)
     print(f"record on {results['device']}, tp={parallel.tp_size()}, kernels={runner.kernels}, "
           f"copy {rate / 1e12:.2f} TB/s (read + write)")
-    print(f"{'batch':>5} {'kernels':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'cpu ms':>7}")
+    print(f"{'batch':>5} {'kernels':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'cpu ms':>7} {'idle ms':>8}")
     rows = []
     for b in _ints(args.batch_sizes):
         row = step_timing.decode_row(runner, b, args.context, rate)
         # host time per step outside the forward, from real engine steps (short prompts: the context is irrelevant)
-        row["cpu_ms"] = round(profile_steps(engine, b, 16, args.profile_steps, rng)["cpu_outside_forward_ms"], 4)
+        prof = profile_steps(engine, b, 16, args.profile_steps, rng)
+        row["cpu_ms"], row["gpu_idle_ms"] = round(prof["cpu_ms"], 4), round(prof["gpu_idle_ms"], 4)
+        row["overlap"] = prof["overlap"]
         rows.append(row)
         print(f"{b:5d} {row['kernels_per_step']:8d} {row['step_ms']:8.2f} {row['floor_ms']:9.2f} "
-              f"{row['step_ms'] / row['floor_ms']:8.2f} {row['cpu_ms']:7.2f}", flush=True)
+              f"{row['step_ms'] / row['floor_ms']:8.2f} {row['cpu_ms']:7.3f} {row['gpu_idle_ms']:8.3f}", flush=True)
     results["decode"] = rows
     print(f"{'seqs':>5} {'len':>5} {'ms':>9} {'tok/s':>10}")
     results["prefill"] = []
@@ -167,10 +138,6 @@ def record(engine: LLMEngine, args, results: dict, rng: random.Random) -> None:
         row = step_timing.prefill_row(runner, n, args.input_len, engine.args.max_num_batched_tokens)
         results["prefill"].append(row)
         print(f"{n:5d} {args.input_len:5d} {row['ms']:9.1f} {row['tok_s']:10.0f}", flush=True)
-
-
-def _running(engine: LLMEngine):
-    return [t.request for t in engine._tracked.values()]
 
 
 def trace(engine: LLMEngine, args, rng: random.Random) -> dict:
@@ -318,10 +285,10 @@ def main(argv=None) -> None:
             results["static"] = rows
             results["profile"] = [profile_steps(engine, b, args.input_len, args.profile_steps, rng)
                                   for b in sorted({sizes[0], sizes[-1]})]
-            print(f"{'batch':>5} {'step ms':>8} {'fwd wall':>9} {'fwd GPU':>8} {'CPU outside':>12}")
+            print(f"{'batch':>5} {'step ms':>8} {'cpu ms':>7} {'fwd queue ms':>13} {'wait ms':>8} {'idle ms':>8}")
             for p in results["profile"]:
-                print(f"{p['batch']:5d} {p['step_ms']:8.2f} {p['forward_wall_ms']:9.2f} {p['forward_gpu_ms']:8.2f} "
-                      f"{p['cpu_outside_forward_ms']:12.2f}")
+                print(f"{p['batch']:5d} {p['step_ms']:8.2f} {p['cpu_ms']:7.3f} {p['forward_queue_ms']:13.3f} "
+                      f"{p['wait_ms']:8.2f} {p['gpu_idle_ms']:8.3f}")
         if "trace" in modes:
             print(f"trace: {args.num_requests} requests per level, prompts of {args.input_len} tokens, outputs "
                   f"{args.output_len_dist}")

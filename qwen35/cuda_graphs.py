@@ -4,6 +4,9 @@ static input tensors. A decode step is ~3,000 small kernels for the 40-layer mod
 Padded rows (a batch of 5 runs the graph of 8) point at the scratch state slot and the scratch KV block that the
 runner allocates one extra of, so they never touch a real request's state. The graph covers embedding -> final
 norm; the LM head and the logits gather run eagerly after the replay, on the real rows only.
+
+The host may queue step N+1 while step N still runs (the engine's overlap): N+1's copies into the static buffers
+are queued on the same stream behind N's replay, so they never overwrite inputs that N has yet to read.
 """
 from __future__ import annotations
 
@@ -94,7 +97,8 @@ class DecodeGraphs:
         self.block_tables[:n, : batch.block_tables.shape[1]].copy_(batch.block_tables)
         self.context_lens[:n].copy_(batch.context_lens)
         self.state_slots[:n].copy_(batch.state_slots)
-        self._pad(n, b)
+        if b > n:
+            self._pad(n, b)
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]

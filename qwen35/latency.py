@@ -42,7 +42,7 @@ def _sync(device) -> None:
 
 def engine_run(engine, prompt: list[int], output_len: int, tag: str) -> dict:
     """One request alone through LLMEngine: ms to the end, ms to the first token, and its tokens."""
-    from qwen35.sampling_params import SamplingParams
+    from scheduler.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     tokens, first = [], None
     t0 = time.perf_counter()

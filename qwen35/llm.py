@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 from dist import parallel
 from qwen35.engine import EngineArgs, LLMEngine
 from qwen35.outputs import CompletionOutput, Usage
-from qwen35.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams
 
 
 class LLM:
@@ -51,7 +51,7 @@ class LLM:
         params = list(params) if isinstance(params, Sequence) else [params] * len(all_ids)
         if len(params) != len(all_ids):
             raise ValueError(f"{len(params)} sampling params for {len(all_ids)} prompts")
-        for ids, sp in zip(all_ids, params):  # all or nothing: reject before queuing any
+        for ids, sp in zip(all_ids, params):  # the boundary: all or nothing, rejected before any is queued
             self.engine.check_request(ids, sp)
         results: dict[str, CompletionOutput] = {}
         for ids, sp in zip(all_ids, params):

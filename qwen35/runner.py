@@ -2,10 +2,15 @@
 
 Every rank holds one. The caches are allocated once, at fixed addresses: per full-attention layer a paged KV cache
 [blocks, block_size, kv_heads, head_dim]; per DeltaNet layer a conv tail [slots, conv_dim, kernel-1] and an fp32
-recurrent state [slots, v_heads, dk, dv]. A StepPlan addresses them by block id and state slot only.
+recurrent state [slots, v_heads, dk, dv]. A StepPlan addresses them by state slot only: per slot, the runner keeps
+on the device the slot's KV block table (set by the plans that change it) and the token last sampled for it
+(accept_tokens), which a row without tokens feeds. Preparing a step is one host-to-device copy of the plan's
+integers (from pinned memory, asynchronous: the host never waits for the device) and a few device ops, so the host
+can queue step N+1 while the device still runs step N.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import zlib
@@ -19,33 +24,11 @@ from layers.deltanet import GatedDeltaNet
 from layers.forward_batch import ForwardBatch
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
+from qwen35.engine_config import EngineConfig
 from qwen35.model import Qwen35Model
 from scheduler.plan import StepPlan
 
 log = logging.getLogger("qwen35.runner")
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None or str(device) == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    """None / "auto": bf16 on GPU, fp32 on CPU; else a name of DTYPES or a torch dtype."""
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
-        return DTYPES[dtype]
-    return dtype
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
@@ -72,12 +55,12 @@ class ModelRunner:
                  num_kv_blocks: int | None = None, enforce_eager: bool = False, seed: int = 0,
                  num_snapshot_slots: int = 0, kernels: str | None = None):
         self.config = config
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.engine_config = EngineConfig.resolve(config, device, dtype, max_model_len)
+        self.device, self.dtype = self.engine_config.device, self.engine_config.dtype
+        self.max_model_len = self.engine_config.max_model_len
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.num_snapshot_slots = num_snapshot_slots
-        self.max_model_len = max_model_len or min(config.max_position_embeddings, 32768)
         self.enforce_eager = enforce_eager
         config.check_tp(parallel.tp_size())
         # the kernel set is chosen once, here: the layers bind their implementations as they are built
@@ -99,6 +82,7 @@ class ModelRunner:
             elt = torch.empty((), dtype=self.dtype).element_size()
             parallel.setup_symmetric_all_reduce(max_num_seqs * config.hidden_size * elt, self.device)
         self._allocate_caches(gpu_memory_utilization, num_kv_blocks)
+        self._allocate_slot_inputs()
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
             if not all(getattr(m, "sync_free", True) for m in self.model.modules()):
@@ -144,39 +128,94 @@ class ModelRunner:
             log.info("caches: %d KV blocks of %d tokens (%.1f MiB), %d DeltaNet state slots", num_kv_blocks,
                      self.block_size, num_kv_blocks * per_block / 2**20, self.num_state_slots)
 
+    def _allocate_slot_inputs(self) -> None:
+        """Per state slot, on the device: its KV block table and the token last sampled for it."""
+        slots = self.scratch_slot + 1
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        self.block_table = torch.zeros(slots, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        self.slot_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self._table_len = [0] * slots  # blocks set per slot, on the host: plans are checked against it
+        # a host tensor copied to the device asynchronously must stay untouched until the copy has run: pinned
+        # memory from torch's caching host allocator is not handed out again before then
+        self._pin = self.device.type == "cuda"
+        self.logit_slots = torch.zeros(0, dtype=torch.int64, device=self.device)  # of the last step's logits rows
+
     # ---------------------------------------------------------------- forward
+    def _set_tables(self, plan: StepPlan) -> None:
+        """Write the block tables the plan sets into the slots' rows, in one copy and one scatter."""
+        sets = [(slot, t) for slot, t in zip(plan.state_slots, plan.block_tables) if t]
+        if not sets:
+            return
+        for slot, t in sets:
+            if not (0 <= slot < self.num_state_slots and len(t) <= self.max_blocks_per_seq
+                    and 0 <= min(t) and max(t) < self.num_kv_blocks):
+                raise ValueError(f"bad step plan: block table of {len(t)} blocks (ids {min(t)}..{max(t)}) for slot "
+                                 f"{slot}; {self.num_kv_blocks} blocks, at most {self.max_blocks_per_seq} per slot")
+            self._table_len[slot] = len(t)
+        host = torch.tensor([[slot, j, b] for slot, t in sets for j, b in enumerate(t)], dtype=torch.int64,
+                            pin_memory=self._pin)
+        rows, cols, blocks = host.to(self.device, non_blocking=True).unbind(1)
+        self.block_table[rows, cols] = blocks.to(torch.int32)
+
     def prepare(self, plan: StepPlan) -> ForwardBatch:
+        """The step's inputs on the device (the block tables the plan sets are written first)."""
+        if not plan.num_seqs:
+            raise ValueError("bad step plan: no rows")
+        self._set_tables(plan)
         bs = self.block_size
-        seq_lens = [len(t) for t in plan.token_ids]
-        for i, (n, start, table) in enumerate(zip(seq_lens, plan.start_pos, plan.block_tables)):
-            if n == 0 or len(table) * bs < start + n or not 0 <= plan.state_slots[i] < self.num_state_slots:
-                raise ValueError(f"bad step plan for sequence {i}: {n} tokens at {start}, {len(table)} blocks, "
-                                 f"slot {plan.state_slots[i]}")
-        max_blocks = max(len(t) for t in plan.block_tables)
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in plan.block_tables], dtype=torch.int64)
-        starts = torch.tensor(plan.start_pos, dtype=torch.int64)
-        lens = torch.tensor(seq_lens, dtype=torch.int64)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seq_lens)), lens)
-        cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
-        cu[1:] = lens.cumsum(0)
-        positions = starts[seq_of_token] + torch.arange(int(cu[-1])) - cu[:-1][seq_of_token]
-        slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
+        slots, starts, lens = plan.state_slots, plan.start_pos, plan.seq_lens
+        ctx = [s + n for s, n in zip(starts, lens)]
+        for i, (slot, c) in enumerate(zip(slots, ctx)):
+            if not 0 <= slot < self.num_state_slots or c > self._table_len[slot] * bs:
+                raise ValueError(f"bad step plan for row {i}: {lens[i]} tokens at {starts[i]} in slot {slot}, whose "
+                                 f"block table holds {self._table_len[slot] if 0 <= slot < len(self._table_len) else 0}"
+                                 f" blocks of {bs}")
+        cu = [0, *itertools.accumulate(lens)]
         want = [i for i, w in enumerate(plan.want_logits) if w]
-        dev = self.device
+        decode = plan.is_pure_decode
+        from_device = [not t for t in plan.token_ids]
+        fields = [slots, starts, ctx, cu, [cu[i + 1] - 1 for i in want], [slots[i] for i in want],
+                  [t for ids in plan.token_ids for t in (ids or (-1,))]]
+        sizes = [len(f) for f in fields]
+        if decode:
+            host = torch.tensor([v for f in fields for v in f], dtype=torch.int64, pin_memory=self._pin)
+        else:  # and per token: its row and its position
+            seq_of_token = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+            positions = torch.tensor(starts)[seq_of_token] + torch.arange(cu[-1]) - torch.tensor(cu[:-1])[seq_of_token]
+            host = torch.cat([torch.tensor([v for f in fields for v in f]), seq_of_token, positions])
+            host = host.pin_memory() if self._pin else host
+            sizes += [cu[-1], cu[-1]]
+        parts = host.to(self.device, non_blocking=True).split(sizes)
+        slots_d, starts_d, ctx_d, cu_d, logits_idx, self.logit_slots, tokens = parts[:7]
+        width = -(-max(ctx) // bs)
+        tables = self.block_table[slots_d, :width]
+        if decode:
+            positions = starts_d
+            blocks = tables.gather(1, (positions // bs)[:, None])[:, 0]
+        else:
+            seq_of_token, positions = parts[7:]
+            blocks = tables[seq_of_token, positions // bs]
+        if all(from_device):  # one token per row (a row without tokens feeds one)
+            input_ids = self.slot_tokens[slots_d]
+        elif any(from_device):
+            fed = self.slot_tokens[slots_d if decode else slots_d[seq_of_token]]
+            input_ids = torch.where(tokens < 0, fed, tokens)
+        else:
+            input_ids = tokens
         return ForwardBatch(
-            input_ids=torch.tensor([t for ids in plan.token_ids for t in ids], dtype=torch.int64).to(dev),
-            positions=positions.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            cu_seqlens=cu.to(torch.int32).to(dev),
-            start_pos=starts.to(torch.int32).to(dev),
-            context_lens=(starts + lens).to(torch.int32).to(dev),
-            block_tables=tables.to(torch.int32).to(dev),
-            state_slots=torch.tensor(plan.state_slots, dtype=torch.int64).to(dev),
-            logits_indices=(cu[1:] - 1)[want].to(dev),
-            seq_lens_cpu=seq_lens,
-            start_pos_cpu=list(plan.start_pos),
-            state_slots_cpu=list(plan.state_slots),
-            is_decode=plan.is_pure_decode,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=blocks.long() * bs + positions % bs,
+            cu_seqlens=cu_d.to(torch.int32),
+            start_pos=starts_d.to(torch.int32),
+            context_lens=ctx_d.to(torch.int32),
+            block_tables=tables,
+            state_slots=slots_d,
+            logits_indices=logits_idx,
+            seq_lens_cpu=lens,
+            start_pos_cpu=list(starts),
+            state_slots_cpu=list(slots),
+            is_decode=decode,
         )
 
     def _apply_copies(self, plan: StepPlan) -> None:
@@ -192,8 +231,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, gather_to_all: bool = False, eager: bool = False) -> torch.Tensor | None:
-        """Run one step; logits [n_want_logits, vocab] float32 on rank 0 (or on all ranks with gather_to_all).
-        `eager` skips the CUDA graphs (kernel counts)."""
+        """Queue one step on the device; logits [n_want_logits, vocab] float32 on rank 0 (or on all ranks with
+        gather_to_all). `eager` skips the CUDA graphs (kernel counts)."""
         self._apply_copies(plan)
         batch = self.prepare(plan)
         if not eager and self.graphs is not None and self.graphs.can_run(batch):
@@ -201,3 +240,14 @@ class ModelRunner:
         else:
             hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices], gather_to_all=gather_to_all)
+
+    @torch.inference_mode()
+    def accept_tokens(self, tokens: torch.Tensor | None) -> None:
+        """Every rank, after execute(): the tokens rank 0 sampled for the last step's logits rows ([n] int64 on the
+        device there, None elsewhere) become their slots' next input. A broadcast over the device group: queued
+        behind the step, no host sync."""
+        if not self.logit_slots.numel():
+            return
+        if tokens is None:
+            tokens = torch.empty(self.logit_slots.numel(), dtype=torch.int64, device=self.device)
+        self.slot_tokens[self.logit_slots] = parallel.broadcast_tensor_(tokens)

@@ -26,7 +26,8 @@ import uvicorn
 
 import server
 from dist import parallel
-from qwen35.engine import AsyncEngine, EngineArgs, LLMEngine
+from qwen35.async_engine import AsyncEngine
+from qwen35.engine import EngineArgs, LLMEngine
 
 log = logging.getLogger("qwen35.serve")
 API_KEY_ENV = "QWEN35_API_KEY"

@@ -11,6 +11,7 @@ recurrent state is read and written whole), so no prompt is prefilled before a d
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -99,7 +100,8 @@ def time_cuda(fn, steps: int) -> float:
 
 def decode_row(runner, batch: int, ctx: int, rate: float, steps: int = 50) -> dict:
     plan = decode_plan(runner, batch, ctx)
-    runner.execute(plan)  # warm-up (graph pick, lazy inits)
+    runner.execute(plan)  # warm-up (graph pick, lazy inits); sets the slots' block tables
+    plan = dataclasses.replace(plan, block_tables=[[] for _ in range(batch)])  # kept, as in an engine decode step
     kernels = count_kernels(lambda: runner.execute(plan, eager=True))
     step_ms = time_cuda(lambda: runner.execute(plan), steps)
     nbytes = decode_bytes(runner, batch, ctx)

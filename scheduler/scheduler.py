@@ -1,15 +1,21 @@
-"""Continuous batching with chunked prefill (rank 0 only).
+"""Continuous batching with chunked prefill (rank 0 only): admission, capacity and batching, nothing else.
 
 Policy (simple and safe): a request is admitted only when a DeltaNet state slot and KV blocks for its whole
-life (prompt + max_tokens) are free; it keeps them until it finishes or is aborted. A running request therefore
-never runs out of memory mid-generation, so there is no preemption; when capacity is short, requests wait in
-arrival order. Each step takes one token from every decoding request first, then fills the rest of the token
-budget with prefill chunks: partially prefilled requests first (oldest first), then newly admitted ones.
+life (prompt + max_tokens) are free; it keeps them until its last token is scheduled, it finishes or it is aborted.
+A running request therefore never runs out of memory mid-generation, so there is no preemption; when capacity is
+short, requests wait in arrival order. Each step takes one token from every decoding request first, then fills the
+rest of the token budget with prefill chunks: partially prefilled requests first (oldest first), then newly
+admitted ones.
+
+Tokens are counted when they are scheduled, not when their step has run: the next step can be planned while the
+device still runs this one (the engine's overlap). A decode row feeds the token sampled for its slot at the step
+before, which stays on the device. A request whose last token is scheduled gives its slot and blocks back at once:
+the only steps that could still touch them are already queued on the device, ahead of any step that reuses them.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.plan import StepPlan
 from scheduler.pools import BlockPool, StateSlotPool
@@ -18,10 +24,12 @@ from scheduler.request import Request, RequestStatus
 
 
 @dataclass
-class ScheduledSeq:
-    request: Request
-    num_tokens: int       # tokens fed this step
-    want_logits: bool     # a token is sampled for this request after the step
+class ScheduledStep:
+    plan: StepPlan
+    rows: list[Request] = field(default_factory=list)      # the request of each row of the plan
+    sampled: list[Request] = field(default_factory=list)   # the requests of the logits rows, in row order
+    admitted: list[Request] = field(default_factory=list)  # admitted in this step
+    num_prompt_tokens: int = 0                              # prompt tokens fed (prefill chunks)
 
 
 class Scheduler:
@@ -37,29 +45,14 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # admission order
-        self.requests: dict[str, Request] = {}
         # whole-prompt prefix cache (scheduler/prefix_cache.py); off without snapshot slots
         self.cache = PrefixCache(list(snapshot_slots)) if snapshot_slots else None
         self._copy_states: list[tuple[int, int]] = []  # (src slot, dst slot), run before the next forward
         self._copy_blocks: list[tuple[int, int]] = []
 
     # ---- admission -------------------------------------------------------------------------------------------
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """ValueError when a request could never be admitted, even into an empty engine."""
-        need = self.blocks.blocks_for(num_prompt_tokens + max_tokens - 1)
-        if need > self.blocks.size:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks of "
-                f"{self.blocks.block_size} tokens, but the KV cache holds only {self.blocks.size} blocks "
-                f"({self.blocks.size * self.blocks.block_size} tokens)")
-
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
-        if not request.prompt_ids:
-            raise ValueError("prompt must contain at least one token")
-        self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
-        self.requests[request.request_id] = request
+        """Queue a request (checked where it came in: RequestLimits)."""
         self.waiting.append(request)
 
     def _admit(self) -> Request | None:
@@ -125,85 +118,71 @@ class Scheduler:
         self._attach(req, entry, full)  # its full blocks now belong to the entry; the request reads them
 
     # ---- one step ----------------------------------------------------------------------------------------------
-    def schedule(self) -> tuple[StepPlan, list[ScheduledSeq]]:
-        budget = self.max_num_batched_tokens
-        seqs: list[ScheduledSeq] = []
+    def schedule(self) -> ScheduledStep:
+        """The next step's plan; every token in it counts as computed from now on."""
         for req in self.running:
             if req.snapshot_at is not None and req.num_computed == req.snapshot_at:
                 self._snapshot(req)
+        step, budget = ScheduledStep(StepPlan()), self.max_num_batched_tokens
         for req in self.running:
             if not req.is_prefilling:
-                seqs.append(ScheduledSeq(req, 1, True))
+                self._add_row(step, req, [], [])
                 budget -= 1
         for req in self.running:
             if req.is_prefilling and budget > 0:
-                budget -= self._add_chunk(seqs, req, budget)
+                budget -= self._add_chunk(step, req, budget, [])
         while budget > 0:
             req = self._admit()
             if req is None:
                 break
-            budget -= self._add_chunk(seqs, req, budget)
-        return self._build_plan(seqs), seqs
+            step.admitted.append(req)
+            budget -= self._add_chunk(step, req, budget, req.block_ids)
+        # the snapshots taken above and the cache hits admitted: copied in this order before the forward
+        step.plan.copy_states, step.plan.copy_blocks = self._copy_states, self._copy_blocks
+        self._copy_states, self._copy_blocks = [], []
+        for req in step.sampled:
+            if req.num_scheduled == req.params.max_tokens:
+                self.free(req)
+        return step
 
-    @staticmethod
-    def _add_chunk(seqs: list[ScheduledSeq], req: Request, budget: int) -> int:
+    def _add_chunk(self, step: ScheduledStep, req: Request, budget: int, table: list[int]) -> int:
         # a prompt to be cached stops one token short, so that its state can be snapshotted before the last one
         end = req.snapshot_at if req.snapshot_at is not None else req.num_prompt_tokens
         n = min(end - req.num_computed, budget)
-        seqs.append(ScheduledSeq(req, n, req.num_computed + n == req.num_prompt_tokens))
+        self._add_row(step, req, req.prompt_ids[req.num_computed:req.num_computed + n], table)
+        step.num_prompt_tokens += n
         return n
 
-    def _build_plan(self, seqs: list[ScheduledSeq]) -> StepPlan:
-        plan = StepPlan(copy_states=self._copy_states, copy_blocks=self._copy_blocks)
-        self._copy_states, self._copy_blocks = [], []
-        for s in seqs:
-            r, start = s.request, s.request.num_computed
-            plan.state_slots.append(r.state_slot)
-            plan.token_ids.append([r.token_at(i) for i in range(start, start + s.num_tokens)])
-            plan.start_pos.append(start)
-            plan.block_tables.append(r.block_ids[:self.blocks.blocks_for(start + s.num_tokens)])
-            plan.want_logits.append(s.want_logits)
-        return plan
-
-    def update(self, seqs: list[ScheduledSeq], sampled: list[int]) -> list[Request]:
-        """Record a finished forward step; `sampled` holds one token per want_logits sequence, in plan order.
-        Returns the requests that received a new token (the caller checks them for stop conditions)."""
-        it = iter(sampled)
-        grew = []
-        for s in seqs:
-            s.request.num_computed += s.num_tokens
-            if s.want_logits:
-                s.request.output_ids.append(next(it))
-                grew.append(s.request)
-        return grew
+    @staticmethod
+    def _add_row(step: ScheduledStep, req: Request, tokens: list[int], table: list[int]) -> None:
+        """A row feeding `tokens` ([] = the token sampled for it last, on the device); it wants logits when it
+        reaches the end of everything known, that is when a completion token follows it."""
+        plan = step.plan
+        step.rows.append(req)
+        plan.state_slots.append(req.state_slot)
+        plan.token_ids.append(tokens)
+        plan.start_pos.append(req.num_computed)
+        plan.block_tables.append(table)
+        req.num_computed += len(tokens) or 1
+        want = req.num_computed >= req.num_prompt_tokens
+        plan.want_logits.append(want)
+        if want:
+            req.num_scheduled += 1
+            step.sampled.append(req)
 
     # ---- leaving ---------------------------------------------------------------------------------------------
-    def finish(self, request: Request, reason: str) -> None:
-        self._release(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-
-    def abort(self, request_id: str) -> Request | None:
-        """Drop a request wherever it is; returns it, or None for an unknown (e.g. already finished) id."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
+    def free(self, req: Request) -> None:
+        """Take a request out of the scheduler wherever it is and return what it holds (nothing twice)."""
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        self._release(req)
-        req.status = RequestStatus.ABORTED
-        req.finish_reason = "abort"
-        return req
-
-    def _release(self, req: Request) -> None:
-        if req.status is RequestStatus.RUNNING:
+        elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self.slots.free([req.state_slot])
             self.blocks.free(req.block_ids[req.num_shared_blocks:])  # the shared ones belong to the cache entry
             if req.cache_entry is not None:
                 req.cache_entry.users -= 1
             req.state_slot, req.block_ids, req.cache_entry = None, [], None
-        del self.requests[req.request_id]
+        req.status = RequestStatus.RELEASED
 
     # ---- metrics -------------------------------------------------------------------------------------------------
     @property
@@ -214,5 +193,5 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)

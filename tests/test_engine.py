@@ -2,7 +2,7 @@
 
 The oracle for generated tokens is transformers' greedy `generate` on the same checkpoint; every engine run
 (batched with staggered arrivals, starved of state slots and KV blocks, after aborts, TP=2 over gloo, through
-AsyncEngine and LLM) must reproduce it.
+AsyncEngine and LLM, with the overlapped step loop and without it) must reproduce it.
 """
 import asyncio
 import dataclasses
@@ -15,10 +15,11 @@ import textwrap
 import pytest
 import torch
 
-from qwen35.engine import AsyncEngine, EngineArgs, LLMEngine
-from qwen35.outputs import OutputState
+from qwen35.async_engine import AsyncEngine
+from qwen35.engine import EngineArgs, LLMEngine
 from qwen35.sampling_params import SamplingParams
-from qwen35.tokenizer import BYTE_TO_CHAR, load_tokenizer
+from qwen35.tokenizer import BYTE_TO_CHAR, IncrementalDetokenizer, load_tokenizer
+from scheduler.request import Request
 
 from hf_reference import free_port
 
@@ -95,7 +96,7 @@ def record_plans(engine, monkeypatch):
 def run(engine, requests, arrive_every=0):
     """Add (rid, prompt, params) requests, the i-th before step i*arrive_every; run until all finish.
     Returns {rid: (token_ids, text, finish_reason, num_completion_tokens)} and the engine stats after each step."""
-    got = {rid: ([], "") for rid, _, _ in requests}
+    got = {rid: ([], "") for rid, _, _ in requests}  # and any request added before the call
     final = {}
     pending = list(requests)
     step, history = 0, []
@@ -103,7 +104,7 @@ def run(engine, requests, arrive_every=0):
         while pending and step >= arrive_every * (len(requests) - len(pending)):
             engine.add_request(*pending.pop(0))
         for o in engine.step():
-            ids, text = got[o.request_id]
+            ids, text = got.get(o.request_id, ([], ""))
             got[o.request_id] = (ids + o.token_ids, text + o.text)
             if o.finished:
                 final[o.request_id] = (*got[o.request_id], o.finish_reason, o.num_completion_tokens)
@@ -111,6 +112,13 @@ def run(engine, requests, arrive_every=0):
         step += 1
         assert step < 2000
     return final, history
+
+
+def engine_with_blocks(engine, num_kv_blocks):
+    """engine's request limits with a KV cache of num_kv_blocks blocks (for check_request only)."""
+    import dataclasses as dc
+    import types
+    return types.SimpleNamespace(limits=dc.replace(engine.limits, num_kv_blocks=num_kv_blocks))
 
 
 def assert_pools_empty(engine):
@@ -121,14 +129,18 @@ def assert_pools_empty(engine):
 
 # ---- outputs: stop handling and detokenization ----------------------------------------------------------------
 
+def record(tok, params, prompt=(1, 2, 3)) -> Request:
+    return Request("r", list(prompt), params, tuple(EOS), IncrementalDetokenizer(tok, list(prompt)))
+
+
 def stream(tok, ids, params, prompt=(1, 2, 3)):
-    """Feed `ids` one at a time; returns (streamed text chunks, final state)."""
-    st = OutputState("r", tok, params, EOS, list(prompt))
+    """Feed `ids` one at a time to a request record; returns (streamed text chunks, the record)."""
+    st = record(tok, params, prompt)
     chunks = []
     for t in ids:
-        st.append(t)
+        st.append_token(t)
         chunks.append(st.take_output().text)
-        if st.finished:
+        if st.is_finished:
             break
     return chunks, st
 
@@ -152,7 +164,7 @@ def test_stop_string_across_tokens_is_removed(tok):
     assert st.text == "The answer is 42." and st.finish_reason == "stop"
     assert_streamed_prefixes(chunks, st.text)
     # generation stopped at the token completing the stop string; all tokens so far are reported
-    assert tok.decode(st.token_ids) == "The answer is 42.\nQ:"
+    assert tok.decode(st.output_ids) == "The answer is 42.\nQ:"
 
 
 def test_earliest_stop_string_wins_and_streaming_holds_back(tok):
@@ -171,7 +183,7 @@ def test_earliest_stop_string_wins_and_streaming_holds_back(tok):
 def test_max_tokens_gives_length(tok):
     ids = tok.encode(TEXT)
     chunks, st = stream(tok, ids, SamplingParams(max_tokens=5))
-    assert st.finish_reason == "length" and st.token_ids == ids[:5]
+    assert st.finish_reason == "length" and st.output_ids == ids[:5]
     assert "".join(chunks) == st.text == tok.decode(ids[:5])
     out = st.take_output()
     assert out.finished and out.num_completion_tokens == 5 and out.num_prompt_tokens == 3
@@ -180,10 +192,10 @@ def test_max_tokens_gives_length(tok):
 def test_stop_tokens_and_ignore_eos(tok):
     ids = tok.encode("Hello world") + [EOS[0]] + tok.encode(" more")
     chunks, st = stream(tok, ids, SamplingParams(max_tokens=50))
-    assert st.finish_reason == "stop" and st.text == "Hello world" and st.token_ids[-1] == EOS[0]
-    assert len(st.token_ids) == len(tok.encode("Hello world")) + 1
+    assert st.finish_reason == "stop" and st.text == "Hello world" and st.output_ids[-1] == EOS[0]
+    assert len(st.output_ids) == len(tok.encode("Hello world")) + 1
     chunks, st = stream(tok, ids + [EOS[1]], SamplingParams(max_tokens=len(ids) + 1, ignore_eos=True))
-    assert st.finish_reason == "length" and st.token_ids == ids + [EOS[1]]
+    assert st.finish_reason == "length" and st.output_ids == ids + [EOS[1]]
     assert st.text == "Hello world more"  # special tokens carry no text
     # ignore_eos keeps stop strings
     chunks, st = stream(tok, ids, SamplingParams(max_tokens=50, ignore_eos=True, stop=["mo"]))
@@ -195,15 +207,15 @@ def test_stop_tokens_and_ignore_eos(tok):
 
 
 def test_min_tokens_suppresses_stop_tokens(tok):
-    st = OutputState("r", tok, SamplingParams(max_tokens=10, min_tokens=2), EOS, [1])
-    assert st.suppressed_ids() == tuple(EOS)
-    st.append(100)
-    assert st.suppressed_ids() == tuple(EOS)
-    st.append(101)
-    assert st.suppressed_ids() == ()
-    st.append(EOS[1])
+    st = record(tok, SamplingParams(max_tokens=10, min_tokens=2), [1])
+    assert st.suppressed_ids(len(st.output_ids)) == tuple(EOS)
+    st.append_token(100)
+    assert st.suppressed_ids(len(st.output_ids)) == tuple(EOS)
+    st.append_token(101)
+    assert st.suppressed_ids(len(st.output_ids)) == ()
+    st.append_token(EOS[1])
     assert st.finish_reason == "stop"
-    assert OutputState("r", tok, SamplingParams(min_tokens=2, ignore_eos=True), EOS, [1]).suppressed_ids() == ()
+    assert record(tok, SamplingParams(min_tokens=2, ignore_eos=True), [1]).suppressed_ids(0) == ()
 
 
 def test_multibyte_utf8_split_over_tokens(tok):
@@ -231,7 +243,8 @@ def test_batched_greedy_matches_alone_and_transformers(engine, hf_tokens, monkey
     # the run really was continuous batching: chunked prefills, and steps mixing decodes with prefill chunks
     assert max(h["num_running"] for h in history) >= 5
     assert any(p.want_logits.count(False) for p in plans)
-    assert any(any(len(t) == 1 and s > 0 for t, s in zip(p.token_ids, p.start_pos))
+    # decode rows feed the token sampled at the step before, which stays on the device (no host tokens)
+    assert any(any(not t and s > 0 for t, s in zip(p.token_ids, p.start_pos))
                and any(len(t) > 1 for t in p.token_ids) for p in plans)
     assert max(p.num_tokens for p in plans) <= 64
     for i, p in enumerate(PROMPTS):
@@ -260,13 +273,17 @@ def test_more_requests_than_slots_and_blocks(small_engine, hf_tokens):
 
 
 def test_invalid_requests_rejected(engine):
+    # checked once, where requests come in (the server, LLM); the engine behind that trusts them
     with pytest.raises(ValueError, match=r"prompt \(250 tokens\) \+ max_tokens \(10\) = 260 exceeds max_model_len "
                                          r"\(256\)"):
-        engine.add_request("x", [1] * 250, SamplingParams(max_tokens=10))
+        engine.check_request([1] * 250, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="at least one token"):
-        engine.add_request("x", [], SamplingParams())
+        engine.check_request([], SamplingParams())
     with pytest.raises(ValueError, match="token ids must be in"):
-        engine.add_request("x", [248_320], SamplingParams())
+        engine.check_request([248_320], SamplingParams())
+    with pytest.raises(ValueError, match=r"needs 14 KV blocks of 16 tokens, but the KV cache holds only 10 blocks"):
+        LLMEngine.check_request(engine_with_blocks(engine, 10), [1] * 200, SamplingParams(max_tokens=10))
+    engine.check_request([1, 2], SamplingParams(max_tokens=2))
     engine.add_request("x", [1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="duplicate request id 'x'"):
         engine.add_request("x", [1, 2], SamplingParams(max_tokens=2))
@@ -307,6 +324,97 @@ def test_seeded_sampling_reproducible(engine):
     other, _ = run(engine, [("seeded", PROMPTS[2], dataclasses.replace(SEEDED, seed=78))])
     assert other["seeded"][0] != alone["seeded"][0]
     assert_pools_empty(engine)
+
+
+def early_stops(tok, hf_tokens):
+    """Requests over every prompt that end before max_tokens: greedy on a stop token (expected: the transformers
+    continuation up to that token), greedy on a stop string (taken from that continuation, so it must fire), and
+    seeded sampling with the same stop string. Returns the requests, the expected tokens, the ids that must stop."""
+    reqs, expect, must_stop = [], {}, []
+    for i, ref in enumerate(hf_tokens):
+        j = 2 + i % 5
+        stop_id = ref[j]
+        reqs.append((f"tok{i}", PROMPTS[i], SamplingParams(max_tokens=N_NEW, stop_token_ids=[stop_id])))
+        expect[f"tok{i}"] = ref[:ref.index(stop_id) + 1]
+        stop = tok.decode(ref[j:j + 2], skip_special_tokens=True).strip()[:3]
+        if stop:
+            must_stop.append(f"str{i}")
+        reqs.append((f"str{i}", PROMPTS[i], SamplingParams(max_tokens=N_NEW, stop=[stop or "@@"])))
+        seeded = SamplingParams(max_tokens=20, temperature=1.0, seed=i, stop=[stop or "@@"])
+        reqs.append((f"seed{i}", PROMPTS[i], seeded))
+    return reqs, expect, must_stop
+
+
+def test_overlapped_loop_equals_serial_loop(small_engine, tiny_dir, tok, hf_tokens):
+    """Queueing step N+1 before taking step N's tokens gives the tokens of a loop that ends each step first: greedy
+    and seeded, with requests that stop early on a stop token or string (a row of theirs is already queued at the
+    next step, and its token must go nowhere), and 2 state slots for 24 requests (slots and blocks of stopped
+    requests reused by later ones at once)."""
+    serial = make_engine(tiny_dir, max_num_seqs=2, num_kv_blocks=10, max_model_len=160, overlap=False)
+    assert small_engine.overlap and not serial.overlap
+    reqs, expect, must_stop = early_stops(tok, hf_tokens)
+    assert len(must_stop) >= len(PROMPTS) // 2
+    got = {}
+    for eng in (small_engine, serial):
+        got[eng.overlap], _ = run(eng, reqs, arrive_every=1)
+        assert_pools_empty(eng)
+        assert eng.times.steps == eng.num_steps and eng.times.host_s > 0  # the loop's own measure, per step queued
+    assert got[True] == got[False]
+    for rid, tokens in expect.items():
+        assert got[True][rid][0] == tokens and got[True][rid][2] == "stop", rid
+    for rid in must_stop:
+        assert got[True][rid][2] == "stop" and got[True][rid][3] < N_NEW, (rid, got[True][rid])
+
+
+def test_abort_with_a_step_in_flight(small_engine, hf_tokens):
+    eng = small_engine
+    assert eng.overlap
+    eng.add_request("gone", PROMPTS[0], GREEDY)
+    eng.add_request("stays", PROMPTS[1], GREEDY)
+    early = {"gone": [], "stays": []}
+    while len(early["gone"]) < 3:
+        for o in eng.step():
+            early[o.request_id] += o.token_ids
+    assert eng._in_flight is not None and any(r.request_id == "gone" for r in eng._in_flight.sampled)
+    out = eng.abort_request("gone")  # its next token is being computed: it is dropped, its slot is free at once
+    assert out.finish_reason == "abort" and not out.token_ids and eng.stats()["state_slots_used"] == 1
+    eng.add_request("reuses", PROMPTS[3], GREEDY)  # takes the aborted request's slot
+    done, _ = run(eng, [])
+    assert "gone" not in done and early["stays"] + done["stays"][0] == hf_tokens[1]
+    assert done["reuses"][0] == hf_tokens[3] and early["gone"] == hf_tokens[0][:len(early["gone"])]
+    assert_pools_empty(eng)
+
+
+@pytest.mark.gpu
+def test_gpu_queueing_a_step_never_waits_for_the_device(tiny_dir):
+    """On a GPU, queueing a step (schedule, plan, forward, sampling, the tokens into the next step's input and their
+    copy to the host) never waits for the device: torch's sync debug mode turns any wait into an error. The
+    overlapped loop gives the serial loop's tokens (bf16, fast kernels, CUDA graphs; every request runs to
+    max_tokens, so that both loops run the very same batches and bf16 rounding cannot differ)."""
+    sampled = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=N_NEW, min_tokens=N_NEW, seed=7)
+    reqs = [(f"g{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:4])] + \
+        [(f"s{i}", p, dataclasses.replace(sampled, seed=i)) for i, p in enumerate(PROMPTS[4:])]
+    got = {}
+    for overlap in (True, False):
+        eng = LLMEngine(EngineArgs(model=tiny_dir, device="cuda", max_num_seqs=4, max_model_len=256,
+                                   max_num_batched_tokens=64, overlap=overlap))
+        assert eng.runner.graphs is not None
+        run(eng, [(f"warm{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])  # kernels compiled, graphs warm
+        launch = eng._launch
+
+        def strict():
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return launch()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        eng._launch = strict
+        eng.times = type(eng.times)()
+        got[overlap], _ = run(eng, reqs, arrive_every=1)
+        assert_pools_empty(eng)
+        assert eng.times.gpu_gaps > 0
+    assert got[True] == got[False]
 
 
 def _tp_worker(rank, port, tiny_dir, cache_dir, out_path):
@@ -361,14 +469,14 @@ def test_a_failing_request_fails_alone(engine, hf_tokens, monkeypatch):
     output handling) ends that request with finish_reason "error" and frees it; the others go on as if it were not
     there, and the engine keeps serving."""
     broken = SamplingParams(temperature=1.0, max_tokens=8)
-    append = OutputState.append
+    append = Request.append_token
 
     def append_or_fail(self, token_id):
         if self.request_id == "broken-output":
             raise UnicodeError("the detokenizer broke")
         append(self, token_id)
 
-    monkeypatch.setattr(OutputState, "append", append_or_fail)
+    monkeypatch.setattr(Request, "append_token", append_or_fail)
     reqs = [("ok", PROMPTS[0], GREEDY), ("broken-sampling", PROMPTS[1], broken),
             ("broken-output", PROMPTS[5], SamplingParams(max_tokens=8)), ("ok3", PROMPTS[3], GREEDY)]
     done = run_broken(engine, reqs, lambda: setattr(broken, "top_p", "0.9"))  # torch refuses it in the step
@@ -384,7 +492,7 @@ def test_a_failing_request_fails_alone(engine, hf_tokens, monkeypatch):
 
 def test_stop_token_ids_past_the_vocabulary_are_refused(engine):
     with pytest.raises(ValueError, match="stop_token_ids"):
-        engine.add_request("r", PROMPTS[0], SamplingParams(stop_token_ids=[300000], min_tokens=2, max_tokens=4))
+        engine.check_request(PROMPTS[0], SamplingParams(stop_token_ids=[300000], min_tokens=2, max_tokens=4))
     assert_pools_empty(engine)
 
 
@@ -410,11 +518,11 @@ async def wait_until(pred, timeout=20.0):
 def test_async_engine(small_engine, hf_tokens):
     async def main(ae: AsyncEngine):
         assert ae.ready
-        # invalid requests fail at the call, before anything is queued
+        # what the server checks before generate(): invalid requests are refused before anything is queued
         with pytest.raises(ValueError, match=r"= 161 exceeds max_model_len \(160\)"):
-            ae.generate("bad", [1] * 150, SamplingParams(max_tokens=11))
+            ae.check_request([1] * 150, SamplingParams(max_tokens=11))
         with pytest.raises(ValueError, match="at least one token"):
-            ae.generate("bad", [], SamplingParams())
+            ae.check_request([], SamplingParams())
         # concurrent streams, more than the 2 state slots; both `async for` and `await` forms
         streams = [ae.generate(f"q{i}", PROMPTS[i], GREEDY) for i in range(3)]
         with pytest.raises(ValueError, match="duplicate request id 'q0'"):
@@ -458,7 +566,8 @@ def test_async_engine(small_engine, hf_tokens):
 def test_step_loop_failure_ends_the_process(tiny_dir, cache_dir):
     script = textwrap.dedent(f"""
         import asyncio
-        from qwen35.engine import AsyncEngine, EngineArgs, LLMEngine
+        from qwen35.async_engine import AsyncEngine
+        from qwen35.engine import EngineArgs, LLMEngine
         from qwen35.sampling_params import SamplingParams
         eng = LLMEngine(EngineArgs(model={tiny_dir!r}, max_num_seqs=2, max_model_len=64, device="cpu"))
         def broken(plan):

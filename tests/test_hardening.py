@@ -231,20 +231,25 @@ def test_fuzz_completions_never_5xx(keyed, fields):
 
 @pytest.fixture(scope="module")
 def boundary():
-    """The server's validation on its own (no engine), and a sampler over the real vocabulary."""
+    """The server's validation on its own, with the engine's request limits of the keyed server (max_model_len 64,
+    the tiny model's vocabulary) and no engine behind them, and a sampler over the real vocabulary."""
+    from types import SimpleNamespace
+
     from layers.sampler import Sampler
     from qwen35.tokenizer import load_tokenizer
+    from scheduler.request import RequestLimits
 
     tok = load_tokenizer(None)
-    s = server._Server(None, tok, "m", 64, None, server.DEFAULT_MAX_REQUEST_BYTES)
+    limits = RequestLimits(vocab_size=248320, max_model_len=64, num_kv_blocks=512, block_size=16)
+    s = server._Server(SimpleNamespace(check_request=limits.check), tok, "m", 64, None,
+                       server.DEFAULT_MAX_REQUEST_BYTES)
     return s, Sampler(tok.num_real_tokens, "cpu"), torch.randn(1, 248320)
 
 
 def cross_the_boundary(boundary, prepare, base: dict, fields: dict) -> None:
-    """Whatever passes validation is safe for the step loop: the sampler takes it without raising, every stop id is
-    in the vocabulary (an id past the logits is a device-side assert on a GPU), and a seed makes a generator."""
-    from layers.sampler import SampleRow
-
+    """Whatever passes validation is safe for the step loop: its sampler row becomes the sampler's tensors, the
+    sampler takes them without raising, every stop id is in the vocabulary (an id past the logits is a device-side
+    assert on a GPU), and a seed makes a generator."""
     s, sampler, logits = boundary
     try:
         _, _, params = s._prepare(json.dumps({**base, **fields}).encode(), prepare(s))
@@ -253,8 +258,12 @@ def cross_the_boundary(boundary, prepare, base: dict, fields: dict) -> None:
         return
     stop_ids = params.stop_token_ids or s.eos_ids
     assert max(stop_ids) < s.vocab_size, params
-    generator = sampler.make_generator(params.seed) if params.seed is not None else None
-    sampler.sample(logits, [SampleRow(params, generator, tuple(stop_ids) if params.min_tokens else ())])
+    row = torch.tensor([params.sampler_row()], dtype=torch.float32)  # what the engine writes for its slot
+    generators = [(0, sampler.make_generator(params.seed))] if params.seed is not None else []
+    suppress = (torch.zeros(len(stop_ids), dtype=torch.int64), torch.tensor(stop_ids)) if params.min_tokens else None
+    out = sampler.sample(logits, row[:, 0], row[:, 1], row[:, 2], generators, suppress, params.greedy,
+                         params.top_k > 0 or params.top_p < 1)
+    assert 0 <= int(out[0]) < s.vocab_size
 
 
 BOUNDARY = settings(max_examples=1000, deadline=None, derandomize=True,
@@ -284,11 +293,15 @@ def test_alive_after_the_fuzz(keyed):
 # ---- errors the engine reports, through the HTTP layer ----------------------------------------------------------
 
 class _FailingEngine:
-    """An AsyncEngine stand-in whose requests produce one output, then fail with `error`."""
+    """An AsyncEngine stand-in that accepts every request, whose requests produce one output, then fail with
+    `error`."""
     ready = True
 
     def __init__(self, error: Exception):
         self.error = error
+
+    def check_request(self, prompt_ids, params):
+        pass
 
     def generate(self, request_id, prompt_ids, params):
         from qwen35.outputs import RequestOutput
@@ -301,7 +314,7 @@ class _FailingEngine:
 
 @pytest.mark.parametrize("status", [500, 503])
 def test_engine_errors_become_openai_errors(status):
-    from qwen35.engine import GenerationError
+    from qwen35.async_engine import GenerationError
     from qwen35.tokenizer import load_tokenizer
 
     async def main():
@@ -322,7 +335,8 @@ def test_engine_errors_become_openai_errors(status):
 # ---- liveness: a stalled step loop ends the job -------------------------------------------------------------------
 
 def test_watchdog_fails_requests_and_health_when_a_step_hangs():
-    from qwen35.engine import AsyncEngine, EngineArgs, GenerationError, LLMEngine
+    from qwen35.async_engine import AsyncEngine, GenerationError
+    from qwen35.engine import EngineArgs, LLMEngine
     from qwen35.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineArgs(model="tiny", device="cpu", max_model_len=64, max_num_seqs=2))

@@ -1,8 +1,12 @@
-"""Sampler: greedy, temperature / top-k / top-p on a known distribution, per-request seeds, vocab padding, min_tokens."""
+"""Sampler: greedy, temperature / top-k / top-p on a known distribution, per-request seeds, vocab padding, min_tokens.
+
+The sampler takes tensors; `sample` below fills them from SamplingParams as the engine does (sampler_row), and
+passes the host-side hints (greedy_only, filtered) as the engine computes them.
+"""
 import pytest
 import torch
 
-from layers.sampler import SampleRow, Sampler
+from layers.sampler import Sampler
 from qwen35.sampling_params import SamplingParams
 
 V = 1000        # vocab columns of the logits
@@ -23,9 +27,23 @@ def frequencies(tokens: list[int]) -> dict[int, float]:
     return {t: tokens.count(t) / len(tokens) for t in set(tokens)}
 
 
+def sample(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], generators=(),
+           suppress: list[tuple[int, int]] = (), hints: bool = True) -> list[int]:
+    """One token per row; generators: (row, torch.Generator); suppress: (row, token id) pairs. hints=False runs
+    every path the hints let the engine skip."""
+    t = torch.tensor([p.sampler_row() for p in params], dtype=torch.float32)
+    sup = torch.tensor(list(suppress), dtype=torch.int64).reshape(-1, 2).T if suppress else None
+    greedy_only = hints and all(p.greedy for p in params)
+    filtered = not hints or any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
+    out = sampler.sample(logits, t[:, 0], t[:, 1], t[:, 2], generators, None if sup is None else tuple(sup),
+                         greedy_only, filtered)
+    assert out.dtype == torch.int64 and out.shape == (logits.shape[0],)
+    return out.tolist()
+
+
 def draw(params: SamplingParams, n: int = 4000, seed: int = 0) -> dict[int, float]:
     s = Sampler(REAL, "cpu", seed=seed)
-    return frequencies(s.sample(known_logits(n), [SampleRow(params)] * n))
+    return frequencies(sample(s, known_logits(n), [params] * n))
 
 
 def expected(weights: dict[int, float]) -> dict[int, float]:
@@ -44,10 +62,12 @@ def test_greedy_is_argmax_and_ignores_padding():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, V, generator=g)
     logits[2, REAL + 3] = 100.0  # a padding id never wins, even in greedy
-    rows = [SampleRow(SamplingParams(temperature=0)) for _ in range(6)]
-    rows[4] = SampleRow(SamplingParams(temperature=0.0, top_k=5, top_p=0.5, seed=3))  # filters don't matter
-    out = Sampler(REAL, "cpu").sample(logits, rows)
-    assert out == logits[:, :REAL].argmax(-1).tolist()
+    rows = [SamplingParams(temperature=0) for _ in range(6)]
+    rows[4] = SamplingParams(temperature=0.0, top_k=5, top_p=0.5, seed=3)  # filters don't matter
+    before = logits.clone()
+    for hints in (True, False):
+        assert sample(Sampler(REAL, "cpu"), logits, rows, hints=hints) == logits[:, :REAL].argmax(-1).tolist()
+    assert torch.equal(logits, before)  # the caller's logits are left as they are
 
 
 def test_temperature_one_samples_the_distribution():
@@ -78,10 +98,9 @@ def test_top_k_then_top_p():
 
 def test_mixed_batch_rows_keep_their_own_settings():
     n = 3000
-    rows = ([SampleRow(SamplingParams(temperature=1.0, top_k=2))] * n
-            + [SampleRow(SamplingParams(temperature=0.0))] * n
-            + [SampleRow(SamplingParams(temperature=1.0, top_p=0.6))] * n)
-    out = Sampler(REAL, "cpu").sample(known_logits(3 * n), rows)
+    rows = ([SamplingParams(temperature=1.0, top_k=2)] * n + [SamplingParams(temperature=0.0)] * n
+            + [SamplingParams(temperature=1.0, top_p=0.6)] * n)
+    out = sample(Sampler(REAL, "cpu"), known_logits(3 * n), rows)
     assert_close(frequencies(out[:n]), expected({0: 0.3, 1: 0.2}))
     assert set(out[n:2 * n]) == {IDS[0]}
     assert_close(frequencies(out[2 * n:]), expected({0: 0.3, 1: 0.2, 2: 0.15}))
@@ -90,33 +109,32 @@ def test_mixed_batch_rows_keep_their_own_settings():
 def test_padding_ids_never_sampled():
     logits = torch.zeros(2000, V)
     logits[:, REAL:] = 30.0
-    out = Sampler(REAL, "cpu").sample(logits, [SampleRow(SamplingParams(temperature=2.0))] * 2000)
+    out = sample(Sampler(REAL, "cpu"), logits, [SamplingParams(temperature=2.0)] * 2000)
     assert max(out) < REAL
     assert len(set(out)) > 500  # and the real ids are sampled roughly uniformly
 
 
-def seeded_run(seed: int, companions: list[SampleRow], position: int, steps: int = 20) -> list[int]:
-    """Tokens drawn for one seeded request over `steps` steps, sharing each step's batch with `companions`."""
+def seeded_run(seed: int, companions: list[SamplingParams], position: int, steps: int = 20) -> list[int]:
+    """Tokens drawn for one seeded request over `steps` steps, sharing each step's batch with `companions` (each
+    with its own generator when it has a seed, as the engine gives them)."""
     sampler = Sampler(REAL, "cpu", seed=99)
-    me = SampleRow(SamplingParams(temperature=0.8, top_p=0.95, seed=seed), sampler.make_generator(seed))
+    me = SamplingParams(temperature=0.8, top_p=0.95, seed=seed)
+    params = companions[:position] + [me] + companions[position:]
+    gens = [(i, sampler.make_generator(p.seed)) for i, p in enumerate(params) if p.seed is not None]
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
         base = torch.randn(V, generator=g)  # this request's logits: the same in every run
-        rows = companions[:position] + [me] + companions[position:]
-        logits = torch.randn(len(rows), V) * 3  # companions' logits differ from run to run
+        logits = torch.randn(len(params), V) * 3  # companions' logits differ from run to run
         logits[position] = base
-        out.append(sampler.sample(logits, rows)[position])
+        out.append(sample(sampler, logits, params, gens)[position])
     return out
 
 
 def test_same_seed_same_tokens_whatever_the_batch():
     alone = seeded_run(1234, [], 0)
-    sampler = Sampler(REAL, "cpu")
-    companions = [SampleRow(SamplingParams(temperature=1.0)),
-                  SampleRow(SamplingParams(temperature=0.7, seed=1234), sampler.make_generator(1234)),
-                  SampleRow(SamplingParams(temperature=0.0)),
-                  SampleRow(SamplingParams(temperature=1.3, top_k=7, seed=5), sampler.make_generator(5))]
+    companions = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, seed=1234),
+                  SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=7, seed=5)]
     assert seeded_run(1234, companions, 2) == alone
     assert seeded_run(1234, companions[:1], 1) == alone
     assert seeded_run(4321, companions, 0) != alone  # 20 draws over ~990 ids: a collision is ~impossible
@@ -124,10 +142,10 @@ def test_same_seed_same_tokens_whatever_the_batch():
 
 def test_unseeded_rows_follow_the_engine_seed():
     logits = torch.zeros(50, V)
-    rows = [SampleRow(SamplingParams(temperature=1.0))] * 50
-    a = Sampler(REAL, "cpu", seed=7).sample(logits, rows)
-    assert Sampler(REAL, "cpu", seed=7).sample(logits, rows) == a
-    assert Sampler(REAL, "cpu", seed=8).sample(logits, rows) != a
+    rows = [SamplingParams(temperature=1.0)] * 50
+    a = sample(Sampler(REAL, "cpu", seed=7), logits, rows)
+    assert sample(Sampler(REAL, "cpu", seed=7), logits, rows) == a
+    assert sample(Sampler(REAL, "cpu", seed=8), logits, rows) != a
 
 
 def test_suppressed_ids_are_never_sampled():
@@ -135,19 +153,32 @@ def test_suppressed_ids_are_never_sampled():
     logits = known_logits(500)
     eos = [IDS[0], IDS[1]]
     logits[:, eos] = 40.0
-    rows = [SampleRow(SamplingParams(temperature=1.0), suppress_ids=tuple(eos))] * 250 \
-        + [SampleRow(SamplingParams(temperature=0.0), suppress_ids=tuple(eos))] * 250
-    out = Sampler(REAL, "cpu").sample(logits, rows)
+    rows = [SamplingParams(temperature=1.0)] * 250 + [SamplingParams(temperature=0.0)] * 250
+    suppress = [(i, t) for i in range(500) for t in eos]
+    out = sample(Sampler(REAL, "cpu"), logits, rows, suppress=suppress)
     assert not set(out) & set(eos)
     assert set(out[250:]) == {IDS[2]}  # greedy falls to the best allowed id
-    free = Sampler(REAL, "cpu").sample(logits[:1], [SampleRow(SamplingParams(temperature=0.0))])
-    assert free[0] in eos
+    assert sample(Sampler(REAL, "cpu"), logits[250:], rows[250:], suppress=suppress[:500]) == [IDS[2]] * 250
+    free = sample(Sampler(REAL, "cpu"), logits[:1], [SamplingParams(temperature=0.0)])
+    assert free[0] in eos  # only the rows named are suppressed, and the caller's logits are untouched
 
 
 @pytest.mark.parametrize("temperature", [0, 1.0])
-def test_returns_python_ints(temperature):
-    out = Sampler(REAL, "cpu").sample(torch.randn(3, V), [SampleRow(SamplingParams(temperature=temperature))] * 3)
-    assert all(type(t) is int and 0 <= t < REAL for t in out) and len(out) == 3
+def test_returns_token_ids_on_the_device(temperature):
+    out = sample(Sampler(REAL, "cpu"), torch.randn(3, V), [SamplingParams(temperature=temperature)] * 3)
+    assert all(0 <= t < REAL for t in out) and len(out) == 3
+
+
+def test_hints_change_no_result():
+    # greedy_only / filtered only let the engine skip work it knows is not needed: the full path gives the same ids
+    logits = known_logits(64) + torch.randn(64, V)
+    mixed = [SamplingParams(temperature=1.0, seed=i) for i in range(32)] + [SamplingParams()] * 32
+    for params in (mixed, [SamplingParams()] * 64):
+        runs = []
+        for hints in (True, False):
+            gens = [(i, torch.Generator().manual_seed(p.seed)) for i, p in enumerate(params) if p.seed is not None]
+            runs.append(sample(Sampler(REAL, "cpu", seed=1), logits, params, gens, hints=hints))
+        assert runs[0] == runs[1]
 
 
 def test_out_of_range_temperature_is_rejected():
@@ -161,8 +192,9 @@ def test_out_of_range_temperature_is_rejected():
 
 def test_near_zero_temperature_is_greedy():
     # logits / 1e-40 is inf in float32, and softmax of inf is NaN: below GREEDY_TEMPERATURE a row samples as greedy
-    rows = [SampleRow(SamplingParams(temperature=t, seed=1)) for t in (1e-40, 1e-30, 1e-6, 0.0)]
-    assert Sampler(REAL, "cpu").sample(known_logits(4), rows) == [IDS[0]] * 4
+    rows = [SamplingParams(temperature=t, seed=1) for t in (1e-40, 1e-30, 1e-6, 0.0)]
+    assert sample(Sampler(REAL, "cpu"), known_logits(4), rows) == [IDS[0]] * 4
+    assert [p.sampler_row()[0] for p in rows] == [0.0] * 4  # the sampler sees temperature 0: greedy
     assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-4).greedy
 
 
@@ -175,19 +207,10 @@ def test_top_k_past_the_vocabulary_keeps_everything():
 def test_suppress_ids_outside_the_logits_are_ignored():
     # a stop id past the vocabulary can never be sampled, so there is nothing to suppress (indexing it would fail,
     # and on a GPU that is a device-side assert that ends the process)
-    rows = [SampleRow(SamplingParams(temperature=t), suppress_ids=(V + 5, IDS[0], 10**12)) for t in (0.0, 1.0)]
-    out = Sampler(REAL, "cpu").sample(known_logits(2), rows)
+    rows = [SamplingParams(temperature=t) for t in (0.0, 1.0)]
+    out = sample(Sampler(REAL, "cpu"), known_logits(2), rows,
+                 suppress=[(r, t) for r in range(2) for t in (V + 5, IDS[0], 10**12)])
     assert out[0] == IDS[1] and out[1] != IDS[0]
-
-
-def test_sample_each_fails_only_the_broken_row():
-    broken = SamplingParams(temperature=1.0, seed=3)
-    broken.top_p = "0.9"  # past validation: sampling this row raises
-    rows = [SampleRow(SamplingParams(temperature=0.0)), SampleRow(broken), SampleRow(SamplingParams(temperature=0.0))]
-    out = Sampler(REAL, "cpu").sample_each(known_logits(3), rows)
-    assert out[0] == out[2] == IDS[0] and isinstance(out[1], TypeError)
-    ok = [SampleRow(SamplingParams(temperature=0.0))] * 2
-    assert Sampler(REAL, "cpu").sample_each(known_logits(2), ok) == [IDS[0]] * 2
 
 
 def test_integer_fields_are_bounded():

@@ -1,14 +1,21 @@
-"""Scheduler unit tests on small pools, driven by a simulated model.
+"""Scheduler unit tests on small pools, driven by a simulated model and engine.
 
 The simulation keeps its own record of what each request has fed the model (independent of the scheduler's
-bookkeeping) and checks every StepPlan against it: right tokens at the right positions, budget respected, decodes
-before prefill chunks, block tables covering exactly the tokens so far, no slot or block shared between requests.
+bookkeeping) and of each slot's block table (as the runner keeps it), and checks every StepPlan against them:
+right tokens at the right positions (a row without tokens feeds the token sampled for it last), budget respected,
+decodes before prefill chunks, block tables set once at admission and covering every token fed, no slot or block
+shared between requests. With `lag`, it takes a step's tokens only after scheduling the next one (the engine's
+overlap), and may stop requests early as a stop token would.
 """
+import random
+
 import pytest
+import torch
 
 from qwen35.sampling_params import SamplingParams
+from scheduler.plan import COMMANDS, StepPlan
 from scheduler.pools import BlockPool, IdPool
-from scheduler.request import Request, RequestStatus
+from scheduler.request import Request, RequestLimits, RequestStatus
 from scheduler.scheduler import Scheduler
 
 
@@ -17,79 +24,114 @@ def make(prompt_len, max_tokens, rid, base=0):
 
 
 class Sim:
-    def __init__(self, sched: Scheduler):
+    def __init__(self, sched: Scheduler, lag: bool = False, stop_after: dict | None = None):
         self.s = sched
+        self.lag = lag
+        self.stop_after = stop_after or {}    # rid -> completion tokens after which a "stop token" ends it
         self.fed: dict[str, int] = {}        # tokens each request has fed the model
-        self.seq: dict[str, list[int]] = {}  # prompt + tokens sampled by the "model"
+        self.seq: dict[str, list[int]] = {}  # prompt + tokens sampled by the "model" (on the device)
         self.slot: dict[str, int] = {}
-        self.blocks: dict[str, list[int]] = {}
+        self.tables: dict[int, list[int]] = {}  # per state slot, as the runner keeps them
+        self.live: dict[str, Request] = {}   # unfinished requests
+        self.ended_at: dict[str, int] = {}   # rid -> the step whose tokens ended it
+        self.pending = None                  # (step number, scheduled step) whose tokens are not taken yet
         self.plans = []
         self.max_running = 0
         self.step_no = 0
 
     def add(self, req):
         self.s.add(req)
+        self.live[req.request_id] = req
         self.fed[req.request_id] = 0
         self.seq[req.request_id] = list(req.prompt_ids)
         self.slot.pop(req.request_id, None)
-        self.blocks.pop(req.request_id, None)
 
     def step(self):
-        plan, seqs = self.s.schedule()
+        step = self.s.schedule()
+        plan = step.plan
         self.plans.append(plan)
         self.step_no += 1
-        self.check(plan, seqs)
-        want = [s for s in seqs if s.want_logits]
-        sampled = [10_000 + 100 * self.step_no + i for i in range(len(want))]
-        for s, tok in zip(want, sampled):
-            self.seq[s.request.request_id].append(tok)
-        for s in seqs:
-            self.fed[s.request.request_id] += s.num_tokens
-        for req in self.s.update(seqs, sampled):
-            if len(req.output_ids) >= req.params.max_tokens:
-                self.s.finish(req, "length")
+        self.check(plan, step)
+        for req, n in zip(step.rows, plan.seq_lens):
+            self.fed[req.request_id] += n
+        for i, req in enumerate(step.sampled):  # the "device" samples at once; the host takes them later
+            self.seq[req.request_id].append(10_000 + 100 * self.step_no + i)
+        done = (self.step_no, step)
+        if self.lag:
+            done, self.pending = self.pending, done
+        if done is not None:
+            self.postprocess(*done)
         self.max_running = max(self.max_running, self.s.num_running)
-        return plan, seqs
+        return plan, step
 
-    def check(self, plan, seqs):
+    def postprocess(self, step_no, step):
+        for req in step.sampled:
+            if req.is_finished:  # ended by the step before: this row was queued already, its token goes nowhere
+                assert self.lag and self.ended_at[req.request_id] == step_no - 1, "a finished request got a row"
+                continue
+            req.output_ids.append(self.seq[req.request_id][req.num_prompt_tokens + len(req.output_ids)])
+            n = len(req.output_ids)
+            if n >= req.params.max_tokens or n == self.stop_after.get(req.request_id):
+                req.finish_reason = "length" if n >= req.params.max_tokens else "stop"
+                self.s.free(req)
+                self.ended_at[req.request_id] = step_no
+                del self.live[req.request_id]
+
+    def check(self, plan, step):
         s = self.s
         assert plan.num_tokens <= s.max_num_batched_tokens
-        assert plan.num_seqs == len(seqs) <= s.max_num_seqs
+        assert plan.num_seqs == len(step.rows) <= s.max_num_seqs
         assert len(set(plan.state_slots)) == plan.num_seqs, "two sequences share a state slot"
-        decode = [len(t) == 1 and p > 0 and len(self.seq[q.request.request_id]) > q.request.num_prompt_tokens
-                  for t, p, q in zip(plan.token_ids, plan.start_pos, seqs)]
+        decode = [not t for t in plan.token_ids]
         assert decode == sorted(decode, reverse=True), "decodes must come before prefill chunks"
-        for i, sq in enumerate(seqs):
-            rid = sq.request.request_id
+        for i, req in enumerate(step.rows):
+            rid = req.request_id
             start, toks = plan.start_pos[i], plan.token_ids[i]
+            if rid not in self.slot and (start, plan.state_slots[i]) in self._hits(plan):
+                self.fed[rid] = start  # a prefix-cache hit: its state and KV start as the cached prompt's
             assert start == self.fed[rid]
-            assert toks == self.seq[rid][start:start + len(toks)]
-            end = start + len(toks)
-            assert len(plan.block_tables[i]) == -(-end // s.blocks.block_size)
-            # a request keeps its slot and its blocks for its whole life
+            if toks:
+                assert toks == self.seq[rid][start:start + len(toks)]
+            else:  # fed from the device: the token sampled for this request last
+                assert start == len(self.seq[rid]) - 1 and start >= req.num_prompt_tokens
+            end = start + plan.seq_lens[i]
+            # a request keeps its slot for its whole life; its block table is set once, when it is admitted
+            first = rid not in self.slot
             assert self.slot.setdefault(rid, plan.state_slots[i]) == plan.state_slots[i]
-            known = self.blocks.setdefault(rid, plan.block_tables[i])
-            n = min(len(known), len(plan.block_tables[i]))
-            assert known[:n] == plan.block_tables[i][:n]
-            if len(plan.block_tables[i]) > len(known):
-                self.blocks[rid] = plan.block_tables[i]
+            assert bool(plan.block_tables[i]) == first
+            if first:
+                self.tables[plan.state_slots[i]] = plan.block_tables[i]
+                assert len(plan.block_tables[i]) == s.blocks.blocks_for(req.max_cached_tokens)
+            assert len(self.tables[plan.state_slots[i]]) * s.blocks.block_size >= end
             # the logits row is wanted exactly when the sequence ends at its newest token
             assert plan.want_logits[i] == (end == len(self.seq[rid]))
-        running_blocks = [b for r in s.running for b in r.block_ids]
+        assert [r for r, w in zip(step.rows, plan.want_logits) if w] == step.sampled
+        running_blocks = [b for r in s.running for b in r.block_ids[r.num_shared_blocks:]]
         assert len(running_blocks) == len(set(running_blocks)), "a KV block is held by two requests"
         running_slots = [r.state_slot for r in s.running]
         assert len(running_slots) == len(set(running_slots))
+        cached = [b for e in s.cache.entries.values() for b in e.blocks] if s.cache else []
+        assert not set(cached) & set(running_blocks), "a request writes into a prefix-cache entry's block"
+        assert s.slots.num_used == len(s.running) and s.blocks.num_used == len(running_blocks) + len(cached)
+
+    def _hits(self, plan):
+        """(prefix length, slot) of the cache hits this plan admits: a snapshot copied into the slot."""
+        entries = {e.snapshot_slot: len(e.key) for e in self.s.cache.entries.values()} if self.s.cache else {}
+        return {(entries[src], dst) for src, dst in plan.copy_states if src in entries}
 
     def run(self, max_steps=1000):
-        while self.s.has_unfinished():
+        while self.live:
             self.step()
             assert self.step_no < max_steps, "scheduler made no progress"
+        if self.pending is not None:  # its rows all belong to requests already ended
+            self.postprocess(*self.pending)
+            self.pending = None
 
 
 def assert_pools_full(s: Scheduler):
     assert s.blocks.num_free == s.blocks.size and s.blocks.num_used == 0
     assert s.slots.num_free == s.slots.size and s.slots.num_used == 0
-    assert not s.running and not s.waiting and not s.requests
+    assert not s.running and not s.waiting and not s.has_work()
 
 
 def test_budget_decodes_first_and_chunking():
@@ -106,12 +148,12 @@ def test_budget_decodes_first_and_chunking():
     p3, _ = sim.step()  # a's last chunk (4 tokens) + b's whole prompt (3) fit the budget of 8
     assert p3.token_ids == [[16, 17, 18, 19], [500, 501, 502]]
     assert p3.start_pos == [16, 0] and p3.want_logits == [True, True]
-    p4, _ = sim.step()  # both decode
-    assert p4.start_pos == [20, 3] and [len(t) for t in p4.token_ids] == [1, 1] and p4.is_pure_decode
+    p4, _ = sim.step()  # both decode, each the token sampled for it last (on the device: no host tokens)
+    assert p4.start_pos == [20, 3] and p4.token_ids == [[], []] and p4.seq_lens == [1, 1] and p4.is_pure_decode
     c = make(30, 2, "c", base=900)
     sim.add(c)
     p5, _ = sim.step()  # decodes first, then c's chunk gets the 6 tokens left
-    assert p5.start_pos == [21, 4, 0] and [len(t) for t in p5.token_ids] == [1, 1, 6]
+    assert p5.start_pos == [21, 4, 0] and p5.seq_lens == [1, 1, 6]
     assert p5.want_logits == [True, True, False]
     sim.run()
     assert a.output_ids and len(a.output_ids) == 3 and len(c.output_ids) == 2
@@ -119,19 +161,29 @@ def test_budget_decodes_first_and_chunking():
     assert_pools_full(s)
 
 
-def test_many_requests_random_sizes_complete():
-    import random
+@pytest.mark.parametrize("lag", [False, True])
+def test_many_requests_random_sizes_complete(lag):
+    # lag: each step's tokens are taken after the next step is scheduled (the engine's overlap), and a third of the
+    # requests end early as on a stop token, so that a row of theirs is already queued when they end
     rng = random.Random(0)
     s = Scheduler(num_kv_blocks=40, block_size=4, num_state_slots=3, max_num_seqs=3, max_num_batched_tokens=16)
-    sim = Sim(s)
-    reqs = [make(rng.randint(1, 40), rng.randint(1, 12), f"r{i}", base=1000 * i) for i in range(20)]
+    reqs = [make(rng.randint(1, 40), rng.randint(1, 12), f"r{i}", base=1000 * i) for i in range(30)]
+    stops = {r.request_id: rng.randint(1, r.params.max_tokens) for r in reqs[::3]}
+    sim = Sim(s, lag=lag, stop_after=stops)
     for i, r in enumerate(reqs):
         sim.add(r)
         if i % 3 == 0:
             sim.step()  # requests keep arriving while others run
     sim.run()
-    assert all(r.status is RequestStatus.FINISHED and len(r.output_ids) == r.params.max_tokens for r in reqs)
+    for r in reqs:
+        n = stops.get(r.request_id, r.params.max_tokens)
+        assert r.status is RequestStatus.RELEASED and len(r.output_ids) == n, r.request_id
+        assert r.finish_reason == ("length" if n == r.params.max_tokens else "stop")
     assert sim.max_running <= 3
+    # with lag, a request ending early had exactly one more row queued (its token dropped); without, none
+    early = sum(n < r.params.max_tokens for r in reqs for n in [stops.get(r.request_id, r.params.max_tokens)])
+    assert early > 3
+    assert sum(r.num_scheduled - len(r.output_ids) for r in reqs) == (early if lag else 0)
     assert_pools_full(s)
 
 
@@ -196,13 +248,15 @@ def test_abort_frees_everything():
     assert prefilling.status is RequestStatus.RUNNING and prefilling.is_prefilling
     assert waiting.status is RequestStatus.WAITING  # no state slot left
     assert s.blocks.num_used == 8 + 9 and s.slots.num_free == 0
-    for r in (waiting, prefilling, decoding):
-        assert s.abort(r.request_id) is r
-        assert r.status is RequestStatus.ABORTED and r.finish_reason == "abort"
-    assert s.abort("decoding") is None and s.abort("never-seen") is None
+    for r in (waiting, prefilling, decoding):  # what the engine's abort does
+        s.free(r)
+        r.abort()
+        del sim.live[r.request_id]
+        assert r.status is RequestStatus.RELEASED and r.finish_reason == "abort"
+    s.free(decoding)  # a second free returns nothing twice
     assert_pools_full(s)
-    plan, seqs = s.schedule()
-    assert plan.num_seqs == 0 and not seqs
+    step = s.schedule()
+    assert step.plan.num_seqs == 0 and not step.rows and not step.sampled
     again = make(3, 2, "decoding")  # the id is free again
     sim.add(again)
     sim.run()
@@ -210,16 +264,38 @@ def test_abort_frees_everything():
     assert_pools_full(s)
 
 
+def test_last_token_scheduled_frees_capacity_at_once():
+    # one slot: a request's slot is free for the next schedule as soon as its last token is scheduled, before
+    # that token has reached the host (the step that writes into the slot is queued ahead of any step reusing it)
+    s = Scheduler(num_kv_blocks=8, block_size=4, num_state_slots=1, max_num_seqs=1, max_num_batched_tokens=8)
+    a, b = make(3, 2, "a"), make(3, 2, "b", base=100)
+    s.add(a)
+    s.add(b)
+    first = s.schedule()  # a's prompt, first token
+    second = s.schedule()  # a's decode, its last token: a leaves the scheduler
+    assert [r.request_id for r in first.sampled + second.sampled] == ["a", "a"]
+    assert a.status is RequestStatus.RELEASED and a.state_slot is None and s.slots.num_free == 1
+    third = s.schedule()  # b takes the slot a had, with a fresh block table
+    assert third.admitted == [b] and third.plan.state_slots == second.plan.state_slots
+    assert third.plan.start_pos == [0] and third.plan.block_tables[0]
+
+
 def test_request_that_never_fits_is_rejected():
-    s = Scheduler(num_kv_blocks=4, block_size=4, num_state_slots=2, max_num_seqs=2, max_num_batched_tokens=16)
-    s.add(make(10, 7, "ok"))  # 16 cached tokens: exactly the whole cache
+    # checked where requests come in (the server, the offline LLM): the scheduler trusts what it is given
+    limits = RequestLimits(vocab_size=1000, max_model_len=64, num_kv_blocks=4, block_size=4)
+    limits.check(list(range(10)), SamplingParams(max_tokens=7))  # 16 cached tokens: exactly the whole cache
     with pytest.raises(ValueError, match=r"prompt \(10 tokens\) \+ max_tokens \(8\).*5 KV blocks.*only 4 blocks"):
-        s.add(make(10, 8, "too-big"))
-    with pytest.raises(ValueError, match="duplicate request id 'ok'"):
-        s.add(make(1, 1, "ok"))
+        limits.check(list(range(10)), SamplingParams(max_tokens=8))
     with pytest.raises(ValueError, match="at least one token"):
-        s.add(make(0, 1, "empty"))
-    assert list(s.requests) == ["ok"]
+        limits.check([], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match=r"exceeds max_model_len \(64\)"):
+        RequestLimits(1000, 64, 100, 4).check(list(range(60)), SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 1000\)"):
+        limits.check([1000], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="stop_token_ids must be in"):
+        limits.check([1], SamplingParams(max_tokens=1, stop_token_ids=[1000]))
+    with pytest.raises(ValueError, match="params must be SamplingParams"):
+        limits.check([1], {"max_tokens": 1})
 
 
 def test_budget_must_hold_a_decode_batch():
@@ -236,3 +312,46 @@ def test_pools_refuse_double_free_and_overdraw():
     with pytest.raises(RuntimeError, match="not allocated"):
         p.free([a[0]])
     assert BlockPool(4, 16).blocks_for(17) == 2 and BlockPool(4, 16).blocks_for(16) == 1
+
+
+def random_plan(rng: random.Random) -> StepPlan:
+    rows = rng.choice([0, 1, 3, 64, 300])
+    big = 2**62  # every value of an int64 field travels exactly, ids and positions far past any real one
+    return StepPlan(
+        state_slots=[rng.randrange(big) for _ in range(rows)],
+        token_ids=[[rng.randrange(big) for _ in range(rng.choice([0, 0, 1, rng.randrange(1, 600)]))]
+                   for _ in range(rows)],
+        start_pos=[rng.randrange(big) for _ in range(rows)],
+        block_tables=[[rng.randrange(big) for _ in range(rng.choice([0, 0, rng.randrange(1, 100)]))]
+                      for _ in range(rows)],
+        want_logits=[rng.random() < 0.5 for _ in range(rows)],
+        copy_states=[(rng.randrange(big), rng.randrange(big)) for _ in range(rng.choice([0, 0, 5]))],
+        copy_blocks=[(rng.randrange(big), rng.randrange(big)) for _ in range(rng.choice([0, 0, 5]))],
+        command=rng.choice(COMMANDS))
+
+
+def test_plan_encoding_round_trip_is_exact():
+    rng = random.Random(0)
+    for _ in range(300):
+        plan = random_plan(rng)
+        packed = plan.encode()
+        assert packed.dtype == torch.int64 and packed.dim() == 1
+        assert StepPlan.decode(packed) == plan
+    # what the scheduler sends, prefix-cache copies included
+    s = Scheduler(num_kv_blocks=64, block_size=4, num_state_slots=4, max_num_seqs=4, max_num_batched_tokens=16,
+                  snapshot_slots=[4, 5])
+    sim = Sim(s)
+    for i in range(3):
+        sim.add(make(10, 4, f"same{i}", base=0))  # the same prompt: later ones hit the cache entry of the first
+    while sim.live:
+        plan, _ = sim.step()
+        assert StepPlan.decode(plan.encode()) == plan
+    assert any(p.copy_states for p in sim.plans) and any(p.copy_blocks for p in sim.plans)
+    assert s.cache.hits >= 1
+
+
+def test_plan_decoding_refuses_what_is_not_a_plan():
+    packed = StepPlan([1], [[5, 6]], [0], [[3]], [True]).encode()
+    for bad in (packed[:-1], torch.cat([packed, packed[:1]]), torch.tensor([99, 0, 0, 0, 0, 0, 0])):
+        with pytest.raises(ValueError, match="not a step plan"):
+            StepPlan.decode(bad)
