@@ -44,7 +44,9 @@ class Sampler:
             # a mask of the ids would cost a host sync
             masked = torch.empty(logits.shape[0], V + 1, dtype=logits.dtype, device=logits.device)
             masked[:, :V] = logits
-            masked[rows, ids.clamp(0, V)] = float("-inf")
+            # index_fill_ takes the value as a kernel argument: an indexed assignment of a Python float copies it
+            # to the device first, a synchronizing copy (caught on an H200 by torch's sync debug mode)
+            masked.view(-1).index_fill_(0, rows * (V + 1) + ids.clamp(0, V), float("-inf"))
             logits = masked[:, :V]
         greedy = torch.argmax(logits, dim=-1)
         if greedy_only:
