@@ -37,6 +37,8 @@ EPS = 1e-6
 
 
 def rank_order_sum(parts):
+    """The sum every rank must compute: fp32, ranks in order, rounded once to the parts' dtype (also the oracle of
+    tests/test_allreduce.py)."""
     acc = parts[0].float()
     for p in parts[1:]:
         acc = acc + p.float()

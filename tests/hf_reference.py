@@ -50,6 +50,29 @@ def hf_decode_logits(model, prompt: list[int], steps: list[int]) -> list[torch.T
     return out
 
 
+def run_tp2(make_runner, path: str, plans, kernels: str, out_file: str) -> list[torch.Tensor]:
+    """The plans' logits at TP=2 over gloo: two spawned ranks, each building its runner with make_runner(path,
+    kernels=kernels) (a module-level function, so that it reaches the spawned ranks) and executing every plan."""
+    import torch.multiprocessing as mp
+    mp.start_processes(_tp_worker, args=(2, free_port(), make_runner, path, plans, out_file, kernels), nprocs=2,
+                       join=True, start_method="spawn")
+    return torch.load(out_file)
+
+
+def _tp_worker(rank, world, port, make_runner, path, plans, out_file, kernels):
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from dist import parallel
+    parallel.init_distributed("cpu")
+    torch.set_num_threads(1)
+    runner = make_runner(path, kernels=kernels)
+    results = [runner.execute(p) for p in plans]
+    if rank == 0:
+        torch.save(results, out_file)
+    parallel.destroy()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

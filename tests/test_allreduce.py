@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks.bench_allreduce import rank_order_sum
 from dist import allreduce, parallel
 from layers.norm import add_rms_norm_torch, fused_all_reduce_add_rms_norm
 from tests.compare import max_diff
@@ -27,12 +28,6 @@ from tests.hf_reference import build_hf_model, free_port
 EPS = 1e-6
 
 
-def rank_order_sum(parts):
-    """The sum every rank must compute: fp32, ranks in order, rounded once to the parts' dtype."""
-    acc = parts[0].float()
-    for p in parts[1:]:
-        acc = acc + p.float()
-    return acc.to(parts[0].dtype)
 
 
 def shared_buffers(world: int, data_bytes: int, device="cpu", share=False) -> list[torch.Tensor]:

@@ -14,13 +14,12 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from qwen35.api import create_engine
 from qwen35.config import ModelConfig
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
-from tests.hf_reference import free_port, hf_decode_logits
+from tests.hf_reference import hf_decode_logits, run_tp2
 
 TOL_HF = 1e-4
 TOL_SELF = 1e-5
@@ -168,19 +167,6 @@ def test_model_pt_equals_safetensors(reference):
     assert torch.equal(a.execute(plan), b.execute(plan))
 
 
-def _tp_worker(rank, world, port, path, plans, out_file, kernels):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    from dist import parallel
-    parallel.init_distributed("cpu")
-    torch.set_num_threads(1)
-    runner = make_runner(path, kernels=kernels)
-    results = [runner.execute(p) for p in plans]
-    if rank == 0:
-        torch.save(results, out_file)
-    parallel.destroy()
-
-
 @pytest.mark.parametrize("kernels", ["torch", "fast"])
 def test_tensor_parallel_2_equals_1(tp_reference, tmp_path, kernels):
     _, hf, _, pt = tp_reference
@@ -193,9 +179,7 @@ def test_tensor_parallel_2_equals_1(tp_reference, tmp_path, kernels):
     runner = make_runner(pt, kernels=kernels)
     single = [runner.execute(p) for p in plans]
     out_file = str(tmp_path / "tp2.pt")
-    mp.start_processes(_tp_worker, args=(2, free_port(), pt, plans, out_file, kernels), nprocs=2, join=True,
-                       start_method="spawn")
-    for a, b in zip(single, torch.load(out_file)):
+    for a, b in zip(single, run_tp2(make_runner, pt, plans, kernels, out_file)):
         assert a.shape == b.shape == (2, vocab)
         assert (a - b).abs().max().item() <= TOL_SELF
 

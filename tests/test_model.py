@@ -3,16 +3,14 @@
 Tolerance: max |logit difference| <= 1e-4 in fp32 (logits are O(1)); the packed/chunked/TP variants of our own
 forward must agree with the plain one to 1e-5.
 """
-import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from qwen35.config import ModelConfig
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
-from tests.hf_reference import build_hf_model, caches, free_port, from_same_caches, hf_decode_logits
+from tests.hf_reference import build_hf_model, caches, from_same_caches, hf_decode_logits, run_tp2
 
 TOL_HF = 1e-4
 TOL_SELF = 1e-5
@@ -109,19 +107,6 @@ def test_chunked_prefill_equals_whole(reference):
     assert (out[0] - whole).abs().max().item() <= TOL_SELF
 
 
-def _tp_worker(rank, world, port, path, plans, out_file, kernels="torch"):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    from dist import parallel
-    parallel.init_distributed("cpu")
-    torch.set_num_threads(1)
-    runner = make_runner(path, kernels=kernels)
-    results = [runner.execute(p) for p in plans]
-    if rank == 0:
-        torch.save(results, out_file)
-    parallel.destroy()
-
-
 @pytest.mark.parametrize("kernels", ["torch", "fast"])  # fast: the Triton kernels through the interpreter
 def test_tensor_parallel_2_equals_1(reference, tmp_path, kernels):
     _, _, path = reference
@@ -134,9 +119,7 @@ def test_tensor_parallel_2_equals_1(reference, tmp_path, kernels):
     runner = make_runner(path, kernels=kernels)
     single = [runner.execute(p) for p in plans]
     out_file = str(tmp_path / "tp2.pt")
-    mp.start_processes(_tp_worker, args=(2, free_port(), path, plans, out_file, kernels), nprocs=2, join=True,
-                       start_method="spawn")
-    tp2 = torch.load(out_file)
+    tp2 = run_tp2(make_runner, path, plans, kernels, out_file)
     for a, b in zip(single, tp2):
         assert a.shape == b.shape
         assert (a - b).abs().max().item() <= TOL_SELF
