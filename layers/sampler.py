@@ -205,10 +205,29 @@ if triton is not None:
             tl.store(idx_ptr + out + 1, blk * BLOCK + tl.argmax(s, 0, tie_break_left=True) + start)
 
 
+def shard_pass_torch(logits: torch.Tensor, n_valid: int, start: int, inv_t: torch.Tensor, key: torch.Tensor,
+                     counter: torch.Tensor, sampled: bool, write_scores: bool):
+    """The shard's per-row candidates: (values [B, 2], ids [B, 2]) = (masked max logit, Gumbel-max score) and their
+    global ids, the first maximum at ties (column 1 only when sampled), and the scores [B, n] (write_scores) or
+    None. The twin of shard_pass_fast, in torch ops (what the tests hold the kernel to)."""
+    B, n = logits.shape
+    valid = torch.arange(n, device=logits.device) < n_valid
+    lg = logits.masked_fill(~valid, float("-inf"))
+    vals = torch.zeros(B, 2, dtype=torch.float32, device=logits.device)
+    ids = torch.zeros(B, 2, dtype=torch.int64, device=logits.device)
+    vals[:, 0], ids[:, 0] = lg.max(dim=-1).values, torch.argmax(lg, dim=-1) + start
+    scores = None
+    if sampled:
+        s1, s2 = row_seeds(key, counter)
+        scores = gumbel_scores(lg * inv_t[:, None], torch.arange(start, start + n, device=logits.device), s1, s2)
+        scores = scores.masked_fill(~valid, float("-inf"))
+        vals[:, 1], ids[:, 1] = scores.max(dim=-1).values, torch.argmax(scores, dim=-1) + start
+    return vals, ids, scores if write_scores else None
+
+
 def shard_pass_fast(logits: torch.Tensor, n_valid: int, start: int, inv_t: torch.Tensor, key: torch.Tensor,
                     counter: torch.Tensor, sampled: bool, write_scores: bool):
-    """The shard's per-row candidates: (values [B, 2], ids [B, 2]) = (masked max logit, Gumbel-max score) and their
-    global ids (column 1 only when sampled), and the scores [B, n] (write_scores) or None."""
+    """shard_pass_torch in one launch: one program per (row, block of BLOCK columns), then the first best block."""
     B, n = logits.shape
     nb = max(1, triton.cdiv(n, BLOCK))
     vals = torch.empty(B, nb, 2, dtype=torch.float32, device=logits.device)
@@ -466,7 +485,7 @@ class Sampler:
             return
         rows = self._to_device([[s, _f32_bits(t), int(k), _f32_bits(p), key] for s, (t, k, p), key in step.admitted])
         slots = rows[:, 0]
-        floats = rows[:, [1, 3]].to(torch.int32).view(torch.float32)
+        floats = rows[:, 1:4:2].to(torch.int32).view(torch.float32)  # temperature, top_p (float32 bits)
         self.params[slots] = torch.stack([floats[:, 0], rows[:, 2].to(torch.float32), floats[:, 1]], dim=1)
         self.keys[slots] = rows[:, 4]
         self.draws[slots] = 0

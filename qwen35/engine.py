@@ -284,8 +284,9 @@ class LLMEngine:
         rows = []
         for req in admitted:
             try:
-                key = stream_key(req.params.seed, self.args.seed, self._admissions)
-                rows.append((req.state_slot, req.params.sampler_row(), key))
+                # the values as the sampler's float32 tensors hold them (what is not a number fails here, alone)
+                row = tuple(torch.tensor(req.params.sampler_row(), dtype=torch.float32).tolist())
+                rows.append((req.state_slot, row, stream_key(req.params.seed, self.args.seed, self._admissions)))
                 self._admissions += 1
             except Exception as e:
                 self._fail(req, e)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from layers.sampler import (SampleBatch, Sampler, SamplingStep, gumbel_scores, masses, row_seeds, sample_fast,
-                            sample_torch, shard_pass_fast, stream_key)
+                            sample_torch, shard_pass_fast, shard_pass_torch, stream_key)
 from qwen35.sampling_params import SamplingParams
 
 V = 1000        # vocab columns of the logits
@@ -248,8 +248,8 @@ def test_integer_fields_are_bounded():
 # ---- the noise and the fixed-point masses -----------------------------------------------------------------------
 
 def test_shard_pass_computes_the_torch_twins_bits():
-    """The Triton pass (interpreter) and gumbel_scores agree bit for bit, at any shard offset, for keys and
-    counters that use all 64 bits; its per-row candidates are the first maxima."""
+    """The Triton pass (interpreter) and its torch twin agree bit for bit, at any shard offset, for keys and
+    counters that use all 64 bits; the per-row candidates are the first maxima."""
     g = torch.Generator().manual_seed(0)
     B, n, start, n_valid = 3, 2500, 700, 2400
     lg = torch.randn(B, n, generator=g) * 3
@@ -263,6 +263,8 @@ def test_shard_pass_computes_the_torch_twins_bits():
     assert ids[:, 1].tolist() == (want.argmax(1) + start).tolist()
     assert torch.equal(vals[:, 1], want.max(1).values)
     assert ids[:, 0].tolist() == (lg[:, :n_valid].argmax(1) + start).tolist() and ids[1, 0] == start + 5
+    t_vals, t_ids, t_scores = shard_pass_torch(lg, n_valid, start, inv_t, key, ctr, sampled=True, write_scores=True)
+    assert torch.equal(t_scores, scores) and torch.equal(t_vals, vals) and torch.equal(t_ids, ids)
 
 
 def test_noise_is_gumbel():
