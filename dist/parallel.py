@@ -4,7 +4,7 @@ Every rank of a torchrun job is one tensor-parallel rank. Without torchrun (or w
 is a no-op, so the same model code runs on one device with no process group at all.
 
 Two groups exist when running on GPUs: the default NCCL group for tensor collectives on the device (inside the
-forward, and the sampled tokens), and a gloo group on the host for the small per-step metadata (a packed int64
+forward, and the sampler's candidates), and a gloo group on the host for the small per-step metadata (a packed int64
 tensor): a worker rank receives step N+1's metadata while its device still runs step N, which a broadcast queued
 on the device behind step N's collectives would not allow. `all_reduce` sums small messages through torch
 symmetric memory instead of NCCL once `setup_symmetric_all_reduce` has run (dist/allreduce.py: one-shot / two-shot
@@ -129,6 +129,20 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's `x` (same shape and dtype everywhere), stacked in rank order: [tp, *x.shape]. For small
+    messages (vocab-parallel sampling's candidates and histograms)."""
+    if _WORLD == 1:
+        return x[None]
+    x = x.contiguous()
+    out = torch.empty((_WORLD, *x.shape), dtype=x.dtype, device=x.device)
+    if x.device.type == "cuda":
+        torch_dist.all_gather_into_tensor(out, x)
+    else:  # gloo has no all_gather_into_tensor
+        torch_dist.all_gather(list(out.unbind(0)), x)
+    return out
+
+
 def gather_last_dim_to_driver(x: torch.Tensor) -> torch.Tensor | None:
     """Like all_gather_last_dim but only rank 0 receives the result (others get None)."""
     if _WORLD == 1:
@@ -182,14 +196,6 @@ def broadcast_ints(values: torch.Tensor | None = None, src: int = 0) -> torch.Te
     rest = torch.empty(n - head, dtype=torch.int64)
     torch_dist.broadcast(rest, src=src, group=_CPU_GROUP)
     return torch.cat([buf[1:], rest])
-
-
-def broadcast_tensor_(x: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """Overwrite `x` on every rank with src's `x`, in place, over the device group (queued on the device: no host
-    sync on a GPU). Every rank passes a tensor of the same shape and dtype."""
-    if _WORLD > 1:
-        torch_dist.broadcast(x, src=src)
-    return x
 
 
 def barrier() -> None:

@@ -1,7 +1,8 @@
 """Vocabulary-parallel embedding and LM head: rank r holds rows [r*V/tp, (r+1)*V/tp) of the [V, H] tables.
 
 Embedding: each rank looks up the ids it owns (zeros elsewhere) and an all-reduce completes the rows.
-LM head: each rank computes its slice of the logits; the slices are gathered only for the tokens that need them.
+LM head: each rank computes its slice of the logits; the slices are gathered only for the tokens that need them,
+and not at all for the engine's sampling, which works on each rank's slice (layers/sampler.py sample_fast).
 """
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,14 @@ class ParallelLMHead(nn.Module):
         start, size = even_split(vocab_size, parallel.tp_rank(), parallel.tp_size())
         self.weight = make_param((vocab_size, hidden_size), [[(start, size)], None], dtype, device)
 
-    def forward(self, hidden: torch.Tensor, gather_to_all: bool = False) -> torch.Tensor | None:
-        """Logits [n, V] (float32) on rank 0, or on every rank when gather_to_all; None on other ranks."""
+    def forward(self, hidden: torch.Tensor, gather: str = "driver") -> torch.Tensor | None:
+        """Logits (float32): gather "driver" [n, V] on rank 0 (None on the others), "all" [n, V] on every rank,
+        "none" this rank's vocabulary slice [n, V / tp] on every rank."""
         local = F.linear(hidden, self.weight).float()
-        if gather_to_all:
+        if gather == "none":
+            return local
+        if gather == "all":
             return parallel.all_gather_last_dim(local)
-        return parallel.gather_last_dim_to_driver(local)
+        if gather == "driver":
+            return parallel.gather_last_dim_to_driver(local)
+        raise ValueError(f"gather must be driver, all or none; got {gather!r}")

@@ -76,7 +76,7 @@ class LogitsEngine:
         plan = StepPlan(state_slots=[s["slot"] for s in states], token_ids=tokens,
                         start_pos=[s["len"] for s in states], block_tables=[list(s["blocks"]) for s in states],
                         want_logits=[True] * len(tokens))
-        logits = self.runner.execute(plan, gather_to_all=True)
+        logits = self.runner.execute(plan, gather="all")
         for s, t in zip(states, tokens):
             s["len"] += len(t)
         return logits

@@ -1,17 +1,19 @@
 """The engine: requests in, tokens and text out.
 
-Every rank builds an LLMEngine (after dist.parallel.init_distributed) and with it a ModelRunner. Rank 0 also owns
-the tokenizer, the scheduler, the sampler and the request records; its step() is
+Every rank builds an LLMEngine (after dist.parallel.init_distributed) and with it a ModelRunner and a Sampler. Rank 0
+also owns the tokenizer, the scheduler and the request records; its step() is
 
-    schedule -> broadcast the plan (one int64 tensor) -> forward -> sample on the device -> postprocess
+    schedule -> broadcast the plan and its sampling step (one int64 tensor) -> forward -> sample -> postprocess
 
-while the other ranks sit in run_worker_loop(), executing each plan they receive. Sampled tokens stay on the
-device: every rank writes them into its per-slot input buffer, where the next step's decode rows read them; rank 0
-copies them to the host without waiting (pinned memory, an event). With overlap (the default), step() queues step
-N+1 before it takes step N's tokens, so the host's scheduling, broadcast and postprocess run while the device
-computes. Results are the same as without overlap (--no-overlap): the scheduler counts tokens when it schedules
-them, so it never waits for a value; a request that stops on a stop token or string at step N has one more row
-queued at N+1, whose token is dropped (its slot and blocks are reused only by steps queued after that one).
+while the other ranks sit in run_worker_loop(), executing each plan they receive. Every rank samples from its own
+vocabulary slice of the logits (layers/sampler.py: a few candidates per row cross the ranks, never the logits)
+and ends with the same tokens. Sampled tokens stay on the device: every rank writes them into its per-slot input
+buffer, where the next step's decode rows read them; rank 0 copies them to the host without waiting (pinned
+memory, an event). With overlap (the default), step() queues step N+1 before it takes step N's tokens, so the
+host's scheduling, broadcast and postprocess run while the device computes. Results are the same as without
+overlap (--no-overlap): the scheduler counts tokens when it schedules them, so it never waits for a value; a
+request that stops on a stop token or string at step N has one more row queued at N+1, whose token is dropped
+(its slot and blocks are reused only by steps queued after that one).
 
 The one postprocess (_postprocess) takes each sampled token once: it appends it to its request's record, which
 detokenizes and checks stop tokens, stop strings and max_tokens; a finished request is freed there.
@@ -33,7 +35,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from dist import parallel
-from layers.sampler import Sampler
+from layers.sampler import Sampler, SamplingStep, stream_key
 from qwen35.config import ModelConfig
 from qwen35.engine_config import DEFAULT_MAX_MODEL_LEN, DTYPES, resolve_device
 from scheduler.plan import StepPlan
@@ -168,20 +170,23 @@ class LLMEngine:
             num_snapshot_slots=args.prefix_cache_slots, kernels=args.kernels)
         self.device, self.max_model_len = self.runner.device, self.runner.max_model_len
         self._shut_down = False
+        num_real = None
+        if parallel.is_driver():
+            from qwen35.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.model_dir)
+            num_real = min(self.tokenizer.num_real_tokens, self.config.vocab_size)
+        # every rank samples its vocabulary slice (the tokens then feed the next step on every rank)
+        self.sampler = Sampler(parallel.broadcast_object(num_real), self.config.vocab_size,
+                               self.runner.num_state_slots, self.device)
         if not parallel.is_driver():
             return
-        from qwen35.tokenizer import load_tokenizer
-
-        self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or self.config.eos_token_ids)
         self.limits = RequestLimits(self.config.vocab_size, self.max_model_len, self.runner.num_kv_blocks,
                                     self.runner.block_size)
         self.scheduler = Scheduler(self.runner.num_kv_blocks, self.runner.block_size, self.runner.num_state_slots,
                                    args.max_num_seqs, args.max_num_batched_tokens, self.runner.snapshot_slots)
-        self.sampler = Sampler(min(self.tokenizer.num_real_tokens, self.config.vocab_size), self.device, args.seed)
-        # per state slot: (temperature, top_k, top_p) of the request holding it, written at admission; a step's
-        # sampler reads its rows' by slot on the device
-        self.slot_sampling = torch.zeros(self.runner.num_state_slots, 3, device=self.device)
+        self._admissions = 0  # requests admitted so far: an unseeded request's noise key mixes in its number
         self._pin = self.device.type == "cuda"
         self.overlap = args.overlap
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -247,13 +252,11 @@ class LLMEngine:
             return None
         self.times.steps += 1
         start = self._event()
-        self._bind(step.admitted)
-        parallel.broadcast_ints(plan.encode())
+        sampling = self._sampling_step(step, self._bind(step.admitted))
+        _send(plan, sampling)
         t0 = time.perf_counter()
-        logits = self.runner.execute(plan)
+        tokens = self._run_step(plan, sampling)
         self.times.forward_s += time.perf_counter() - t0
-        tokens = self._sample(logits, step) if step.sampled else None
-        self.runner.accept_tokens(tokens)
         self.total_prompt_tokens += step.num_prompt_tokens
         self.num_steps += 1
         if not self._pin:
@@ -275,51 +278,47 @@ class LLMEngine:
         event.record()
         return event
 
-    def _bind(self, admitted: list[Request]) -> None:
-        """Give newly admitted requests their sampling state: their slot's row of slot_sampling (one copy for all,
-        queued ahead of the step that reads it) and a seeded request's generator. A request whose parameters make
-        this raise fails alone."""
-        slots, rows = [], []
+    def _bind(self, admitted: list[Request]) -> list[tuple[int, tuple[float, float, float], int]]:
+        """The sampling state of newly admitted requests, for every rank's sampler: (slot, (temperature, top_k,
+        top_p), noise key). A request whose parameters make this raise fails alone."""
+        rows = []
         for req in admitted:
             try:
-                rows.append(torch.tensor([req.params.sampler_row()], dtype=torch.float32))
-                if req.params.seed is not None:
-                    req.generator = self.sampler.make_generator(req.params.seed)
-                slots.append(req.state_slot)
+                # the values as the sampler's float32 tensors hold them (what is not a number fails here, alone)
+                row = tuple(torch.tensor(req.params.sampler_row(), dtype=torch.float32).tolist())
+                rows.append((req.state_slot, row, stream_key(req.params.seed, self.args.seed, self._admissions)))
+                self._admissions += 1
             except Exception as e:
-                rows = rows[:len(slots)]
                 self._fail(req, e)
-        if slots:
-            values = torch.cat(rows)
-            index = torch.tensor(slots)
-            if self._pin:
-                values, index = values.pin_memory(), index.pin_memory()
-            self.slot_sampling[index.to(self.device, non_blocking=True)] = values.to(self.device, non_blocking=True)
+        return rows
 
-    def _sample(self, logits: torch.Tensor, step: ScheduledStep) -> torch.Tensor:
-        """One token per logits row, on the device. What the host must know (any sampled row, any top-k/top-p, the
-        seeded rows' generators, stop ids suppressed before min_tokens) comes from the records."""
-        params = self.slot_sampling[self.runner.logit_slots]
-        greedy_only, filtered, generators, sup_rows, sup_ids = True, False, [], [], []
+    def _sampling_step(self, step: ScheduledStep, admitted: list) -> SamplingStep:
+        """What every rank's sampler needs for this step besides the plan: the admitted slots' settings, and what
+        only the records know (any sampled row, any top-k / top-p, stop ids suppressed before min_tokens)."""
+        out = SamplingStep(admitted=admitted)
         for i, req in enumerate(step.sampled):
             if req.is_finished:  # failed while being bound: its row's token is dropped
                 continue
             p = req.params
             if not p.greedy:
-                greedy_only = False
-                filtered = filtered or p.top_k > 0 or p.top_p < 1.0
-                if req.generator is not None:
-                    generators.append((i, req.generator))
+                out.greedy_only = False
+                out.any_top_k |= p.top_k > 0
+                out.any_top_p |= p.top_p < 1.0
             if p.min_tokens:
-                ids = req.suppressed_ids(req.num_scheduled - 1)  # the completion tokens before this row's
-                sup_rows += [i] * len(ids)
-                sup_ids += ids
-        suppress = None
-        if sup_rows:
-            both = torch.tensor([sup_rows, sup_ids], dtype=torch.int64, pin_memory=self._pin)
-            suppress = tuple(both.to(self.device, non_blocking=True))
-        return self.sampler.sample(logits, params[:, 0], params[:, 1], params[:, 2], generators, suppress,
-                                   greedy_only, filtered)
+                # the completion tokens before this row's
+                out.suppress += [(i, t) for t in req.suppressed_ids(req.num_scheduled - 1)]
+        return out
+
+    def _run_step(self, plan: StepPlan, sampling: SamplingStep) -> torch.Tensor | None:
+        """Every rank: the forward, then sampling from this rank's vocabulary slice; the tokens ([n] int64 on the
+        device, the same on every rank) become the slots' next input. Queued, no host sync."""
+        self.sampler.admit(sampling)
+        logits = self.runner.execute(plan, gather="none")
+        if not any(plan.want_logits):
+            return None
+        tokens = self.sampler.sample(logits, self.runner.logit_slots, sampling)
+        self.runner.accept_tokens(tokens)
+        return tokens
 
     def _postprocess(self, launched: _Launched) -> list[RequestOutput]:
         """The one place a sampled token reaches its request: appended once (detokenized, stop tokens, stop strings
@@ -357,7 +356,7 @@ class LLMEngine:
 
     def heartbeat(self) -> None:
         """Tell idle worker ranks we are alive (their broadcast wait would otherwise hit the group timeout)."""
-        parallel.broadcast_ints(StepPlan(command="idle").encode())
+        _send(StepPlan(command="idle"))
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -381,14 +380,27 @@ class LLMEngine:
         """Rank 0: release the worker ranks from run_worker_loop()."""
         if not self._shut_down and parallel.is_driver():
             self._shut_down = True
-            parallel.broadcast_ints(StepPlan(command="exit").encode())
+            _send(StepPlan(command="exit"))
 
     # ---- other ranks ------------------------------------------------------------------------------------------
     def run_worker_loop(self) -> None:
         while True:
-            plan = StepPlan.decode(parallel.broadcast_ints())
+            plan, sampling = _receive()
             if plan.command == "exit":
                 return
             if plan.command == "step":
-                self.runner.execute(plan)
-                self.runner.accept_tokens(None)
+                self._run_step(plan, sampling)
+
+
+def _send(plan: StepPlan, sampling: SamplingStep | None = None) -> None:
+    """Rank 0: the plan and its sampling step to every rank, in one host-group broadcast (sampling step first,
+    behind its length)."""
+    head = (sampling or SamplingStep()).encode()
+    parallel.broadcast_ints(torch.cat([torch.tensor([len(head), *head], dtype=torch.int64), plan.encode()]))
+
+
+def _receive() -> tuple[StepPlan, SamplingStep]:
+    """Worker ranks: what _send sent."""
+    v = parallel.broadcast_ints()
+    n = int(v[0])
+    return StepPlan.decode(v[1 + n:]), SamplingStep.decode(v[1:1 + n].tolist())

@@ -76,5 +76,5 @@ class Qwen35Model(nn.Module):
             x, residual = layer(x, residual, batch)
         return self.norm.all_reduce_add(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor, gather_to_all: bool = False) -> torch.Tensor | None:
-        return self.lm_head(hidden, gather_to_all=gather_to_all)
+    def compute_logits(self, hidden: torch.Tensor, gather: str = "driver") -> torch.Tensor | None:
+        return self.lm_head(hidden, gather=gather)

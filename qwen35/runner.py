@@ -230,24 +230,21 @@ class ModelRunner:
                 m.v_cache[dst].copy_(m.v_cache[src])
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, gather_to_all: bool = False, eager: bool = False) -> torch.Tensor | None:
-        """Queue one step on the device; logits [n_want_logits, vocab] float32 on rank 0 (or on all ranks with
-        gather_to_all). `eager` skips the CUDA graphs (kernel counts)."""
+    def execute(self, plan: StepPlan, gather: str = "driver", eager: bool = False) -> torch.Tensor | None:
+        """Queue one step on the device; logits [n_want_logits, vocab] float32 on rank 0 (gather "driver"), on every
+        rank ("all"), or each rank's vocabulary slice [n_want_logits, vocab / tp] ("none": the engine's sampling).
+        `eager` skips the CUDA graphs (kernel counts)."""
         self._apply_copies(plan)
         batch = self.prepare(plan)
         if not eager and self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)
         else:
             hidden = self.model(batch)
-        return self.model.compute_logits(hidden[batch.logits_indices], gather_to_all=gather_to_all)
+        return self.model.compute_logits(hidden[batch.logits_indices], gather=gather)
 
     @torch.inference_mode()
-    def accept_tokens(self, tokens: torch.Tensor | None) -> None:
-        """Every rank, after execute(): the tokens rank 0 sampled for the last step's logits rows ([n] int64 on the
-        device there, None elsewhere) become their slots' next input. A broadcast over the device group: queued
-        behind the step, no host sync."""
-        if not self.logit_slots.numel():
-            return
-        if tokens is None:
-            tokens = torch.empty(self.logit_slots.numel(), dtype=torch.int64, device=self.device)
-        self.slot_tokens[self.logit_slots] = parallel.broadcast_tensor_(tokens)
+    def accept_tokens(self, tokens: torch.Tensor) -> None:
+        """Every rank, after execute(): the tokens sampled for the last step's logits rows ([n] int64 on the device,
+        the same on every rank: every rank samples) become their slots' next input. Queued, no host sync."""
+        if self.logit_slots.numel():
+            self.slot_tokens[self.logit_slots] = tokens

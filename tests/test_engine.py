@@ -86,9 +86,9 @@ def record_plans(engine, monkeypatch):
     plans = []
     execute = engine.runner.execute
 
-    def wrapped(plan):
+    def wrapped(plan, **kw):
         plans.append(plan)
-        return execute(plan)
+        return execute(plan, **kw)
     monkeypatch.setattr(engine.runner, "execute", wrapped)
     return plans
 
@@ -570,7 +570,7 @@ def test_step_loop_failure_ends_the_process(tiny_dir, cache_dir):
         from qwen35.engine import EngineArgs, LLMEngine
         from qwen35.sampling_params import SamplingParams
         eng = LLMEngine(EngineArgs(model={tiny_dir!r}, max_num_seqs=2, max_model_len=64, device="cpu"))
-        def broken(plan):
+        def broken(plan, **kw):
             raise RuntimeError("boom in the forward")
         eng.runner.execute = broken
         async def main():

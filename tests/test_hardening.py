@@ -243,13 +243,15 @@ def boundary():
     limits = RequestLimits(vocab_size=248320, max_model_len=64, num_kv_blocks=512, block_size=16)
     s = server._Server(SimpleNamespace(check_request=limits.check), tok, "m", 64, None,
                        server.DEFAULT_MAX_REQUEST_BYTES)
-    return s, Sampler(tok.num_real_tokens, "cpu"), torch.randn(1, 248320)
+    return s, Sampler(tok.num_real_tokens, 248320, 1, "cpu"), torch.randn(1, 248320)
 
 
 def cross_the_boundary(boundary, prepare, base: dict, fields: dict) -> None:
     """Whatever passes validation is safe for the step loop: its sampler row becomes the sampler's tensors, the
     sampler takes them without raising, every stop id is in the vocabulary (an id past the logits is a device-side
-    assert on a GPU), and a seed makes a generator."""
+    assert on a GPU), and a seed makes a noise key."""
+    from layers.sampler import SamplingStep, stream_key
+
     s, sampler, logits = boundary
     try:
         _, _, params = s._prepare(json.dumps({**base, **fields}).encode(), prepare(s))
@@ -258,11 +260,11 @@ def cross_the_boundary(boundary, prepare, base: dict, fields: dict) -> None:
         return
     stop_ids = params.stop_token_ids or s.eos_ids
     assert max(stop_ids) < s.vocab_size, params
-    row = torch.tensor([params.sampler_row()], dtype=torch.float32)  # what the engine writes for its slot
-    generators = [(0, sampler.make_generator(params.seed))] if params.seed is not None else []
-    suppress = (torch.zeros(len(stop_ids), dtype=torch.int64), torch.tensor(stop_ids)) if params.min_tokens else None
-    out = sampler.sample(logits, row[:, 0], row[:, 1], row[:, 2], generators, suppress, params.greedy,
-                         params.top_k > 0 or params.top_p < 1)
+    step = SamplingStep(params.greedy, params.top_k > 0, params.top_p < 1,  # what the engine sends
+                        [(0, params.sampler_row(), stream_key(params.seed, 0, 0))],
+                        [(0, t) for t in stop_ids] if params.min_tokens else [])
+    sampler.admit(step)
+    out = sampler.sample(logits, torch.zeros(1, dtype=torch.int64), step)
     assert 0 <= int(out[0]) < s.vocab_size
 
 

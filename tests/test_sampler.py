@@ -1,12 +1,16 @@
-"""Sampler: greedy, temperature / top-k / top-p on a known distribution, per-request seeds, vocab padding, min_tokens.
+"""Sampler at TP=1: greedy, temperature / top-k / top-p on a known distribution, seeds, vocab padding, min_tokens;
+the counter-based noise (the Triton shard pass computes the torch twin's bits), and sample_fast == sample_torch.
 
-The sampler takes tensors; `sample` below fills them from SamplingParams as the engine does (sampler_row), and
-passes the host-side hints (greedy_only, filtered) as the engine computes them.
+Statistics run on sample_torch (the reference); sample_fast, through Triton's interpreter on the CPU, is held to
+the same tokens on smaller batches (and at TP=2 in tests/test_vocab_parallel_sampling.py).
 """
+import math
+
 import pytest
 import torch
 
-from layers.sampler import Sampler
+from layers.sampler import (SampleBatch, Sampler, SamplingStep, gumbel_scores, masses, row_seeds, sample_fast,
+                            sample_torch, shard_pass_fast, shard_pass_torch, stream_key)
 from qwen35.sampling_params import SamplingParams
 
 V = 1000        # vocab columns of the logits
@@ -27,23 +31,33 @@ def frequencies(tokens: list[int]) -> dict[int, float]:
     return {t: tokens.count(t) / len(tokens) for t in set(tokens)}
 
 
-def sample(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], generators=(),
-           suppress: list[tuple[int, int]] = (), hints: bool = True) -> list[int]:
-    """One token per row; generators: (row, torch.Generator); suppress: (row, token id) pairs. hints=False runs
-    every path the hints let the engine skip."""
-    t = torch.tensor([p.sampler_row() for p in params], dtype=torch.float32)
-    sup = torch.tensor(list(suppress), dtype=torch.int64).reshape(-1, 2).T if suppress else None
-    greedy_only = hints and all(p.greedy for p in params)
-    filtered = not hints or any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params)
-    out = sampler.sample(logits, t[:, 0], t[:, 1], t[:, 2], generators, None if sup is None else tuple(sup),
-                         greedy_only, filtered)
+def make_batch(params: list[SamplingParams], engine_seed: int = 0, counters=None, suppress=(), hints=True,
+               serial0: int = 0) -> SampleBatch:
+    """The tensors the engine's Sampler gathers for these rows: a seeded row's key is its seed, an unseeded row's
+    comes from the engine seed and its admission number (here its row + serial0). hints=False runs every path
+    the hints let the engine skip."""
+    t = torch.tensor([p.sampler_row() for p in params], dtype=torch.float32).reshape(-1, 3)
+    keys = torch.tensor([stream_key(p.seed, engine_seed, serial0 + i) for i, p in enumerate(params)])
+    ctr = torch.zeros(len(params), dtype=torch.int64) if counters is None else torch.as_tensor(counters)
+    sup = None
+    if suppress:
+        sup = tuple(torch.tensor(list(suppress), dtype=torch.int64).T)
+    return SampleBatch(t[:, 0], t[:, 1], t[:, 2], keys, ctr, sup,
+                       greedy_only=hints and all(p.greedy for p in params),
+                       any_top_k=not hints or any(not p.greedy and p.top_k > 0 for p in params),
+                       any_top_p=not hints or any(not p.greedy and p.top_p < 1 for p in params))
+
+
+def sample(logits, params, impl=sample_torch, real=REAL, **kw) -> list[int]:
+    before = logits.clone()
+    out = impl(logits, make_batch(params, **kw), real, logits.shape[1])
     assert out.dtype == torch.int64 and out.shape == (logits.shape[0],)
+    assert torch.equal(logits, before)  # the caller's logits are left as they are
     return out.tolist()
 
 
 def draw(params: SamplingParams, n: int = 4000, seed: int = 0) -> dict[int, float]:
-    s = Sampler(REAL, "cpu", seed=seed)
-    return frequencies(sample(s, known_logits(n), [params] * n))
+    return frequencies(sample(known_logits(n), [params] * n, engine_seed=seed))
 
 
 def expected(weights: dict[int, float]) -> dict[int, float]:
@@ -58,16 +72,19 @@ def assert_close(freq, want, tol=0.03):
         assert abs(freq.get(t, 0.0) - p) < tol, (t, freq.get(t), p)
 
 
+# ---- the reference's distributions ------------------------------------------------------------------------------
+
 def test_greedy_is_argmax_and_ignores_padding():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, V, generator=g)
     logits[2, REAL + 3] = 100.0  # a padding id never wins, even in greedy
+    logits[3, [10, 20]] = 9.0    # a tie: the lowest id, as torch.argmax
     rows = [SamplingParams(temperature=0) for _ in range(6)]
     rows[4] = SamplingParams(temperature=0.0, top_k=5, top_p=0.5, seed=3)  # filters don't matter
-    before = logits.clone()
+    want = logits[:, :REAL].argmax(-1).tolist()
+    assert want[3] == 10
     for hints in (True, False):
-        assert sample(Sampler(REAL, "cpu"), logits, rows, hints=hints) == logits[:, :REAL].argmax(-1).tolist()
-    assert torch.equal(logits, before)  # the caller's logits are left as they are
+        assert sample(logits, rows, hints=hints) == want
 
 
 def test_temperature_one_samples_the_distribution():
@@ -100,7 +117,7 @@ def test_mixed_batch_rows_keep_their_own_settings():
     n = 3000
     rows = ([SamplingParams(temperature=1.0, top_k=2)] * n + [SamplingParams(temperature=0.0)] * n
             + [SamplingParams(temperature=1.0, top_p=0.6)] * n)
-    out = sample(Sampler(REAL, "cpu"), known_logits(3 * n), rows)
+    out = sample(known_logits(3 * n), rows)
     assert_close(frequencies(out[:n]), expected({0: 0.3, 1: 0.2}))
     assert set(out[n:2 * n]) == {IDS[0]}
     assert_close(frequencies(out[2 * n:]), expected({0: 0.3, 1: 0.2, 2: 0.15}))
@@ -109,25 +126,34 @@ def test_mixed_batch_rows_keep_their_own_settings():
 def test_padding_ids_never_sampled():
     logits = torch.zeros(2000, V)
     logits[:, REAL:] = 30.0
-    out = sample(Sampler(REAL, "cpu"), logits, [SamplingParams(temperature=2.0)] * 2000)
+    out = sample(logits, [SamplingParams(temperature=2.0)] * 2000)
     assert max(out) < REAL
     assert len(set(out)) > 500  # and the real ids are sampled roughly uniformly
 
 
+def test_ties_in_the_filters_keep_the_lowest_ids():
+    # ten tokens of equal logit (the rest negligible): top-k 4 and top-p 0.35 (mass 0.1 each: 4 before reaching
+    # it) both keep the 4 lowest ids of the tie, and draw them uniformly
+    tied = [900, 12, 640, 33, 5, 871, 420, 77, 300, 150]
+    logits = torch.full((2000, V), -1e4)
+    logits[:, tied] = 3.0
+    lowest = sorted(tied)[:4]
+    for params in (SamplingParams(temperature=1.0, top_k=4), SamplingParams(temperature=1.0, top_p=0.35)):
+        assert_close(frequencies(sample(logits, [params] * 2000)), {t: 0.25 for t in lowest}, tol=0.04)
+
+
 def seeded_run(seed: int, companions: list[SamplingParams], position: int, steps: int = 20) -> list[int]:
-    """Tokens drawn for one seeded request over `steps` steps, sharing each step's batch with `companions` (each
-    with its own generator when it has a seed, as the engine gives them)."""
-    sampler = Sampler(REAL, "cpu", seed=99)
+    """Tokens drawn for one seeded request over `steps` steps (its counter = the step), sharing each step's batch
+    with `companions` (unseeded companions get admission numbers that differ from run to run)."""
     me = SamplingParams(temperature=0.8, top_p=0.95, seed=seed)
     params = companions[:position] + [me] + companions[position:]
-    gens = [(i, sampler.make_generator(p.seed)) for i, p in enumerate(params) if p.seed is not None]
     g = torch.Generator().manual_seed(1)
     out = []
-    for _ in range(steps):
+    for step in range(steps):
         base = torch.randn(V, generator=g)  # this request's logits: the same in every run
         logits = torch.randn(len(params), V) * 3  # companions' logits differ from run to run
         logits[position] = base
-        out.append(sample(sampler, logits, params, gens)[position])
+        out.append(sample(logits, params, counters=[step] * len(params), serial0=len(companions))[position])
     return out
 
 
@@ -143,9 +169,17 @@ def test_same_seed_same_tokens_whatever_the_batch():
 def test_unseeded_rows_follow_the_engine_seed():
     logits = torch.zeros(50, V)
     rows = [SamplingParams(temperature=1.0)] * 50
-    a = sample(Sampler(REAL, "cpu", seed=7), logits, rows)
-    assert sample(Sampler(REAL, "cpu", seed=7), logits, rows) == a
-    assert sample(Sampler(REAL, "cpu", seed=8), logits, rows) != a
+    a = sample(logits, rows, engine_seed=7)
+    assert sample(logits, rows, engine_seed=7) == a
+    assert sample(logits, rows, engine_seed=8) != a
+    assert len(set(a)) > 40  # and rows (admission numbers) draw apart
+
+
+def test_counter_moves_the_noise():
+    logits = torch.zeros(1, V)
+    params = [SamplingParams(temperature=1.0, seed=3)]
+    draws = [sample(logits, params, counters=[c])[0] for c in range(30)]
+    assert len(set(draws)) > 25
 
 
 def test_suppressed_ids_are_never_sampled():
@@ -155,30 +189,44 @@ def test_suppressed_ids_are_never_sampled():
     logits[:, eos] = 40.0
     rows = [SamplingParams(temperature=1.0)] * 250 + [SamplingParams(temperature=0.0)] * 250
     suppress = [(i, t) for i in range(500) for t in eos]
-    out = sample(Sampler(REAL, "cpu"), logits, rows, suppress=suppress)
+    out = sample(logits, rows, suppress=suppress)
     assert not set(out) & set(eos)
     assert set(out[250:]) == {IDS[2]}  # greedy falls to the best allowed id
-    assert sample(Sampler(REAL, "cpu"), logits[250:], rows[250:], suppress=suppress[:500]) == [IDS[2]] * 250
-    free = sample(Sampler(REAL, "cpu"), logits[:1], [SamplingParams(temperature=0.0)])
-    assert free[0] in eos  # only the rows named are suppressed, and the caller's logits are untouched
-
-
-@pytest.mark.parametrize("temperature", [0, 1.0])
-def test_returns_token_ids_on_the_device(temperature):
-    out = sample(Sampler(REAL, "cpu"), torch.randn(3, V), [SamplingParams(temperature=temperature)] * 3)
-    assert all(0 <= t < REAL for t in out) and len(out) == 3
+    assert sample(logits[250:], rows[250:], suppress=suppress[:500]) == [IDS[2]] * 250
+    free = sample(logits[:1], [SamplingParams(temperature=0.0)])
+    assert free[0] in eos  # only the rows named are suppressed
 
 
 def test_hints_change_no_result():
-    # greedy_only / filtered only let the engine skip work it knows is not needed: the full path gives the same ids
+    # greedy_only / any_top_k / any_top_p only let the engine skip work: the full path gives the same ids
     logits = known_logits(64) + torch.randn(64, V)
     mixed = [SamplingParams(temperature=1.0, seed=i) for i in range(32)] + [SamplingParams()] * 32
     for params in (mixed, [SamplingParams()] * 64):
-        runs = []
-        for hints in (True, False):
-            gens = [(i, torch.Generator().manual_seed(p.seed)) for i, p in enumerate(params) if p.seed is not None]
-            runs.append(sample(Sampler(REAL, "cpu", seed=1), logits, params, gens, hints=hints))
-        assert runs[0] == runs[1]
+        assert sample(logits, params, hints=True) == sample(logits, params, hints=False)
+
+
+def test_near_zero_temperature_is_greedy():
+    # logits / 1e-40 is inf in float32: below GREEDY_TEMPERATURE a row samples as greedy
+    rows = [SamplingParams(temperature=t, seed=1) for t in (1e-40, 1e-30, 1e-6, 0.0)]
+    assert sample(known_logits(4), rows) == [IDS[0]] * 4
+    assert [p.sampler_row()[0] for p in rows] == [0.0] * 4  # the sampler sees temperature 0: greedy
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
+def test_top_k_past_the_vocabulary_keeps_everything():
+    params = SamplingParams(temperature=1.0)
+    params.top_k = 2**63  # what validation lets through is bounded; the sampler still keeps the whole vocabulary
+    assert_close(draw(params), expected(dict(enumerate(PROBS))))
+
+
+def test_suppress_ids_outside_the_logits_are_ignored():
+    # a stop id past the vocabulary can never be sampled, so there is nothing to suppress (indexing it would fail,
+    # and on a GPU that is a device-side assert that ends the process)
+    rows = [SamplingParams(temperature=t) for t in (0.0, 1.0)]
+    sup = [(r, t) for r in range(2) for t in (V + 5, IDS[0], 10**12, -3)]
+    for impl in (sample_torch, sample_fast):
+        out = sample(known_logits(2), rows, impl=impl, suppress=sup)
+        assert out[0] == IDS[1] and out[1] != IDS[0]
 
 
 def test_out_of_range_temperature_is_rejected():
@@ -188,31 +236,6 @@ def test_out_of_range_temperature_is_rejected():
     assert SamplingParams(temperature=100).temperature == 100.0
 
 
-# ---- edge values and the last line of defence ------------------------------------------------------------------
-
-def test_near_zero_temperature_is_greedy():
-    # logits / 1e-40 is inf in float32, and softmax of inf is NaN: below GREEDY_TEMPERATURE a row samples as greedy
-    rows = [SamplingParams(temperature=t, seed=1) for t in (1e-40, 1e-30, 1e-6, 0.0)]
-    assert sample(Sampler(REAL, "cpu"), known_logits(4), rows) == [IDS[0]] * 4
-    assert [p.sampler_row()[0] for p in rows] == [0.0] * 4  # the sampler sees temperature 0: greedy
-    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-4).greedy
-
-
-def test_top_k_past_the_vocabulary_keeps_everything():
-    params = SamplingParams(temperature=1.0)
-    params.top_k = 2**63  # what validation lets through is bounded; the sampler still clamps to the vocabulary
-    assert_close(draw(params), expected(dict(enumerate(PROBS))))
-
-
-def test_suppress_ids_outside_the_logits_are_ignored():
-    # a stop id past the vocabulary can never be sampled, so there is nothing to suppress (indexing it would fail,
-    # and on a GPU that is a device-side assert that ends the process)
-    rows = [SamplingParams(temperature=t) for t in (0.0, 1.0)]
-    out = sample(Sampler(REAL, "cpu"), known_logits(2), rows,
-                 suppress=[(r, t) for r in range(2) for t in (V + 5, IDS[0], 10**12)])
-    assert out[0] == IDS[1] and out[1] != IDS[0]
-
-
 def test_integer_fields_are_bounded():
     for bad in (dict(top_k=2**63), dict(top_k=-1), dict(seed=2**64), dict(seed=-2**63 - 1), dict(max_tokens=2**63),
                 dict(stop_token_ids=[-1]), dict(stop_token_ids=[2**63]), dict(stop_token_ids=[True]),
@@ -220,3 +243,108 @@ def test_integer_fields_are_bounded():
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     assert SamplingParams(seed=-2**63, top_k=2**63 - 1).seed == -2**63
+
+
+# ---- the noise and the fixed-point masses -----------------------------------------------------------------------
+
+def test_shard_pass_computes_the_torch_twins_bits():
+    """The Triton pass (interpreter) and its torch twin agree bit for bit, at any shard offset, for keys and
+    counters that use all 64 bits; the per-row candidates are the first maxima."""
+    g = torch.Generator().manual_seed(0)
+    B, n, start, n_valid = 3, 2500, 700, 2400
+    lg = torch.randn(B, n, generator=g) * 3
+    lg[1, [5, 1500]] = 20.0  # a greedy tie across blocks: the first
+    inv_t = torch.tensor([1.0, 1 / 0.7, 2.0])
+    key, ctr = torch.tensor([0, -5, 2**62 + 3]), torch.tensor([0, 7, 2**40 + 1])
+    vals, ids, scores = shard_pass_fast(lg, n_valid, start, inv_t, key, ctr, sampled=True, write_scores=True)
+    want = gumbel_scores(lg * inv_t[:, None], torch.arange(start, start + n), *row_seeds(key, ctr))
+    want[:, n_valid:] = float("-inf")
+    assert torch.equal(scores, want)
+    assert ids[:, 1].tolist() == (want.argmax(1) + start).tolist()
+    assert torch.equal(vals[:, 1], want.max(1).values)
+    assert ids[:, 0].tolist() == (lg[:, :n_valid].argmax(1) + start).tolist() and ids[1, 0] == start + 5
+    t_vals, t_ids, t_scores = shard_pass_torch(lg, n_valid, start, inv_t, key, ctr, sampled=True, write_scores=True)
+    assert torch.equal(t_scores, scores) and torch.equal(t_vals, vals) and torch.equal(t_ids, ids)
+
+
+def test_noise_is_gumbel():
+    # x = 0 everywhere: the scores are i.i.d. Gumbel(0, 1): mean 0.5772, variance pi^2 / 6; exp(-G) ~ Exp(1)
+    n = 400_000
+    s = gumbel_scores(torch.zeros(1, n), torch.arange(n), *row_seeds(torch.tensor([11]), torch.tensor([2])))[0]
+    s = s.double()
+    assert abs(s.mean() - 0.5772) < 0.01 and abs(s.var() - math.pi ** 2 / 6) < 0.02
+    e = torch.exp(-s)
+    for q in (0.001, 0.01, 0.1, 0.5, 2.0):  # the small E (the winners) matter most
+        assert abs((e < q).double().mean() - (1 - math.exp(-q))) < 4 * math.sqrt((1 - math.exp(-q)) / n) + 1e-4
+
+
+def test_masses_are_exp_in_fixed_point():
+    d = -torch.linspace(0, 40, 100_001)
+    m = masses(d, torch.ones_like(d, dtype=torch.bool)).double()
+    want = torch.exp(d.double()) * 2.0 ** 40
+    assert m[0] == 2**40
+    assert ((m - want).abs() <= want * 3e-7 + 1).all()  # float32 accuracy, then the floor
+    assert (masses(d, torch.zeros_like(d, dtype=torch.bool)) == 0).all()
+
+
+# ---- sample_fast (one shard) == sample_torch ------------------------------------------------------------------
+
+FAST_CASES = {
+    "greedy": [SamplingParams()] * 4,
+    "temperature": [SamplingParams(temperature=t, seed=s) for t, s in ((1.0, 1), (0.3, 2), (3.0, None), (0, None))],
+    "top_k": [SamplingParams(temperature=1.0, top_k=k) for k in (1, 3, 50, 2000)],
+    "top_p": [SamplingParams(temperature=t, top_p=p) for t, p in ((1.0, 0.2), (0.7, 0.9), (2.0, 0.999), (1.0, 1.0))],
+    "both": [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in ((5, 0.5), (40, 0.95), (1, 0.1), (0, 0.6))],
+}
+
+
+@pytest.mark.parametrize("case", FAST_CASES)
+def test_fast_equals_torch_on_one_shard(case):
+    g = torch.Generator().manual_seed(len(case))
+    params = FAST_CASES[case] * 4
+    logits = torch.randn(len(params), V, generator=g) * 2
+    logits[::2, 100:110] = 9.0   # the top ten tied (every other row): the filters' boundaries fall inside the tie
+    logits[1::2, 100:110] = 2.0  # ties further down
+    logits[:, REAL:] = 60.0      # padding never wins
+    sup = [(i, t) for i in range(0, len(params), 3) for t in (100, 101, int(logits[i, :REAL].argmax()))]
+    for kw in (dict(), dict(suppress=sup), dict(hints=False)):
+        want = sample(logits, params, **kw)
+        assert sample(logits, params, impl=sample_fast, **kw) == want, kw
+        assert max(want) < REAL
+
+
+# ---- the per-slot state and the message ------------------------------------------------------------------------
+
+def test_sampling_step_round_trip():
+    step = SamplingStep(False, True, False, [(3, (0.7, 50.0, 0.9), -2**63), (0, (0.0, 0.0, 1.0), 2**63 - 1)],
+                        [(0, 248044), (2, 7)])
+    back = SamplingStep.decode(step.encode())
+    assert back.suppress == step.suppress and back.admitted[1] == step.admitted[1]
+    slot, (t, k, p), key = back.admitted[0]
+    assert (slot, k, key) == (3, 50.0, -2**63) and t == pytest.approx(0.7) and p == pytest.approx(0.9)
+    assert (back.greedy_only, back.any_top_k, back.any_top_p) == (False, True, False)
+    with pytest.raises(ValueError, match="sampling step"):
+        SamplingStep.decode(step.encode()[:-1])
+
+
+def test_sampler_slots_draw_their_own_streams():
+    """A seeded request gets the same tokens in any slot, beside anything: its key is its seed and its counter
+    counts its own draws (reset when its slot is admitted again)."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(3))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    step = lambda admitted: SamplingStep(False, False, False, admitted)  # noqa: E731
+
+    def tokens(slot, others):
+        s = Sampler(REAL, V, num_slots=6, device="cpu")
+        rows = [(slot, seeded.sampler_row(), 42)] + [(o, (1.0, 0.0, 1.0), 1000 + o) for o in others]
+        s.admit(step(rows))
+        slots = torch.tensor([slot, *others])
+        out = [s.sample(logits[:len(slots)], slots, step([]))[0].item() for _ in range(8)]
+        assert s.draws[slot] == 8
+        s.admit(step(rows[:1]))  # the slot admitted again: its counter starts over
+        assert s.draws[slot] == 0 and s.sample(logits[:1], slots[:1], step([]))[0].item() == out[0]
+        return out
+
+    alone = tokens(0, [])
+    assert tokens(4, [1, 2]) == alone
+    assert len(set(alone)) > 1
