@@ -38,6 +38,7 @@ class Sim:
         self.plans = []
         self.max_running = 0
         self.step_no = 0
+        self.cached_before: set[int] = set()  # the prefix cache's blocks after the step before
 
     def add(self, req):
         self.s.add(req)
@@ -106,18 +107,29 @@ class Sim:
             # the logits row is wanted exactly when the sequence ends at its newest token
             assert plan.want_logits[i] == (end == len(self.seq[rid]))
         assert [r for r, w in zip(step.rows, plan.want_logits) if w] == step.sampled
-        running_blocks = [b for r in s.running for b in r.block_ids[r.num_shared_blocks:]]
+        running_blocks = [b for r in s.running for k, b in enumerate(r.block_ids) if not s._is_cached(r, k)]
         assert len(running_blocks) == len(set(running_blocks)), "a KV block is held by two requests"
         running_slots = [r.state_slot for r in s.running]
         assert len(running_slots) == len(set(running_slots))
-        cached = [b for e in s.cache.entries.values() for b in e.blocks] if s.cache else []
-        assert not set(cached) & set(running_blocks), "a request writes into a prefix-cache entry's block"
+        cached = cache_blocks(s)
+        assert not set(cached) & set(running_blocks), "a request writes into a block of the prefix cache"
+        assert len(cached) == len(set(cached)) == (s.cache.num_blocks if s.cache else 0)
+        bs = s.blocks.block_size
+        for i, req in enumerate(step.rows):  # a row writes into blocks of its own: none the cache had before
+            first, last = plan.start_pos[i] // bs, (plan.start_pos[i] + plan.seq_lens[i] - 1) // bs
+            written = self.tables[plan.state_slots[i]][first:last + 1]
+            assert not set(written) & self.cached_before, "a row writes into a block of the prefix cache"
+        self.cached_before = set(cached)
         assert s.slots.num_used == len(s.running) and s.blocks.num_used == len(running_blocks) + len(cached)
+        for row, pos, dst in plan.checkpoints:  # where the DeltaNet prefill kernels can stop (qwen35/runner.py)
+            start, n = plan.start_pos[row], plan.seq_lens[row]
+            assert (n > 1 or start == 0) and start < pos <= start + n
+            assert (pos - start) % s.chunk == 0 or pos == start + n
 
     def _hits(self, plan):
         """(prefix length, slot) of the cache hits this plan admits: a snapshot copied into the slot."""
-        entries = {e.snapshot_slot: len(e.key) for e in self.s.cache.entries.values()} if self.s.cache else {}
-        return {(entries[src], dst) for src, dst in plan.copy_states if src in entries}
+        snaps = {sn.slot: sn.position for sn in snapshots(self.s)}
+        return {(snaps[src], dst) for src, dst in plan.copy_states if src in snaps}
 
     def run(self, max_steps=1000):
         while self.live:
@@ -126,6 +138,19 @@ class Sim:
         if self.pending is not None:  # its rows all belong to requests already ended
             self.postprocess(*self.pending)
             self.pending = None
+
+
+def snapshots(s: Scheduler):
+    if not s.cache:
+        return []
+    return [sn for node in [s.cache.root, *s.cache.nodes.values()] for sn in node.snapshots.values()]
+
+
+def cache_blocks(s: Scheduler) -> list[int]:
+    """Every KV block the prefix cache owns: its chain's and its snapshots' partial blocks."""
+    if not s.cache:
+        return []
+    return [n.block for n in s.cache.nodes.values()] + [sn.block for sn in snapshots(s) if sn.block is not None]
 
 
 def assert_pools_full(s: Scheduler):
