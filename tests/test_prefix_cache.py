@@ -19,23 +19,15 @@ PROMPTS = [[_rng.randrange(0, 248_000) for _ in range(n)] for n in (1, 2, 16, 17
 # few-shot: a shared prefix of 150 tokens (past two 64-token snapshot intervals), then distinct questions
 SHARED = [_rng.randrange(0, 248_000) for _ in range(150)]
 FEW_SHOT = [SHARED + [_rng.randrange(0, 248_000) for _ in range(n)] for n in (9, 30, 17, 41, 5)]
-GREEDY = SamplingParams(max_tokens=12, min_tokens=12)
-SEEDED = SamplingParams(max_tokens=12, min_tokens=12, temperature=1.0, seed=5)
+GREEDY = SamplingParams(max_tokens=6, min_tokens=6)
+SEEDED = SamplingParams(max_tokens=6, min_tokens=6, temperature=1.0, seed=5)
 KINDS = (("g", GREEDY), ("s", SEEDED))
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        d = str(tmp_path_factory.mktemp("qwen35-cache"))
-        mp.setenv("QWEN35_CACHE", d)
-        yield d
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(cache_dir):
+def tiny_dir(tmp_path_factory):
     from qwen35.hub import resolve_model
-    return resolve_model("tiny")
+    return resolve_model("tiny", cache_dir=str(tmp_path_factory.mktemp("qwen35-cache")))
 
 
 def make(tiny_dir, **kw):
@@ -125,8 +117,8 @@ def test_two_turn_conversation_hits_history_and_reply(tiny_dir, expected):
     """A reply that ends on a stop token is snapshotted after the tokens it fed; the next turn (history, reply, a new
     message) resumes there: with overlap the stop token was fed too (its row was queued before the stop was seen)."""
     ref = expected["gp4"]
-    stop = SamplingParams(max_tokens=12, stop_token_ids=[ref[5]])
-    reply = ref[:ref.index(ref[5]) + 1]
+    stop = SamplingParams(max_tokens=12, stop_token_ids=[ref[4]])
+    reply = ref[:ref.index(ref[4]) + 1]
     turn2 = PROMPTS[4] + reply + [_rng.randrange(0, 248_000) for _ in range(20)]
     base = run(make(tiny_dir, prefix_cache=False), [("t2", turn2, GREEDY)])["t2"]
     for overlap in (True, False):
@@ -206,10 +198,11 @@ def test_abort_during_a_prefix_hit_prefill_frees_everything(tiny_dir, expected):
 def test_fast_kernels_with_checkpoints(tiny_dir, expected):
     """The Triton kernel set (through the interpreter): checkpoints written inside prefill rows by the varlen conv
     and delta-rule kernels, and resumed from, give the torch set's tokens without the cache."""
-    eng = make(tiny_dir, kernels="fast", max_num_batched_tokens=64)
-    reqs = [(f"gf{i}", p, GREEDY) for i, p in enumerate(FEW_SHOT[:3])]
-    assert run(eng, reqs, arrive_every=6) == {rid: expected[rid] for rid, _, _ in reqs}
-    assert eng.stats()["prefix_cache_hits"] == 2
+    eng = make(tiny_dir, kernels="fast", max_num_batched_tokens=100)
+    short = SamplingParams(max_tokens=2, min_tokens=2)  # greedy: the first tokens of the expected ones
+    reqs = [(f"gf{i}", p, short) for i, p in enumerate(FEW_SHOT[:2])]
+    assert run(eng, reqs, arrive_every=4) == {rid: expected[rid][:2] for rid, _, _ in reqs}
+    assert eng.stats()["prefix_cache_hit_tokens"] == 128
 
 
 def test_bad_flags_are_refused(tiny_dir):
@@ -219,9 +212,8 @@ def test_bad_flags_are_refused(tiny_dir):
         make(tiny_dir, prefix_cache_snapshots=0)
 
 
-def _tp_worker(rank, port, tiny_dir, cache_dir, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      QWEN35_CACHE=cache_dir)
+def _tp_worker(rank, port, tiny_dir, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     from dist import parallel
     parallel.init_distributed("cpu")
@@ -238,10 +230,10 @@ def _tp_worker(rank, port, tiny_dir, cache_dir, out_path):
         parallel.destroy()
 
 
-def test_tp2_with_the_cache_matches(tiny_dir, cache_dir, expected, tmp_path):
+def test_tp2_with_the_cache_matches(tiny_dir, expected, tmp_path):
     """At TP=2 the checkpoints and copies reach both ranks in the plan: the tokens are those of TP=1 without it."""
     out = tmp_path / "tp2.pt"
-    torch.multiprocessing.spawn(_tp_worker, args=(free_port(), tiny_dir, cache_dir, str(out)), nprocs=2)
+    torch.multiprocessing.spawn(_tp_worker, args=(free_port(), tiny_dir, str(out)), nprocs=2)
     res = torch.load(out)
     assert res["tokens"] == {rid: expected[rid] for rid in res["tokens"]}
     assert res["stats"]["prefix_cache_hits"] >= 4
@@ -254,3 +246,31 @@ def test_gsm8k_prompts_hit_at_least_75_percent(tiny_dir):
     eng = LLMEngine(EngineArgs(model=tiny_dir, max_num_seqs=8, max_model_len=2048, dtype="float32", device="cpu"))
     res = hit_rate(eng, gsm8k_prompts(eng.tokenizer, limit=20), concurrency=8, max_tokens=4)
     assert res["prompts"] == 20 and res["hit_rate"] >= 0.75, res
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fast"])
+def test_prefill_from_checkpoints_equals_one_long_prefill(tiny_dir, kernels):
+    """Through the model (ModelRunner, plans as the scheduler sends them): a prefill of 100 tokens that checkpoints
+    at 64 (inside the row) and 100 (its end), then prefills resumed from each checkpoint slot, reading the first
+    prefill's KV blocks by table (a partial block copied), give the logits of one 150-token prefill."""
+    from qwen35.config import ModelConfig
+    from qwen35.runner import ModelRunner
+    from scheduler.plan import StepPlan
+    runner = ModelRunner(ModelConfig.from_dir(tiny_dir), model_dir=tiny_dir, dtype="float32", device="cpu",
+                         max_num_seqs=4, max_model_len=256, num_snapshot_slots=2, kernels=kernels)
+    ids = SHARED  # 150 tokens
+    snap64, snap100 = runner.snapshot_slots
+    whole = runner.execute(StepPlan([0], [ids], [0], [list(range(10))], [True]), gather_to_all=True)
+    first = StepPlan([1], [ids[:100]], [0], [list(range(10, 17))], [False],
+                     checkpoints=[(0, 64, snap64), (0, 100, snap100)])
+    runner.execute(first, gather_to_all=True)
+    # from 64: blocks 10..13 hold positions < 64; from 100: 10..15 and a copy of 16 (positions 96..99)
+    at64 = StepPlan([2], [ids[64:]], [64], [[10, 11, 12, 13, 20, 21, 22, 23, 24, 25]], [True],
+                    copy_states=[(snap64, 2)])
+    at100 = StepPlan([3], [ids[100:]], [100], [[10, 11, 12, 13, 14, 15, 30, 31, 32, 33]], [True],
+                     copy_states=[(snap100, 3)], copy_blocks=[(16, 30)])
+    for plan in (at64, at100):
+        got = runner.execute(plan, gather_to_all=True)
+        assert (got - whole).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="checkpoint"):  # not a chunk boundary from the row's start
+        runner.execute(StepPlan([1], [ids[:100]], [0], [[]], [False], checkpoints=[(0, 50, snap64)]))
