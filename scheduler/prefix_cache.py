@@ -166,6 +166,7 @@ class PrefixCache:
         return False
 
     def evict_all(self, now: int) -> None:
+        """Evict every snapshot that plan `now` does not touch."""
         while self.evict_one(now):
             pass
 

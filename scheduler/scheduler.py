@@ -277,9 +277,10 @@ class Scheduler:
         req.status = RequestStatus.RELEASED
 
     def drop_cache(self) -> None:
-        """Evict every snapshot the next plan does not need (its blocks go back to the pool with them)."""
+        """Evict every snapshot, between steps (their blocks go back to the pool with them). Copies still pending
+        into them then write into freed ids, ahead of any later use of those ids: harmless."""
         if self.cache:
-            self.cache.evict_all(self.step_no + 1)
+            self.cache.evict_all(self.step_no + 2)
 
     # ---- metrics -------------------------------------------------------------------------------------------------
     @property
