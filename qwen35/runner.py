@@ -227,10 +227,12 @@ class ModelRunner:
 
     def _check_checkpoints(self, plan: StepPlan) -> None:
         """Each checkpoint names a row that runs the prefill kernels (not one token on a state), a position those
-        can stop at (a chunk multiple from the row's start, or its end), once, and a snapshot slot."""
+        can stop at (a chunk multiple from the row's start, or its end), once, and a snapshot slot no other
+        checkpoint of the plan writes (two writes of one launch land in no defined order)."""
         lens, seen = plan.seq_lens, set()
         for row, pos, dst in plan.checkpoints:
-            ok = 0 <= row < plan.num_seqs and self.max_num_seqs <= dst < self.scratch_slot and (row, pos) not in seen
+            ok = 0 <= row < plan.num_seqs and self.max_num_seqs <= dst < self.scratch_slot and not {(row, pos),
+                                                                                                   dst} & seen
             if ok:
                 start, n = plan.start_pos[row], lens[row]
                 ok = (n > 1 or start == 0) and start < pos <= start + n and ((pos - start) % CHUNK == 0
@@ -238,8 +240,8 @@ class ModelRunner:
             if not ok:
                 raise ValueError(f"bad step plan: checkpoint (row {row}, position {pos}, slot {dst}) is not a chunk "
                                  f"boundary or the end of a prefill row of {plan.num_seqs}, or not a snapshot slot "
-                                 f"[{self.max_num_seqs}, {self.scratch_slot}), or given twice")
-            seen.add((row, pos))
+                                 f"[{self.max_num_seqs}, {self.scratch_slot}), or a position or slot given twice")
+            seen |= {(row, pos), dst}
 
     def _apply_copies(self, plan: StepPlan) -> None:
         """Prefix-cache copies, with the effect of running them in plan order (a snapshot may be taken and read in

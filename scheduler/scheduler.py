@@ -84,16 +84,15 @@ class Scheduler:
             return None
         req, cache, now = self.waiting[0], self.cache, self.step_no
         hit = cache.match(req.prompt_ids, req.num_prompt_tokens - 1, now) if cache else None
+        if hit and not self._reserve(req, hit, now):
+            # the room it needs is the cache's, maybe its own snapshot's: admit it as a miss if that fits
+            hit = Match(hit.path[:1], None, 0)
+            if not self._reserve(req, hit, now):
+                return None  # head of line waits: admitting smaller requests past it could starve it forever
+        elif not hit and not self._make_room(self.blocks.blocks_for(req.max_cached_tokens), now):
+            return None
         shared = hit.position // self.blocks.block_size if hit else 0  # full blocks read from the cache
-        if hit:
-            cache.hold(hit.path[shared])  # kept from here on: its blocks go into the table
-            if hit.snapshot:
-                hit.snapshot.touched_step = now
         need = self.blocks.blocks_for(req.max_cached_tokens) - shared
-        if not self._make_room(need, now):
-            if hit:
-                cache.release(hit.path[shared])
-            return None  # head of line waits: admitting smaller requests past it could starve it forever
         self.waiting.popleft()
         req.state_slot = self.slots.allocate(1)[0]
         req.block_ids = [n.block for n in hit.path[1:shared + 1]] if hit else []
@@ -114,6 +113,22 @@ class Scheduler:
             req.snapshots = self._snapshot_positions(req, hit)
         self.running.append(req)
         return req
+
+    def _reserve(self, req: Request, hit: Match, now: int) -> bool:
+        """Hold the chain a hit reads and make room for the rest of the request's blocks; the hit's snapshot is
+        kept while this plan is built. False (nothing held) when the room cannot be made."""
+        shared = hit.position // self.blocks.block_size
+        snap = hit.snapshot
+        touched = snap.touched_step if snap else None
+        self.cache.hold(hit.path[shared])
+        if snap:
+            snap.touched_step = now
+        if self._make_room(self.blocks.blocks_for(req.max_cached_tokens) - shared, now):
+            return True
+        self.cache.release(hit.path[shared])
+        if snap:
+            snap.touched_step = touched
+        return False
 
     def _snapshot_positions(self, req: Request, hit: Match) -> list[tuple[int, bool]]:
         """Where the prefill of a request admitted with `hit` snapshots: (position, speculative), ascending."""

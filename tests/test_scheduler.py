@@ -130,6 +130,8 @@ class Sim:
                     "a row writes into a block of the prefix cache"
         self.owners_before = owners
         assert s.slots.num_used == len(s.running) and s.blocks.num_used == len(running_blocks) + len(cached)
+        dsts = [dst for _, _, dst in plan.checkpoints]  # (copies run in order, before the forward)
+        assert len(dsts) == len(set(dsts)), "two checkpoints into one snapshot slot (one launch: no defined order)"
         for row, pos, dst in plan.checkpoints:  # where the DeltaNet prefill kernels can stop (qwen35/runner.py)
             start, n = plan.start_pos[row], plan.seq_lens[row]
             assert (n > 1 or start == 0) and start < pos <= start + n
@@ -387,6 +389,7 @@ def finish(sim: Sim, req: Request) -> Request:
     sim.add(req)
     while req.request_id in sim.live:
         sim.step()
+        assert sim.step_no < 1000, "scheduler made no progress"
     return req
 
 
@@ -409,6 +412,34 @@ def test_prefix_cache_hits_where_it_should():
     assert len(a.output_ids) == 2 and a.finish_reason == "stop"
     finish(sim, Request("e", a.prompt_ids + a.output_ids + [7, 8, 9], SamplingParams(max_tokens=2)))
     assert hit() == 16 + 24 + 39 + 41 and s.cache.hits == 4
+    s.drop_cache()
+    assert_pools_full(s)
+
+
+def test_snapshots_of_the_plan_being_built_are_not_evicted():
+    """One snapshot slot and a row that passes three snapshot positions: the first takes the slot and the others
+    find none (evicting it would put two checkpoints into one slot in one launch, in no defined order); the plan
+    after, another request may take it."""
+    s = cached(snapshot_slots=[4], max_num_batched_tokens=64)
+    sim = Sim(s)
+    sim.add(Request("a", list(range(40)), SamplingParams(max_tokens=2)))
+    plan, _ = sim.step()
+    assert plan.checkpoints == [(0, 16, 4)] and [sn.position for sn in snapshots(s)] == [16]
+    sim.run()
+    finish(sim, Request("b", list(range(100, 120)), SamplingParams(max_tokens=2)))  # evicts a's to take the slot
+    assert [sn.position for sn in snapshots(s)] == [16] and snapshots(s)[0].node.tokens[0] == 112
+
+
+def test_a_hit_that_needs_its_own_snapshots_room_runs_as_a_miss():
+    """A pool of 5 blocks; the cache holds a's prompt (2 full blocks and a partial one after its end snapshot). b
+    extends that prompt and needs all 5 blocks: as a hit it would keep the 2 full blocks but need 3 more, and only
+    its own snapshot's partial block could give the third. It is admitted as a miss instead of waiting forever."""
+    s = cached(num_kv_blocks=5, max_num_batched_tokens=32)
+    sim = Sim(s)
+    a = finish(sim, Request("a", list(range(10)), SamplingParams(max_tokens=2)))
+    assert [sn.position for sn in snapshots(s)] == [9] and s.blocks.num_free == 2
+    b = finish(sim, Request("b", a.prompt_ids + list(range(50, 57)), SamplingParams(max_tokens=4)))
+    assert len(b.output_ids) == 4 and s.cache.hits == 0
     s.drop_cache()
     assert_pools_full(s)
 
