@@ -19,6 +19,9 @@ static: for each batch size B, B requests of `--input-len` random tokens generat
 trace: the closed-loop workload of the serving contract (per level 2 warm-up then `--num-requests` requests, exactly
   c in flight; 1024-token random-text prompts through the chat template, the same prompts at every level), with
   fixed or distributed output lengths (synthetic weights never stop on their own); weighted score as the contract's.
+  After the warm level of each concurrency in `--cold-levels`, the same level again with prompts never seen (the
+  prefix cache cannot serve them: every prompt is prefilled whole), reported beside it with the cold/warm ratio of
+  wall times; the cold levels are not in the score.
 latency: one request at a time per shape PROMPT:OUTPUT (qwen35/latency.py), with --compare-hf beside
   transformers' generate on the same weights (TP=1).
 prefill, decode, mixed: the create_engine traces of qwen35/harness.py (batched long-prompt prefill, repeated decode
@@ -150,17 +153,33 @@ def trace(engine: LLMEngine, args, rng: random.Random) -> dict:
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": random_prompt(counter, args.input_len, rng)}])
                for _ in range(n_prompts)]
     lengths = output_lengths(args.output_len_dist, args.num_requests, args.output_len, rng)
-    levels = []
+    levels, cold_levels = [], []
     for c in _ints(args.levels):
         warm = [(prompts[i % n_prompts], args.output_len) for i in range(NUM_WARMUP)]
         timed = [(prompts[i % n_prompts], lengths[i]) for i in range(args.num_requests)]
         closed_loop(engine, warm, c, f"warm{c}")
-        wall, tokens = closed_loop(engine, timed, c, f"c{c}")
-        levels.append({"concurrency": c, "requests": len(timed), "wall_s": wall, "tokens": tokens,
-                       "tok_s": tokens / wall})
-        print(f"  c={c:<3d} {tokens / wall:10.1f} tok/s  ({wall:.1f} s)", flush=True)
+        levels.append(_level(engine, timed, c, f"c{c}"))
+        if c in _ints(args.cold_levels):  # the same level on prompts never seen: nothing for the cache to serve
+            new = [engine.tokenizer.encode_chat([{"role": "user",
+                                                  "content": random_prompt(counter, args.input_len, rng)}])
+                   for _ in range(args.num_requests)]
+            cold = _level(engine, [(ids, n) for ids, n in zip(new, lengths)], c, f"cold{c}", cold=True)
+            cold["cold_over_warm"] = cold["wall_s"] / levels[-1]["wall_s"]
+            cold_levels.append(cold)
     score = sum(WEIGHTS.get(lv["concurrency"], 0) * lv["tok_s"] for lv in levels)
-    return {"levels": levels, "weighted_score": score, "output_lengths": lengths}
+    return {"levels": levels, "cold_levels": cold_levels, "weighted_score": score, "output_lengths": lengths}
+
+
+def _level(engine: LLMEngine, work: list[tuple[list[int], int]], c: int, tag: str, cold: bool = False) -> dict:
+    """One timed closed-loop level, with the prompt tokens the prefix cache served in it."""
+    hits0 = engine.stats()["prefix_cache_hit_tokens"]
+    wall, tokens = closed_loop(engine, work, c, tag)
+    hit_tokens = engine.stats()["prefix_cache_hit_tokens"] - hits0
+    row = {"concurrency": c, "cold": cold, "requests": len(work), "wall_s": wall, "tokens": tokens,
+           "tok_s": tokens / wall, "prompt_tokens": sum(len(ids) for ids, _ in work), "cache_hit_tokens": hit_tokens}
+    print(f"  c={c:<3d}{' cold' if cold else ''} {tokens / wall:10.1f} tok/s  ({wall:.1f} s, "
+          f"{hit_tokens} of {row['prompt_tokens']} prompt tokens from the cache)", flush=True)
+    return row
 
 
 def closed_loop(engine: LLMEngine, work: list[tuple[list[int], int]], concurrency: int, tag: str):
@@ -201,6 +220,8 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--profile-steps", type=int, default=16, help="decode steps timed per profiled batch size")
     ap.add_argument("--levels", default="1,2,4,8,16,32,64")
     ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--cold-levels", default="64",
+                    help="trace: concurrency levels also run on prompts never seen (comma list; empty: none)")
     ap.add_argument("--output-len-dist", default=workload.STANDARD_OUTPUT_LEN_DIST,
                     help=f"trace output lengths: {workload.FORMS} (default {workload.STANDARD_OUTPUT_LEN_DIST}, the "
                          "standard for synthetic weights)")
