@@ -5,7 +5,7 @@
 #
 # Stages: profile (benchmarks.profile_step: top kernels per phase, PROFILE_ARGS), tune (benchmarks.tune_moe:
 # writes layers/moe_configs.json, copied to $OUT; TUNE_TP), record (qwen35.bench --mode record: the decode/prefill rows of record, RECORD_ARGS), kernels (each
-# benchmarks/bench_<layer>.py micro-benchmark), tests (pytest -m gpu), parity (benchmarks.gpu_parity at TP=1 and TP=NGPU), bench (qwen35.bench at TP=NGPU
+# benchmarks/bench_<layer>.py micro-benchmark), tests (pytest -m gpu over GPU_TESTS, default tests/), parity (benchmarks.gpu_parity at TP=1 and TP=NGPU), bench (qwen35.bench at TP=NGPU
 # and TP=1, full-size dummy weights), latency and harness (issue #11: qwen35.bench --mode latency --compare-hf on
 # qwen3.5-4b; --mode prefill,decode,mixed on llama-1b; one GPU each), server (start.sh at TP=NGPU +
 # benchmarks.throughput). Sizes come from the
@@ -32,10 +32,13 @@ for stage in "$@"; do
     record)
       torchrun --nproc-per-node "$NGPU" -m qwen35.bench --mode record ${RECORD_ARGS:-} --out "$OUT/record_tp$NGPU.json" \
         2>&1 | grep -v "^\s*$" | tail -16 ;;
+    trace)  # issue #9: a warm c=64 level (prompts seen at c=32) beside a cold one (prompts never seen)
+      torchrun --nproc-per-node "$NGPU" -m qwen35.bench --mode trace ${TRACE_ARGS:---levels 32,64 --cold-levels 64} \
+        --max-num-seqs 64 --out "$OUT/trace_tp$NGPU.json" 2>&1 | grep -v "^\s*$" | tail -8 ;;
     kernels)
       for b in benchmarks/bench_*.py; do python3 -m "benchmarks.$(basename "$b" .py)" 2>&1 | tail -30; done ;;
     tests)
-      python3 -m pytest tests/ -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+      python3 -m pytest ${GPU_TESTS:-tests/} -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     parity)
       CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.gpu_parity --layers 8 --out "$OUT/parity_tp1.json" 2>&1 \
         | grep -v "falling back" | tail -5

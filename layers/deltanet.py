@@ -230,21 +230,35 @@ class GatedDeltaNet(nn.Module):
 
     def mixed_torch(self, proj: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Reference for any step, sequence by sequence: the chunked rule for new sequences and chunks, the recurrent
-        rule for one token on a state (as the reference model does in each phase). proj [T, ...] -> y [T, Hv*dv]."""
+        rule for one token on a state (as the reference model does in each phase). proj [T, ...] -> y [T, Hv*dv].
+        The batch's checkpoints also leave the conv tail and the state after their position in their slot (the
+        rule runs in pieces split there: chunk multiples from the sequence's start, so the chunks are the same)."""
         u, z, b, a = split_proj(proj, self.conv_dim, self.num_v_heads, self.dv)
         g, beta = gates_torch(a, b, self.A_log, self.dt_bias)
         o = torch.empty(proj.shape[0], self.num_v_heads, self.dv, dtype=proj.dtype, device=proj.device)
+        marks: dict[int, list[tuple[int, int]]] = {}
+        for row, pos, dst in batch.checkpoints_cpu:
+            marks.setdefault(row, []).append((pos, dst))
         offset = 0
-        for n, start, slot in zip(batch.seq_lens_cpu, batch.start_pos_cpu, batch.state_slots_cpu):
+        for row, (n, start, slot) in enumerate(zip(batch.seq_lens_cpu, batch.start_pos_cpu, batch.state_slots_cpu)):
             sl = slice(offset, offset + n)
-            offset += n
-            q, k, v = self._qkv(self._conv(u[sl], slot, fresh=start == 0))
+            cuts = sorted(marks.get(row, ()))
+            q, k, v = self._qkv(self._conv(u[sl], slot, start == 0, [(pos - start, dst) for pos, dst in cuts]))
             state = self._zero_state(proj.device) if start == 0 else self.ssm_state[slot]
             if n == 1 and start > 0:
-                o_seq, self.ssm_state[slot] = recurrent_gated_delta_rule(q, k, v, g[sl], beta[sl], state)
+                o[sl], state = recurrent_gated_delta_rule(q, k, v, g[sl], beta[sl], state)
             else:
-                o_seq, self.ssm_state[slot] = chunk_rule_torch(q, k, v, g[sl], beta[sl], state, CHUNK)
-            o[sl] = o_seq.to(proj.dtype)
+                done = 0
+                for end, dst in cuts + [(start + n, None)]:
+                    piece = slice(done, end - start)
+                    o_piece, state = chunk_rule_torch(q[piece], k[piece], v[piece], g[sl][piece], beta[sl][piece],
+                                                      state, CHUNK)
+                    o[offset + done:offset + end - start] = o_piece.to(proj.dtype)
+                    if dst is not None:
+                        self.ssm_state[dst] = state
+                    done = end - start
+            self.ssm_state[slot] = state
+            offset += n
         return gated_rms_norm_torch(o, z, self.norm.weight, self.norm.eps).flatten(1)
 
     def mixed_fast(self, proj: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -257,7 +271,7 @@ class GatedDeltaNet(nn.Module):
         decodes = [i for i, d in enumerate(on_state) if d]
         chunked = [i for i, d in enumerate(on_state) if not d]
         if not decodes:
-            return self._chunked(proj, batch.cu_seqlens, batch.start_pos, batch.state_slots)
+            return self._chunked(proj, batch.cu_seqlens, batch.start_pos, batch.state_slots, batch.checkpoints)
         dev = proj.device
         y = torch.empty(proj.shape[0], self.num_v_heads * self.dv, dtype=proj.dtype, device=dev)
         rows = _rows_of(decodes, offsets, dev)
@@ -268,22 +282,29 @@ class GatedDeltaNet(nn.Module):
             start = _device_index([batch.start_pos_cpu[i] for i in chunked], dev, torch.int32)
             slots = _device_index([batch.state_slots_cpu[i] for i in chunked], dev)
             rows = _rows_of(chunked, offsets, dev)
-            y[rows] = self._chunked(proj[rows], cu, start, slots)
+            checkpoints = None
+            if batch.checkpoints_cpu:  # renumbered to the prefill rows (the runner refuses one on a decode row)
+                index = {row: i for i, row in enumerate(chunked)}
+                checkpoints = _device_index([v for row, pos, dst in batch.checkpoints_cpu
+                                             for v in (index[row], pos, dst)], dev).view(-1, 3)
+            y[rows] = self._chunked(proj[rows], cu, start, slots, checkpoints)
         return y
 
-    def _chunked(self, proj: torch.Tensor, cu_seqlens, start_pos, slots) -> torch.Tensor:
+    def _chunked(self, proj: torch.Tensor, cu_seqlens, start_pos, slots, checkpoints=None) -> torch.Tensor:
         """A packed run of whole sequences (prompts, prompt chunks; cu_seqlens, start_pos, slots on the device)
         through the varlen kernels: gates, conv with the tails by slot, the chunked delta rule with the states by
-        slot (layers/deltanet_prefill.py), the gated norm: five launches. proj [n, ...] -> y [n, Hv*dv]."""
+        slot (layers/deltanet_prefill.py), the gated norm: five launches. proj [n, ...] -> y [n, Hv*dv].
+        checkpoints: [k, 3] (sequence, position, slot) of the prefix cache, or None."""
         u, z, b, a = split_proj(proj, self.conv_dim, self.num_v_heads, self.dv)
         g, beta = gates_fast(a, b, self.A_log, self.dt_bias)
-        c = causal_conv1d_varlen_fast(u, cu_seqlens, start_pos, self.conv_state, slots, self.conv1d.weight)
+        c = causal_conv1d_varlen_fast(u, cu_seqlens, start_pos, self.conv_state, slots, self.conv1d.weight,
+                                      checkpoints)
         kd = self.num_k_heads * self.dk
         q, k, v = c.split([kd, kd, self.num_v_heads * self.dv], -1)
         o = chunk_delta_rule_varlen_fast(q.unflatten(-1, (self.num_k_heads, self.dk)),
                                          k.unflatten(-1, (self.num_k_heads, self.dk)),
                                          v.unflatten(-1, (self.num_v_heads, self.dv)), g, beta, cu_seqlens,
-                                         start_pos, self.ssm_state, slots, self.dk ** -0.5)
+                                         start_pos, self.ssm_state, slots, self.dk ** -0.5, checkpoints)
         return self.norm(o, z).flatten(1)
 
     def _qkv(self, c: torch.Tensor):
@@ -292,11 +313,14 @@ class GatedDeltaNet(nn.Module):
     def _zero_state(self, device) -> torch.Tensor:
         return torch.zeros(self.num_v_heads, self.dk, self.dv, dtype=torch.float32, device=device)
 
-    def _conv(self, u: torch.Tensor, slot, fresh: bool) -> torch.Tensor:
-        """Causal depthwise conv of one sequence's new inputs u [n, C] after its cached tail; updates the tail."""
+    def _conv(self, u: torch.Tensor, slot, fresh: bool, tails_at=()) -> torch.Tensor:
+        """Causal depthwise conv of one sequence's new inputs u [n, C] after its cached tail; updates the tail, and
+        writes the tail it had after its first `rel` new tokens into slot `dst` for each (rel, dst) of tails_at."""
         tail_len = self.kernel - 1
         prev = torch.zeros(self.conv_dim, tail_len, dtype=u.dtype, device=u.device) if fresh else self.conv_state[slot]
         seq = torch.cat([prev, u.t()], dim=1)                     # [C, tail + n]
+        for rel, dst in tails_at:
+            self.conv_state[dst] = seq[:, rel:rel + tail_len]
         self.conv_state[slot] = seq[:, -tail_len:]
         y = F.conv1d(seq.unsqueeze(0), self.conv1d.weight, groups=self.conv_dim)[0]  # valid conv: [C, n]
         return F.silu(y).t()

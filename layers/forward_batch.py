@@ -2,7 +2,7 @@
 that the plain-torch reference path loops over without device syncs."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,10 @@ class ForwardBatch:
     start_pos_cpu: list[int]
     state_slots_cpu: list[int]
     is_decode: bool              # every sequence feeds exactly one token onto an existing state
+    # prefix-cache checkpoints of the DeltaNet prefill: rows (sequence index, absolute position, destination slot),
+    # [n, 3] int64 on the device, and the same on the host; none on a pure-decode step
+    checkpoints: torch.Tensor | None = None
+    checkpoints_cpu: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -490,7 +490,7 @@ class Sampler:
         floats = rows[:, 1:4:2].to(torch.int32).view(torch.float32)  # temperature, top_p (float32 bits)
         self.params[slots] = torch.stack([floats[:, 0], rows[:, 2].to(torch.float32), floats[:, 1]], dim=1)
         self.keys[slots] = rows[:, 4]
-        self.draws[slots] = 0
+        self.draws.index_fill_(0, slots, 0)  # (an indexed scalar assignment would sync: its value goes through the host)
 
     def sample(self, logits: torch.Tensor, slots: torch.Tensor, step: SamplingStep) -> torch.Tensor:
         """logits: this rank's shard [B, vocab/tp] of the rows of `slots` ([B] int64 on the device, distinct).

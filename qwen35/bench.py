@@ -19,6 +19,9 @@ static: for each batch size B, B requests of `--input-len` random tokens generat
 trace: the closed-loop workload of the serving contract (per level 2 warm-up then `--num-requests` requests, exactly
   c in flight; 1024-token random-text prompts through the chat template, the same prompts at every level), with
   fixed or distributed output lengths (synthetic weights never stop on their own); weighted score as the contract's.
+  After the warm level of each concurrency in `--cold-levels`, the same level again with prompts never seen (the
+  prefix cache cannot serve them: every prompt is prefilled whole), reported beside it with the cold/warm ratio of
+  wall times; the cold levels are not in the score.
 latency: one request at a time per shape PROMPT:OUTPUT (qwen35/latency.py), with --compare-hf beside
   transformers' generate on the same weights (TP=1).
 prefill, decode, mixed: the create_engine traces of qwen35/harness.py (batched long-prompt prefill, repeated decode
@@ -111,33 +114,46 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, decode_steps: i
             "gpu_idle_ms": 1e3 * t.gpu_idle_s / t.gpu_gaps if t.gpu_gaps else float("nan")}
 
 
-def record(engine: LLMEngine, args, results: dict, rng: random.Random) -> None:
-    """The rows of record (issue #8/#9 schema): decode per batch size, prefill per prompt count."""
-    runner = engine.runner
+def record_runner_rows(runner, args, max_num_batched_tokens: int) -> dict:
+    """The runner's part of the rows of record, on EVERY rank (before the workers enter their loop): each timed step
+    is collective at TP > 1, so every rank queues the same plans (built from seeded generators, the same everywhere).
+    Rank 0 prints the rows as they come."""
     if runner.device.type != "cuda":
         raise SystemExit("the record mode times CUDA kernels: run it on a GPU")
     rate = step_timing.copy_rate(runner.device)
-    results["copy_rate_tb_s"] = round(rate / 1e12, 3)
-    print(f"record on {results['device']}, tp={parallel.tp_size()}, kernels={runner.kernels}, "
-          f"copy {rate / 1e12:.2f} TB/s (read + write)")
-    print(f"{'batch':>5} {'kernels':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'cpu ms':>7} {'idle ms':>8}")
-    rows = []
+    say = parallel.is_driver()
+    if say:
+        print(f"record on {torch.cuda.get_device_name()}, tp={parallel.tp_size()}, kernels={runner.kernels}, "
+              f"copy {rate / 1e12:.2f} TB/s (read + write)")
+        print(f"{'batch':>5} {'kernels':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8}")
+    decode = []
     for b in _ints(args.batch_sizes):
         row = step_timing.decode_row(runner, b, args.context, rate)
-        # host time per step outside the forward, from real engine steps (short prompts: the context is irrelevant)
-        prof = profile_steps(engine, b, 16, args.profile_steps, rng)
+        decode.append(row)
+        if say:
+            print(f"{b:5d} {row['kernels_per_step']:8d} {row['step_ms']:8.2f} {row['floor_ms']:9.2f} "
+                  f"{row['step_ms'] / row['floor_ms']:8.2f}", flush=True)
+    if say:
+        print(f"{'seqs':>5} {'len':>5} {'ms':>9} {'tok/s':>10}")
+    prefill = []
+    for n in _ints(args.prefill_seqs):
+        row = step_timing.prefill_row(runner, n, args.input_len, max_num_batched_tokens)
+        prefill.append(row)
+        if say:
+            print(f"{n:5d} {args.input_len:5d} {row['ms']:9.1f} {row['tok_s']:10.0f}", flush=True)
+    return {"copy_rate_tb_s": round(rate / 1e12, 3), "decode": decode, "prefill": prefill}
+
+
+def record(engine: LLMEngine, args, results: dict, runner_rows: dict, rng: random.Random) -> None:
+    """The rows of record (issue #8/#9 schema): the runner's rows, and per decode row the host time per engine step
+    outside the forward, from real engine steps (short prompts: the context is irrelevant to it)."""
+    results.update(runner_rows)
+    print(f"{'batch':>5} {'cpu ms':>7} {'idle ms':>8}  (engine steps)")
+    for row in results["decode"]:
+        prof = profile_steps(engine, row["batch"], 16, args.profile_steps, rng)
         row["cpu_ms"], row["gpu_idle_ms"] = round(prof["cpu_ms"], 4), round(prof["gpu_idle_ms"], 4)
         row["overlap"] = prof["overlap"]
-        rows.append(row)
-        print(f"{b:5d} {row['kernels_per_step']:8d} {row['step_ms']:8.2f} {row['floor_ms']:9.2f} "
-              f"{row['step_ms'] / row['floor_ms']:8.2f} {row['cpu_ms']:7.3f} {row['gpu_idle_ms']:8.3f}", flush=True)
-    results["decode"] = rows
-    print(f"{'seqs':>5} {'len':>5} {'ms':>9} {'tok/s':>10}")
-    results["prefill"] = []
-    for n in _ints(args.prefill_seqs):
-        row = step_timing.prefill_row(runner, n, args.input_len, engine.args.max_num_batched_tokens)
-        results["prefill"].append(row)
-        print(f"{n:5d} {args.input_len:5d} {row['ms']:9.1f} {row['tok_s']:10.0f}", flush=True)
+        print(f"{row['batch']:5d} {row['cpu_ms']:7.3f} {row['gpu_idle_ms']:8.3f}", flush=True)
 
 
 def trace(engine: LLMEngine, args, rng: random.Random) -> dict:
@@ -150,17 +166,33 @@ def trace(engine: LLMEngine, args, rng: random.Random) -> dict:
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": random_prompt(counter, args.input_len, rng)}])
                for _ in range(n_prompts)]
     lengths = output_lengths(args.output_len_dist, args.num_requests, args.output_len, rng)
-    levels = []
+    levels, cold_levels = [], []
     for c in _ints(args.levels):
         warm = [(prompts[i % n_prompts], args.output_len) for i in range(NUM_WARMUP)]
         timed = [(prompts[i % n_prompts], lengths[i]) for i in range(args.num_requests)]
         closed_loop(engine, warm, c, f"warm{c}")
-        wall, tokens = closed_loop(engine, timed, c, f"c{c}")
-        levels.append({"concurrency": c, "requests": len(timed), "wall_s": wall, "tokens": tokens,
-                       "tok_s": tokens / wall})
-        print(f"  c={c:<3d} {tokens / wall:10.1f} tok/s  ({wall:.1f} s)", flush=True)
+        levels.append(_level(engine, timed, c, f"c{c}"))
+        if c in _ints(args.cold_levels):  # the same level on prompts never seen: nothing for the cache to serve
+            new = [engine.tokenizer.encode_chat([{"role": "user",
+                                                  "content": random_prompt(counter, args.input_len, rng)}])
+                   for _ in range(args.num_requests)]
+            cold = _level(engine, [(ids, n) for ids, n in zip(new, lengths)], c, f"cold{c}", cold=True)
+            cold["cold_over_warm"] = cold["wall_s"] / levels[-1]["wall_s"]
+            cold_levels.append(cold)
     score = sum(WEIGHTS.get(lv["concurrency"], 0) * lv["tok_s"] for lv in levels)
-    return {"levels": levels, "weighted_score": score, "output_lengths": lengths}
+    return {"levels": levels, "cold_levels": cold_levels, "weighted_score": score, "output_lengths": lengths}
+
+
+def _level(engine: LLMEngine, work: list[tuple[list[int], int]], c: int, tag: str, cold: bool = False) -> dict:
+    """One timed closed-loop level, with the prompt tokens the prefix cache served in it."""
+    hits0 = engine.stats()["prefix_cache_hit_tokens"]
+    wall, tokens = closed_loop(engine, work, c, tag)
+    hit_tokens = engine.stats()["prefix_cache_hit_tokens"] - hits0
+    row = {"concurrency": c, "cold": cold, "requests": len(work), "wall_s": wall, "tokens": tokens,
+           "tok_s": tokens / wall, "prompt_tokens": sum(len(ids) for ids, _ in work), "cache_hit_tokens": hit_tokens}
+    print(f"  c={c:<3d}{' cold' if cold else ''} {tokens / wall:10.1f} tok/s  ({wall:.1f} s, "
+          f"{hit_tokens} of {row['prompt_tokens']} prompt tokens from the cache)", flush=True)
+    return row
 
 
 def closed_loop(engine: LLMEngine, work: list[tuple[list[int], int]], concurrency: int, tag: str):
@@ -172,7 +204,12 @@ def closed_loop(engine: LLMEngine, work: list[tuple[list[int], int]], concurrenc
             ids, n = queue.pop(0)
             rid = f"{tag}-{k}"
             k += 1
-            engine.add_request(rid, ids, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=k))
+            params = SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=k)
+            try:  # checked here, at the boundary: the engine trusts what it is given (one too large never runs)
+                engine.check_request(ids, params)
+            except ValueError as e:
+                raise SystemExit(f"{tag}: {e} (lower --input-len/--output-len or raise --max-model-len)") from None
+            engine.add_request(rid, ids, params)
             live.add(rid)
             tokens += len(ids)
         for o in engine.step():
@@ -201,6 +238,8 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--profile-steps", type=int, default=16, help="decode steps timed per profiled batch size")
     ap.add_argument("--levels", default="1,2,4,8,16,32,64")
     ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--cold-levels", default="64",
+                    help="trace: concurrency levels also run on prompts never seen (comma list; empty: none)")
     ap.add_argument("--output-len-dist", default=workload.STANDARD_OUTPUT_LEN_DIST,
                     help=f"trace output lengths: {workload.FORMS} (default {workload.STANDARD_OUTPUT_LEN_DIST}, the "
                          "standard for synthetic weights)")
@@ -253,6 +292,8 @@ def main(argv=None) -> None:
             eargs.max_model_len = eargs.max_model_len or max(p + o for p, o in shapes)
             eargs.num_kv_blocks = 2 * -(-eargs.max_model_len // eargs.block_size)
     engine = LLMEngine(eargs)
+    # the runner's rows first, on every rank, while no request holds cache blocks or state slots
+    runner_rows = record_runner_rows(engine.runner, args, engine.args.max_num_batched_tokens) if "record" in modes else None
     if not parallel.is_driver():
         engine.run_worker_loop()
         parallel.destroy()
@@ -264,8 +305,8 @@ def main(argv=None) -> None:
     if out is None and modes & {"record", "latency"}:
         out = _default_out("bench" if "record" in modes else "latency", dev)
     try:
-        if "record" in modes:  # first, while no request holds cache blocks or state slots
-            record(engine, args, results, rng)
+        if "record" in modes:
+            record(engine, args, results, runner_rows, rng)
         static_batch(engine, 1, 16, 4, rng)  # warm-up: first-use costs stay out of the table
         if "latency" in modes:
             print(f"latency on {dev}, tp={parallel.tp_size()}, kernels={engine.runner.kernels}, "

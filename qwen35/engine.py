@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from dist import parallel
+from layers.deltanet_prefill import CHUNK
 from layers.sampler import Sampler, SamplingStep, stream_key
 from qwen35.config import ModelConfig
 from qwen35.engine_config import DEFAULT_MAX_MODEL_LEN, DTYPES, resolve_device
@@ -62,7 +63,9 @@ class EngineArgs:
     num_kv_blocks: int | None = None          # None: as many as fit (gpu_memory_utilization) or are useful
     enforce_eager: bool = False
     seed: int = 0
-    prefix_cache_slots: int = 64              # whole-prompt prefix cache entries (0: off)
+    prefix_cache: bool = True                 # the hybrid prefix cache (scheduler/prefix_cache.py)
+    prefix_cache_snapshots: int = 128         # DeltaNet state snapshots it may hold (fixed memory, LRU)
+    prefix_cache_interval: int = 256          # a snapshot every this many prompt tokens (0: none)
     kernels: str | None = None                # "torch" | "fast"; None: $QWEN35_KERNELS, else fast on CUDA, torch on CPU
     overlap: bool = True                      # prepare step N+1 on the host while the device runs step N
 
@@ -92,8 +95,14 @@ class EngineArgs:
         g.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV cache size (blocks)")
         g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
         g.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and unseeded sampling")
-        g.add_argument("--prefix-cache-slots", type=int, default=64,
-                       help="prompts whose state is kept for reuse by a request with the same prompt (0: off)")
+        g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                       help="no prefix cache: every prompt is prefilled whole")
+        g.add_argument("--prefix-cache-snapshots", type=int, default=128,
+                       help="DeltaNet state snapshots the prefix cache keeps (each one slot of every DeltaNet layer's "
+                            "conv and recurrent state, allocated at start; least recently used go first)")
+        g.add_argument("--prefix-cache-interval", type=int, default=256,
+                       help="snapshot every this many prompt tokens, so that prompts sharing a prefix resume close "
+                            "to where they part (a multiple of 64; 0: only at prompt ends and where prompts part)")
         g.add_argument("--kernels", default=None, choices=["torch", "fast"],
                        help="torch: reference ops; fast: fused Triton kernels (default: $QWEN35_KERNELS, else fast "
                             "on CUDA, torch on the CPU)")
@@ -162,12 +171,17 @@ class LLMEngine:
             resolve_model(args.model, load_format=args.load_format) if parallel.is_driver() else None)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.config.check_tp(world)
+        if args.prefix_cache and (args.prefix_cache_snapshots < 1 or args.prefix_cache_interval < 0
+                                  or args.prefix_cache_interval % CHUNK):
+            raise ValueError(f"--prefix-cache-snapshots must be >= 1 (got {args.prefix_cache_snapshots}) and "
+                             f"--prefix-cache-interval a multiple of {CHUNK} (got {args.prefix_cache_interval}); "
+                             "--no-prefix-cache turns the cache off")
         self.runner = ModelRunner(
             self.config, model_dir=self.model_dir, load_format=args.load_format, dtype=args.dtype,
             device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
             num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager, seed=args.seed,
-            num_snapshot_slots=args.prefix_cache_slots, kernels=args.kernels)
+            num_snapshot_slots=args.prefix_cache_snapshots if args.prefix_cache else 0, kernels=args.kernels)
         self.device, self.max_model_len = self.runner.device, self.runner.max_model_len
         self._shut_down = False
         num_real = None
@@ -185,7 +199,8 @@ class LLMEngine:
         self.limits = RequestLimits(self.config.vocab_size, self.max_model_len, self.runner.num_kv_blocks,
                                     self.runner.block_size)
         self.scheduler = Scheduler(self.runner.num_kv_blocks, self.runner.block_size, self.runner.num_state_slots,
-                                   args.max_num_seqs, args.max_num_batched_tokens, self.runner.snapshot_slots)
+                                   args.max_num_seqs, args.max_num_batched_tokens, self.runner.snapshot_slots,
+                                   args.prefix_cache_interval, CHUNK, stateless=not self.runner.gdn_layers)
         self._admissions = 0  # requests admitted so far: an unseeded request's noise key mixes in its number
         self._pin = self.device.type == "cuda"
         self.overlap = args.overlap
@@ -360,7 +375,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         s = self.scheduler
-        cached = sum(len(e.blocks) for e in s.cache.entries.values()) if s.cache else 0
+        cached = s.cache.num_blocks if s.cache else 0
         hit_tokens = s.cache.hit_tokens if s.cache else 0
         return {
             "num_running": s.num_running, "num_waiting": s.num_waiting,
@@ -370,7 +385,7 @@ class LLMEngine:
             # blocks held by running requests; the prefix cache's own (freed on demand) are counted apart
             "kv_blocks_used": s.blocks.num_used - cached, "kv_blocks_total": s.blocks.size,
             "state_slots_used": s.slots.num_used, "state_slots_total": s.slots.size,
-            "prefix_cache_entries": len(s.cache.entries) if s.cache else 0,
+            "prefix_cache_snapshots": s.cache.num_snapshots if s.cache else 0,
             "prefix_cache_blocks": cached,
             "prefix_cache_hits": s.cache.hits if s.cache else 0,
             "prefix_cache_hit_tokens": hit_tokens,

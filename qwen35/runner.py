@@ -21,6 +21,7 @@ from dist import parallel
 from layers import backend
 from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
+from layers.deltanet_prefill import CHUNK
 from layers.forward_batch import ForwardBatch
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
@@ -107,7 +108,8 @@ class ModelRunner:
         self.scratch_slot = slots - 1
         elt = torch.empty((), dtype=self.dtype).element_size()
         per_block = sum(2 * self.block_size * m.num_kv_heads * m.head_dim * elt for m in attn)
-        # more blocks than every slot filled to max_model_len can never be used (no prefix sharing yet)
+        # more than every slot filled to max_model_len is not worth reserving (the prefix cache keeps in blocks only
+        # what admission does not need)
         useful = self.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
         if num_kv_blocks is None:
             num_kv_blocks = useful
@@ -125,8 +127,10 @@ class ModelRunner:
             m.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.num_kv_blocks = num_kv_blocks
         if parallel.is_driver():
-            log.info("caches: %d KV blocks of %d tokens (%.1f MiB), %d DeltaNet state slots", num_kv_blocks,
-                     self.block_size, num_kv_blocks * per_block / 2**20, self.num_state_slots)
+            per_slot = sum(m.conv_state[0].nbytes + m.ssm_state[0].nbytes for m in gdn)
+            log.info("caches: %d KV blocks of %d tokens (%.1f MiB), %d DeltaNet state slots + %d prefix-cache "
+                     "snapshots (%.1f MiB each)", num_kv_blocks, self.block_size, num_kv_blocks * per_block / 2**20,
+                     self.num_state_slots, self.num_snapshot_slots, per_slot / 2**20)
 
     def _allocate_slot_inputs(self) -> None:
         """Per state slot, on the device: its KV block table and the token last sampled for it."""
@@ -170,12 +174,13 @@ class ModelRunner:
                 raise ValueError(f"bad step plan for row {i}: {lens[i]} tokens at {starts[i]} in slot {slot}, whose "
                                  f"block table holds {self._table_len[slot] if 0 <= slot < len(self._table_len) else 0}"
                                  f" blocks of {bs}")
+        self._check_checkpoints(plan)
         cu = [0, *itertools.accumulate(lens)]
         want = [i for i, w in enumerate(plan.want_logits) if w]
         decode = plan.is_pure_decode
         from_device = [not t for t in plan.token_ids]
         fields = [slots, starts, ctx, cu, [cu[i + 1] - 1 for i in want], [slots[i] for i in want],
-                  [t for ids in plan.token_ids for t in (ids or (-1,))]]
+                  [t for ids in plan.token_ids for t in (ids or (-1,))], [v for c in plan.checkpoints for v in c]]
         sizes = [len(f) for f in fields]
         if decode:
             host = torch.tensor([v for f in fields for v in f], dtype=torch.int64, pin_memory=self._pin)
@@ -186,14 +191,14 @@ class ModelRunner:
             host = host.pin_memory() if self._pin else host
             sizes += [cu[-1], cu[-1]]
         parts = host.to(self.device, non_blocking=True).split(sizes)
-        slots_d, starts_d, ctx_d, cu_d, logits_idx, self.logit_slots, tokens = parts[:7]
+        slots_d, starts_d, ctx_d, cu_d, logits_idx, self.logit_slots, tokens, checkpoints = parts[:8]
         width = -(-max(ctx) // bs)
         tables = self.block_table[slots_d, :width]
         if decode:
             positions = starts_d
             blocks = tables.gather(1, (positions // bs)[:, None])[:, 0]
         else:
-            seq_of_token, positions = parts[7:]
+            seq_of_token, positions = parts[8:]
             blocks = tables[seq_of_token, positions // bs]
         if all(from_device):  # one token per row (a row without tokens feeds one)
             input_ids = self.slot_tokens[slots_d]
@@ -216,18 +221,44 @@ class ModelRunner:
             start_pos_cpu=list(starts),
             state_slots_cpu=list(slots),
             is_decode=decode,
+            checkpoints=checkpoints.view(-1, 3) if plan.checkpoints else None,
+            checkpoints_cpu=list(plan.checkpoints),
         )
 
+    def _check_checkpoints(self, plan: StepPlan) -> None:
+        """Each checkpoint names a row that runs the prefill kernels (not one token on a state), a position those
+        can stop at (a chunk multiple from the row's start, or its end), once, and a snapshot slot no other
+        checkpoint of the plan writes (two writes of one launch land in no defined order)."""
+        lens, seen = plan.seq_lens, set()
+        for row, pos, dst in plan.checkpoints:
+            ok = 0 <= row < plan.num_seqs and self.max_num_seqs <= dst < self.scratch_slot and not {(row, pos),
+                                                                                                   dst} & seen
+            if ok:
+                start, n = plan.start_pos[row], lens[row]
+                ok = (n > 1 or start == 0) and start < pos <= start + n and ((pos - start) % CHUNK == 0
+                                                                             or pos == start + n)
+            if not ok:
+                raise ValueError(f"bad step plan: checkpoint (row {row}, position {pos}, slot {dst}) is not a chunk "
+                                 f"boundary or the end of a prefill row of {plan.num_seqs}, or not a snapshot slot "
+                                 f"[{self.max_num_seqs}, {self.scratch_slot}), or a position or slot given twice")
+            seen |= {(row, pos), dst}
+
     def _apply_copies(self, plan: StepPlan) -> None:
-        """Prefix-cache copies, in plan order (a snapshot may be taken and read in the same step)."""
-        for src, dst in plan.copy_states:
-            for m in self.gdn_layers:
-                m.conv_state[dst].copy_(m.conv_state[src])
-                m.ssm_state[dst].copy_(m.ssm_state[src])
-        for src, dst in plan.copy_blocks:
-            for m in self.attn_layers:
-                m.k_cache[dst].copy_(m.k_cache[src])
-                m.v_cache[dst].copy_(m.v_cache[src])
+        """Prefix-cache copies, with the effect of running them in plan order (a snapshot may be taken and read in
+        the same plan), in as few waves of one gather + one scatter per cache tensor as that order allows."""
+        for pairs, limit, tensors in ((plan.copy_states, self.scratch_slot,
+                                       [t for m in self.gdn_layers for t in (m.conv_state, m.ssm_state)]),
+                                      (plan.copy_blocks, self.num_kv_blocks,
+                                       [t for m in self.attn_layers for t in (m.k_cache, m.v_cache)])):
+            if any(not (0 <= i < limit) for pair in pairs for i in pair):
+                raise ValueError(f"bad step plan: a prefix-cache copy outside [0, {limit}): {pairs}")
+            for wave in _copy_waves(pairs):
+                if not tensors:
+                    break
+                index = torch.tensor(wave, dtype=torch.int64, pin_memory=self._pin).to(self.device, non_blocking=True)
+                src, dst = index[:, 0], index[:, 1]
+                for t in tensors:
+                    t.index_copy_(0, dst, t.index_select(0, src))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, gather: str = "driver", eager: bool = False) -> torch.Tensor | None:
@@ -248,3 +279,16 @@ class ModelRunner:
         the same on every rank: every rank samples) become their slots' next input. Queued, no host sync."""
         if self.logit_slots.numel():
             self.slot_tokens[self.logit_slots] = tokens
+
+
+def _copy_waves(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Copies (src, dst) done in order, split where a copy reads or writes what an earlier one of its wave writes:
+    within a wave all sources are read before any destination is written, which is the in-order result."""
+    waves, wave, written = [], [], set()
+    for src, dst in pairs:
+        if src in written or dst in written:
+            waves.append(wave)
+            wave, written = [], set()
+        wave.append((src, dst))
+        written.add(dst)
+    return waves + [wave] if wave else waves

@@ -49,11 +49,12 @@ class Request:
     num_scheduled: int = 0      # completion tokens scheduled to be sampled (the last may still be on the device)
     state_slot: int | None = None
     block_ids: list[int] = field(default_factory=list)  # every block it may need, reserved at admission
-    # prefix cache: the entry whose first num_shared_blocks blocks this request reads, and where (in prompt tokens)
-    # its prefill pauses to be snapshotted (None: not to be cached)
-    cache_entry: object = None
+    # prefix cache (scheduler/prefix_cache.py): the chain of cached blocks this request is on (the root, then a node
+    # per full block: its first num_shared_blocks were read from the cache at admission, later ones it computed
+    # itself), and the positions still to snapshot as its prefill passes them: (position, speculative)
+    cache_path: list = field(default_factory=list)
     num_shared_blocks: int = 0
-    snapshot_at: int | None = None
+    snapshots: list[tuple[int, bool]] = field(default_factory=list)
     # ---- output (the postprocess's) ----------------------------------------------------------------------------
     output_ids: list[int] = field(default_factory=list)  # completion tokens received from the device
     text: str = ""

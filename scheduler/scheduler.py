@@ -11,6 +11,22 @@ Tokens are counted when they are scheduled, not when their step has run: the nex
 device still runs this one (the engine's overlap). A decode row feeds the token sampled for its slot at the step
 before, which stays on the device. A request whose last token is scheduled gives its slot and blocks back at once:
 the only steps that could still touch them are already queued on the device, ahead of any step that reuses them.
+
+The prefix cache (scheduler/prefix_cache.py) is driven from here. At admission a request resumes from the deepest
+snapshot on its prompt's cached chain: the snapshot is copied into its slot, the chain's full blocks go into its
+block table (shared, read only), a partial block is copied into a block of its own, and only the rest of the prompt
+is prefilled. As its prefill passes them, it snapshots: every `snapshot_interval` tokens (speculative), where its
+prompt left a cached chain that had no snapshot there (the divergence point, rounded down to the chunk), and after
+all but its last prompt token (so that the same prompt feeds one token); and when it ends on a stop, after the
+tokens it fed. Each full block it computes joins the chain. A snapshot inside a prefill row is a checkpoint of the
+DeltaNet prefill kernels, which needs the position to be a chunk multiple from the row's start or the row's end:
+a row is cut at a snapshot position where needed. A snapshot at the end of a one-token row (which runs the decode
+op) or after the reply is a copy of the request's slot in the next plan.
+
+Ordering with the overlap: the device runs the plans in order, each plan's copies before its forward. A snapshot
+written by plan N is read by hits from plan N+1 on; copies that must follow plan N's forward (a partial block, a
+slot) travel in plan N+1, ahead of its hits; and nothing the plan being built reads or writes is evicted while it
+is built, so a freed slot or block is only reused by work queued after the last work that touched it.
 """
 from __future__ import annotations
 
@@ -19,7 +35,7 @@ from dataclasses import dataclass, field
 
 from scheduler.plan import StepPlan
 from scheduler.pools import BlockPool, StateSlotPool
-from scheduler.prefix_cache import CacheEntry, PrefixCache
+from scheduler.prefix_cache import Match, PrefixCache
 from scheduler.request import Request, RequestStatus
 
 
@@ -34,7 +50,8 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, num_kv_blocks: int, block_size: int, num_state_slots: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, snapshot_slots: list[int] = ()):
+                 max_num_batched_tokens: int, snapshot_slots: list[int] = (), snapshot_interval: int = 0,
+                 chunk: int = 64, stateless: bool = False):
         self.blocks = BlockPool(num_kv_blocks, block_size)
         self.slots = StateSlotPool(num_state_slots)
         self.max_num_seqs = min(max_num_seqs, num_state_slots)
@@ -42,13 +59,20 @@ class Scheduler:
         if max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= the number of "
                              f"concurrent sequences ({self.max_num_seqs})")
+        if snapshot_interval < 0 or snapshot_interval % chunk:
+            raise ValueError(f"the prefix cache's snapshot interval ({snapshot_interval}) must be a multiple of the "
+                             f"DeltaNet chunk ({chunk}), or 0 for none")
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # admission order
-        # whole-prompt prefix cache (scheduler/prefix_cache.py); off without snapshot slots
-        self.cache = PrefixCache(list(snapshot_slots)) if snapshot_slots else None
-        self._copy_states: list[tuple[int, int]] = []  # (src slot, dst slot), run before the next forward
-        self._copy_blocks: list[tuple[int, int]] = []
+        # the prefix cache; off without snapshot slots
+        self.cache = PrefixCache(self.blocks, list(snapshot_slots), stateless) if snapshot_slots else None
+        self.snapshot_interval, self.chunk = snapshot_interval, chunk
+        self.step_no = 0                   # plans built so far: the one being built is step_no
+        # copies (DeltaNet state slots, KV blocks) for the next plan that runs, before its forward; and those that
+        # must wait for the forward of the plan being built (they go to the plan after it)
+        self._copies: tuple[list, list] = ([], [])
+        self._later: tuple[list, list] = ([], [])
 
     # ---- admission -------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -58,71 +82,138 @@ class Scheduler:
     def _admit(self) -> Request | None:
         if not self.waiting or len(self.running) >= self.max_num_seqs or not self.slots.num_free:
             return None
-        req = self.waiting[0]
-        hit = self.cache.lookup(req.prompt_ids) if self.cache else None
-        shared = len(hit.key) // self.blocks.block_size if hit else 0  # full blocks read from the cache entry
+        req, cache, now = self.waiting[0], self.cache, self.step_no
+        hit = cache.match(req.prompt_ids, req.num_prompt_tokens - 1, now) if cache else None
+        if hit and not self._reserve(req, hit, now):
+            # the room it needs is the cache's, maybe its own snapshot's: admit it as a miss if that fits
+            hit = Match(hit.path[:1], None, 0)
+            if not self._reserve(req, hit, now):
+                return None  # head of line waits: admitting smaller requests past it could starve it forever
+        elif not hit and not self._make_room(self.blocks.blocks_for(req.max_cached_tokens), now):
+            return None
+        shared = hit.position // self.blocks.block_size if hit else 0  # full blocks read from the cache
         need = self.blocks.blocks_for(req.max_cached_tokens) - shared
-        if not self._make_room(need, keep=hit):
-            return None  # head of line waits: admitting smaller requests past it could starve it forever
         self.waiting.popleft()
         req.state_slot = self.slots.allocate(1)[0]
-        req.block_ids = (hit.blocks[:shared] if hit else []) + self.blocks.allocate(need)
+        req.block_ids = [n.block for n in hit.path[1:shared + 1]] if hit else []
+        req.block_ids += self.blocks.allocate(need)
         req.status = RequestStatus.RUNNING
         if hit:
-            self._attach(req, hit, shared)
-            self._copy_states.append((hit.snapshot_slot, req.state_slot))
-            if len(hit.key) % self.blocks.block_size:  # the partial block: a private copy to write on into
-                self._copy_blocks.append((hit.blocks[shared], req.block_ids[shared]))
-            req.num_computed = len(hit.key)
-        elif self.cache and req.num_prompt_tokens >= 2:
-            req.snapshot_at = req.num_prompt_tokens - 1
+            req.cache_path, req.num_shared_blocks = hit.path[:shared + 1], shared
+            req.num_computed = hit.position
+            if hit.position:
+                cache.hits += 1
+                cache.hit_tokens += hit.position
+            snap = hit.snapshot
+            if snap:
+                cache.touch(snap, now)
+                self._copies[0].append((snap.slot, req.state_slot))
+                if snap.block is not None:  # the partial block: a copy of its own to write on into
+                    self._copies[1].append((snap.block, req.block_ids[shared]))
+            req.snapshots = self._snapshot_positions(req, hit)
         self.running.append(req)
         return req
 
+    def _reserve(self, req: Request, hit: Match, now: int) -> bool:
+        """Hold the chain a hit reads and make room for the rest of the request's blocks; the hit's snapshot is
+        kept while this plan is built. False (nothing held) when the room cannot be made."""
+        shared = hit.position // self.blocks.block_size
+        snap = hit.snapshot
+        touched = snap.touched_step if snap else None
+        self.cache.hold(hit.path[shared])
+        if snap:
+            snap.touched_step = now
+        if self._make_room(self.blocks.blocks_for(req.max_cached_tokens) - shared, now):
+            return True
+        self.cache.release(hit.path[shared])
+        if snap:
+            snap.touched_step = touched
+        return False
+
+    def _snapshot_positions(self, req: Request, hit: Match) -> list[tuple[int, bool]]:
+        """Where the prefill of a request admitted with `hit` snapshots: (position, speculative), ascending."""
+        last, h, want = req.num_prompt_tokens - 1, hit.position, {}
+        if last > h:
+            want[last] = False
+        if not self.cache.stateless:
+            branch = (len(hit.path) - 1) * self.blocks.block_size // self.chunk * self.chunk
+            if branch > h:
+                want[branch] = False
+            if self.snapshot_interval:
+                for p in range((h // self.snapshot_interval + 1) * self.snapshot_interval, last,
+                               self.snapshot_interval):
+                    want.setdefault(p, True)
+        return sorted(want.items())
+
     # ---- prefix cache ----------------------------------------------------------------------------------------
-    @staticmethod
-    def _attach(req: Request, entry: CacheEntry, shared: int) -> None:
-        req.cache_entry, req.num_shared_blocks = entry, shared
-        entry.users += 1
-
-    def _evict(self, keep: CacheEntry | None = None) -> bool:
-        """Drop the LRU unused cache entry (never `keep`) and free its blocks; False if there is none."""
-        entry = self.cache.evict_one(keep) if self.cache else None
-        if entry is not None:
-            self.blocks.free(entry.blocks)
-        return entry is not None
-
-    def _make_room(self, num_blocks: int, keep: CacheEntry | None = None) -> bool:
-        """Evict unused cache entries (LRU) until `num_blocks` KV blocks are free; False if they cannot be."""
-        while self.blocks.num_free < num_blocks and self._evict(keep):
+    def _make_room(self, num_blocks: int, now: int) -> bool:
+        """Evict cache snapshots until `num_blocks` KV blocks are free; False if they cannot be."""
+        while self.blocks.num_free < num_blocks and self.cache and self.cache.evict_one(now):
             pass
         return self.blocks.num_free >= num_blocks
 
-    def _snapshot(self, req: Request) -> None:
-        """Cache the state of `req` after all but its last prompt token (its next forward feeds that token)."""
-        req.snapshot_at = None
-        if self.cache.contains(req.prompt_ids):
-            return
-        if not self.cache.free_slots and not self._evict():
-            return
-        n = req.num_prompt_tokens - 1
-        full, partial = divmod(n, self.blocks.block_size)
-        if partial and not self._make_room(1):
-            return
-        blocks = req.block_ids[:full] + (self.blocks.allocate(1) if partial else [])
-        entry = CacheEntry(tuple(req.prompt_ids[:-1]), self.cache.free_slots.pop(), blocks)
-        self.cache.add(entry)
-        self._copy_states.append((req.state_slot, entry.snapshot_slot))
-        if partial:
-            self._copy_blocks.append((req.block_ids[full], blocks[-1]))
-        self._attach(req, entry, full)  # its full blocks now belong to the entry; the request reads them
+    def _extend(self, req: Request, ids: list[int], upto: int) -> None:
+        """Add the full blocks of ids[:upto] (written by steps queued so far) to the request's cached chain."""
+        bs, path = self.blocks.block_size, req.cache_path
+        while len(path) - 1 < upto // bs:
+            k = len(path) - 1
+            node = self.cache.extend(path[-1], tuple(ids[k * bs:(k + 1) * bs]), req.block_ids[k])
+            if node is None:
+                return
+            self.cache.hold(node)  # the request's reference moves to the end of its chain
+            self.cache.release(path[-1])
+            path.append(node)
+
+    def _is_cached(self, req: Request, k: int) -> bool:
+        """Whether block k of the request's table belongs to the cache (shared, or handed over to it)."""
+        path = req.cache_path
+        return k + 1 < len(path) and path[k + 1].block == req.block_ids[k]
+
+    def _snapshot(self, req: Request, ids: list[int], p: int, speculative: bool, now: int, copies,
+                  checkpoint: tuple[list, int] | None = None, own_tail: bool = False):
+        """Snapshot the state of `req` after ids[:p]: a checkpoint (the plan's list, the row) of the plan being built
+        when `checkpoint` is given, else a copy of its slot in `copies`. The KV block holding the tail is copied after the forward
+        (into `self._later`), or taken over from the request (`own_tail`, when it ends). Returns the snapshot."""
+        depth, r = divmod(p, self.blocks.block_size)
+        if depth >= len(req.cache_path):
+            return None  # its chain stopped before p (a hash collision)
+        node, tail = req.cache_path[depth], tuple(ids[depth * self.blocks.block_size:p])
+        if tail in node.snapshots:
+            return None  # taken already (by a request with the same tokens)
+        slot = self.cache.take_slot(now)
+        if slot is None:
+            return None
+        block = None
+        if r and own_tail:
+            block = req.block_ids[depth]
+        elif r:
+            if not self._make_room(1, now):
+                self.cache.free_slots.append(slot)
+                return None
+            block = self.blocks.allocate(1)[0]
+            self._later[1].append((req.block_ids[depth], block))
+        if checkpoint is not None:
+            checkpoint[0].append((checkpoint[1], p, slot))
+        else:
+            copies[0].append((req.state_slot, slot))
+        # readable by the plan after the one that writes it; a copy written before any forward (after a reply, in
+        # self._copies) already by the plan that carries it, whose hits are listed after it
+        return self.cache.add(node, tail, slot, block, speculative, now, now if copies is self._copies else now + 1)
+
+    def _snapshot_reply(self, req: Request) -> int | None:
+        """A request that ended on a stop: snapshot it after every token it fed (the next plan copies its slot,
+        after the step still in flight), its blocks joining the chain. Returns the block the snapshot took over."""
+        n, ids = req.num_computed, req.prompt_ids + req.output_ids
+        if len(ids) < n or req.is_prefilling:
+            return None
+        self._extend(req, ids, n)
+        snap = self._snapshot(req, ids, n, False, self.step_no + 1, self._copies, own_tail=True)
+        return snap.block if snap is not None else None
 
     # ---- one step ----------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         """The next step's plan; every token in it counts as computed from now on."""
-        for req in self.running:
-            if req.snapshot_at is not None and req.num_computed == req.snapshot_at:
-                self._snapshot(req)
+        self.step_no += 1
         step, budget = ScheduledStep(StepPlan()), self.max_num_batched_tokens
         for req in self.running:
             if not req.is_prefilling:
@@ -137,21 +228,35 @@ class Scheduler:
                 break
             step.admitted.append(req)
             budget -= self._add_chunk(step, req, budget, req.block_ids)
-        # the snapshots taken above and the cache hits admitted: copied in this order before the forward
-        step.plan.copy_states, step.plan.copy_blocks = self._copy_states, self._copy_blocks
-        self._copy_states, self._copy_blocks = [], []
+        if step.plan.num_seqs:  # copies travel with a plan that runs; the later ones with the plan after it
+            step.plan.copy_states, step.plan.copy_blocks = self._copies
+            self._copies, self._later = self._later, ([], [])
         for req in step.sampled:
             if req.num_scheduled == req.params.max_tokens:
                 self.free(req)
         return step
 
     def _add_chunk(self, step: ScheduledStep, req: Request, budget: int, table: list[int]) -> int:
-        # a prompt to be cached stops one token short, so that its state can be snapshotted before the last one
-        end = req.snapshot_at if req.snapshot_at is not None else req.num_prompt_tokens
-        n = min(end - req.num_computed, budget)
-        self._add_row(step, req, req.prompt_ids[req.num_computed:req.num_computed + n], table)
-        step.num_prompt_tokens += n
-        return n
+        start = req.num_computed
+        end = min(req.num_prompt_tokens, start + budget)
+        for p, _ in req.snapshots:  # a checkpoint falls on a chunk boundary of its row, or ends the row
+            if p >= end:
+                break
+            if (p - start) % self.chunk:
+                end = p
+                break
+        row = step.plan.num_seqs
+        self._add_row(step, req, req.prompt_ids[start:end], table)
+        step.num_prompt_tokens += end - start
+        if self.cache:
+            self._extend(req, req.prompt_ids, end)
+            # a checkpoint of this row, unless it is one token on a state (that row runs the decode op): a copy
+            on_kernels = end - start > 1 or start == 0
+            while req.snapshots and req.snapshots[0][0] <= end:
+                p, speculative = req.snapshots.pop(0)
+                self._snapshot(req, req.prompt_ids, p, speculative, self.step_no, self._later,
+                               (step.plan.checkpoints, row) if on_kernels else None)
+        return end - start
 
     @staticmethod
     def _add_row(step: ScheduledStep, req: Request, tokens: list[int], table: list[int]) -> None:
@@ -172,17 +277,25 @@ class Scheduler:
 
     # ---- leaving ---------------------------------------------------------------------------------------------
     def free(self, req: Request) -> None:
-        """Take a request out of the scheduler wherever it is and return what it holds (nothing twice)."""
+        """Take a request out of the scheduler wherever it is and return what it holds (nothing twice). One that
+        ended on a stop (finish_reason "stop") is first snapshotted after what it fed, for a resent conversation."""
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+            kept = self._snapshot_reply(req) if self.cache and req.finish_reason == "stop" else None
             self.slots.free([req.state_slot])
-            self.blocks.free(req.block_ids[req.num_shared_blocks:])  # the shared ones belong to the cache entry
-            if req.cache_entry is not None:
-                req.cache_entry.users -= 1
-            req.state_slot, req.block_ids, req.cache_entry = None, [], None
+            self.blocks.free([b for k, b in enumerate(req.block_ids) if b != kept and not self._is_cached(req, k)])
+            if req.cache_path:
+                self.cache.release(req.cache_path[-1])
+            req.state_slot, req.block_ids, req.cache_path, req.snapshots = None, [], [], []
         req.status = RequestStatus.RELEASED
+
+    def drop_cache(self) -> None:
+        """Evict every snapshot, between steps (their blocks go back to the pool with them). Copies still pending
+        into them then write into freed ids, ahead of any later use of those ids: harmless."""
+        if self.cache:
+            self.cache.evict_all(self.step_no + 2)
 
     # ---- metrics -------------------------------------------------------------------------------------------------
     @property

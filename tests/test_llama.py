@@ -403,7 +403,7 @@ def test_bench_latency_and_create_engine_traces_run(tiny_llama, tmp_path):
     out = tmp_path / "latency.json"
     bench.main(["--model", tiny_llama, "--load-format", "safetensors", "--device", "cpu", "--dtype", "float32",
                 "--mode", "latency", "--latency-shapes", "12:5,30:3", "--latency-reps", "1", "--compare-hf",
-                "--max-num-seqs", "2", "--prefix-cache-slots", "0", "--out", str(out)])
+                "--max-num-seqs", "2", "--no-prefix-cache", "--out", str(out)])
     rows = json.loads(out.read_text())["latency"]["rows"]
     assert [(r["prompt"], r["output"]) for r in rows] == [(12, 5), (30, 3)]
     assert all(r["greedy_tokens_agreeing"] == r["output"] and r["ms"] > 0 and r["hf_ms"] > 0 for r in rows)

@@ -6,6 +6,11 @@ right tokens at the right positions (a row without tokens feeds the token sample
 decodes before prefill chunks, block tables set once at admission and covering every token fed, no slot or block
 shared between requests. With `lag`, it takes a step's tokens only after scheduling the next one (the engine's
 overlap), and may stop requests early as a stop token would.
+
+It also runs each plan on a simulated device, in plan order: a state slot holds the tokens fed into it, a KV block
+the token at each of its positions; copies, checkpoints and rows act on them as the runner's would. Every row must
+find its slot holding exactly the tokens before its start and its table's blocks holding them: that is what makes
+a prefix-cache hit right, whatever the scheduler shared, snapshotted, evicted or reused on the way.
 """
 import random
 
@@ -38,6 +43,9 @@ class Sim:
         self.plans = []
         self.max_running = 0
         self.step_no = 0
+        self.owners_before: dict = {}         # the prefix cache's blocks after the step before: block -> owner
+        self.state: dict[int, list[int]] = {}   # the simulated device: tokens fed into each state slot
+        self.kv: dict[int, list] = {}           # the token written at each position of each KV block
 
     def add(self, req):
         self.s.add(req)
@@ -52,6 +60,7 @@ class Sim:
         self.plans.append(plan)
         self.step_no += 1
         self.check(plan, step)
+        self.execute(plan, step)
         for req, n in zip(step.rows, plan.seq_lens):
             self.fed[req.request_id] += n
         for i, req in enumerate(step.sampled):  # the "device" samples at once; the host takes them later
@@ -106,18 +115,52 @@ class Sim:
             # the logits row is wanted exactly when the sequence ends at its newest token
             assert plan.want_logits[i] == (end == len(self.seq[rid]))
         assert [r for r, w in zip(step.rows, plan.want_logits) if w] == step.sampled
-        running_blocks = [b for r in s.running for b in r.block_ids[r.num_shared_blocks:]]
+        running_blocks = [b for r in s.running for k, b in enumerate(r.block_ids) if not s._is_cached(r, k)]
         assert len(running_blocks) == len(set(running_blocks)), "a KV block is held by two requests"
         running_slots = [r.state_slot for r in s.running]
         assert len(running_slots) == len(set(running_slots))
-        cached = [b for e in s.cache.entries.values() for b in e.blocks] if s.cache else []
-        assert not set(cached) & set(running_blocks), "a request writes into a prefix-cache entry's block"
+        cached = cache_blocks(s)
+        assert not set(cached) & set(running_blocks), "a request writes into a block of the prefix cache"
+        assert len(cached) == len(set(cached)) == (s.cache.num_blocks if s.cache else 0)
+        bs, owners = s.blocks.block_size, cache_owners(s)
+        for i, req in enumerate(step.rows):  # a row never writes into a block that a cache owner keeps
+            first, last = plan.start_pos[i] // bs, (plan.start_pos[i] + plan.seq_lens[i] - 1) // bs
+            for b in self.tables[plan.state_slots[i]][first:last + 1]:
+                assert b not in self.owners_before or self.owners_before[b] is not owners.get(b), \
+                    "a row writes into a block of the prefix cache"
+        self.owners_before = owners
         assert s.slots.num_used == len(s.running) and s.blocks.num_used == len(running_blocks) + len(cached)
+        dsts = [dst for _, _, dst in plan.checkpoints]  # (copies run in order, before the forward)
+        assert len(dsts) == len(set(dsts)), "two checkpoints into one snapshot slot (one launch: no defined order)"
+        for row, pos, dst in plan.checkpoints:  # where the DeltaNet prefill kernels can stop (qwen35/runner.py)
+            start, n = plan.start_pos[row], plan.seq_lens[row]
+            assert (n > 1 or start == 0) and start < pos <= start + n
+            assert (pos - start) % s.chunk == 0 or pos == start + n
+
+    def execute(self, plan, step):
+        """The plan on the simulated device: copies in order, then each row reads its slot and blocks (which must
+        hold its tokens before `start`), leaves its checkpoints and writes its new tokens."""
+        bs = self.s.blocks.block_size
+        for src, dst in plan.copy_states:
+            self.state[dst] = list(self.state.get(src, ["?"]))
+        for src, dst in plan.copy_blocks:
+            self.kv[dst] = list(self.kv.get(src, ["?"] * bs))
+        for i, req in enumerate(step.rows):
+            rid, slot, start, n = req.request_id, plan.state_slots[i], plan.start_pos[i], plan.seq_lens[i]
+            seq, table = self.seq[rid], self.tables[slot]
+            assert (self.state.get(slot) if start else []) == seq[:start], f"{rid}: slot {slot} at {start}"
+            assert [self.kv[table[p // bs]][p % bs] for p in range(start)] == seq[:start], f"{rid}: KV before {start}"
+            for row, pos, dst in plan.checkpoints:
+                if row == i:
+                    self.state[dst] = seq[:pos]
+            self.state[slot] = seq[:start + n]
+            for p in range(start, start + n):
+                self.kv.setdefault(table[p // bs], ["?"] * bs)[p % bs] = seq[p]
 
     def _hits(self, plan):
         """(prefix length, slot) of the cache hits this plan admits: a snapshot copied into the slot."""
-        entries = {e.snapshot_slot: len(e.key) for e in self.s.cache.entries.values()} if self.s.cache else {}
-        return {(entries[src], dst) for src, dst in plan.copy_states if src in entries}
+        snaps = {sn.slot: sn.position for sn in snapshots(self.s)}
+        return {(snaps[src], dst) for src, dst in plan.copy_states if src in snaps}
 
     def run(self, max_steps=1000):
         while self.live:
@@ -126,6 +169,26 @@ class Sim:
         if self.pending is not None:  # its rows all belong to requests already ended
             self.postprocess(*self.pending)
             self.pending = None
+
+
+def snapshots(s: Scheduler):
+    if not s.cache:
+        return []
+    return [sn for node in [s.cache.root, *s.cache.nodes.values()] for sn in node.snapshots.values()]
+
+
+def cache_blocks(s: Scheduler) -> list[int]:
+    """Every KV block the prefix cache owns: its chain's and its snapshots' partial blocks."""
+    if not s.cache:
+        return []
+    return [n.block for n in s.cache.nodes.values()] + [sn.block for sn in snapshots(s) if sn.block is not None]
+
+
+def cache_owners(s: Scheduler) -> dict:
+    """block -> the node or snapshot of the prefix cache that owns it."""
+    if not s.cache:
+        return {}
+    return {n.block: n for n in s.cache.nodes.values()} | {sn.block: sn for sn in snapshots(s) if sn.block is not None}
 
 
 def assert_pools_full(s: Scheduler):
@@ -312,6 +375,112 @@ def test_pools_refuse_double_free_and_overdraw():
     with pytest.raises(RuntimeError, match="not allocated"):
         p.free([a[0]])
     assert BlockPool(4, 16).blocks_for(17) == 2 and BlockPool(4, 16).blocks_for(16) == 1
+
+
+# ---- the prefix cache, on the simulated device ------------------------------------------------------------------
+def cached(**kw) -> Scheduler:
+    """Blocks of 4 tokens, a DeltaNet chunk of 8, snapshots every 16 tokens, 3 snapshot slots."""
+    kw = {"num_kv_blocks": 60, "block_size": 4, "num_state_slots": 4, "max_num_seqs": 4,
+          "max_num_batched_tokens": 64, "snapshot_slots": [4, 5, 6], "snapshot_interval": 16, "chunk": 8, **kw}
+    return Scheduler(**kw)
+
+
+def finish(sim: Sim, req: Request) -> Request:
+    sim.add(req)
+    while req.request_id in sim.live:
+        sim.step()
+        assert sim.step_no < 1000, "scheduler made no progress"
+    return req
+
+
+def test_prefix_cache_hits_where_it_should():
+    s = cached(snapshot_slots=list(range(4, 12)))
+    sim = Sim(s, stop_after={"a": 2})
+    shared = list(range(500, 530))                   # 30 tokens: 7 full blocks
+    hit = lambda: s.cache.hit_tokens
+    a = finish(sim, Request("a", shared + list(range(10)), SamplingParams(max_tokens=4)))
+    # every 16 tokens, after all but its last prompt token, and after the reply it stopped (prompt + 1 token fed)
+    assert hit() == 0 and sorted(sn.position for sn in snapshots(s)) == [16, 32, 39, 41]
+    finish(sim, Request("b", shared + list(range(100, 112)), SamplingParams(max_tokens=2)))
+    assert hit() == 16  # its chain leaves a's at 30 (28 in full blocks): the interval snapshot at 16 serves
+    assert 24 in [sn.position for sn in snapshots(s)]  # where it left a's chain, rounded down to the chunk
+    finish(sim, Request("c", shared + list(range(200, 205)), SamplingParams(max_tokens=2)))
+    assert hit() == 16 + 24
+    finish(sim, Request("d", list(a.prompt_ids), SamplingParams(max_tokens=2)))
+    assert hit() == 16 + 24 + 39  # the same prompt: all but its last token
+    # a's reply ended on a stop: the next turn (prompt, reply, more) resumes after the 41 tokens a fed
+    assert len(a.output_ids) == 2 and a.finish_reason == "stop"
+    finish(sim, Request("e", a.prompt_ids + a.output_ids + [7, 8, 9], SamplingParams(max_tokens=2)))
+    assert hit() == 16 + 24 + 39 + 41 and s.cache.hits == 4
+    s.drop_cache()
+    assert_pools_full(s)
+
+
+def test_snapshots_of_the_plan_being_built_are_not_evicted():
+    """One snapshot slot and a row that passes three snapshot positions: the first takes the slot and the others
+    find none (evicting it would put two checkpoints into one slot in one launch, in no defined order); the plan
+    after, another request may take it."""
+    s = cached(snapshot_slots=[4], max_num_batched_tokens=64)
+    sim = Sim(s)
+    sim.add(Request("a", list(range(40)), SamplingParams(max_tokens=2)))
+    plan, _ = sim.step()
+    assert plan.checkpoints == [(0, 16, 4)] and [sn.position for sn in snapshots(s)] == [16]
+    sim.run()
+    finish(sim, Request("b", list(range(100, 120)), SamplingParams(max_tokens=2)))  # evicts a's to take the slot
+    assert [sn.position for sn in snapshots(s)] == [16] and snapshots(s)[0].node.tokens[0] == 112
+
+
+def test_a_hit_that_needs_its_own_snapshots_room_runs_as_a_miss():
+    """A pool of 5 blocks; the cache holds a's prompt (2 full blocks and a partial one after its end snapshot). b
+    extends that prompt and needs all 5 blocks: as a hit it would keep the 2 full blocks but need 3 more, and only
+    its own snapshot's partial block could give the third. It is admitted as a miss instead of waiting forever."""
+    s = cached(num_kv_blocks=5, max_num_batched_tokens=32)
+    sim = Sim(s)
+    a = finish(sim, Request("a", list(range(10)), SamplingParams(max_tokens=2)))
+    assert [sn.position for sn in snapshots(s)] == [9] and s.blocks.num_free == 2
+    b = finish(sim, Request("b", a.prompt_ids + list(range(50, 57)), SamplingParams(max_tokens=4)))
+    assert len(b.output_ids) == 4 and s.cache.hits == 0
+    s.drop_cache()
+    assert_pools_full(s)
+
+
+@pytest.mark.parametrize("lag", [False, True])
+def test_prefix_cache_random_workload(lag):
+    """Few-shot prompts over shared prefixes, repeats and resent conversations arriving over time, some ending on a
+    stop, with small random budgets (rows cut across snapshot positions), 3 snapshot slots and a KV pool that makes
+    admission take the cache's blocks back, while requests in flight read shared ones: every row on the simulated
+    device finds exactly its prefix in its slot and its blocks. Dropping the cache at the end frees everything."""
+    rng = random.Random(lag)
+    s = cached(max_num_batched_tokens=rng.choice([9, 17, 40]))
+    stops = {}
+    sim = Sim(s, lag=lag, stop_after=stops)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randint(12, 40))] for _ in range(3)]
+    reqs = []
+    for i in range(80):
+        ended = [r for r in reqs if r.finish_reason in ("stop", "length")]
+        kind = rng.random()
+        if kind < 0.2 and ended:
+            prompt = list(rng.choice(ended).prompt_ids)
+        elif kind < 0.4 and ended:
+            r = rng.choice(ended)
+            prompt = r.prompt_ids + r.output_ids + [rng.randrange(1000) for _ in range(rng.randint(1, 5))]
+        else:
+            prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(1, 12))]
+        if len(prompt) > 60:
+            prompt = prompt[:rng.randint(1, 60)]
+        req = Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 6)))
+        if rng.random() < 0.4:
+            stops[req.request_id] = rng.randint(1, req.params.max_tokens)
+        reqs.append(req)
+        sim.add(req)
+        for _ in range(rng.randint(0, 3)):
+            sim.step()
+    s.max_num_batched_tokens = 13  # and smaller cuts from here on
+    sim.run()
+    assert s.cache.hits >= 15 and s.cache.hit_tokens >= 300  # of ~2,000-2,600 prompt tokens, under pressure
+    assert any(p.checkpoints for p in sim.plans) and any(p.copy_blocks for p in sim.plans)
+    s.drop_cache()
+    assert_pools_full(s)
 
 
 def random_plan(rng: random.Random) -> StepPlan:
