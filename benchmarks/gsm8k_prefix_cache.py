@@ -13,8 +13,10 @@ strings and --max-tokens (the contract's 256 only makes the run longer: the repl
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import sys
 
 from benchmarks.gsm8k import DEFAULT_DATA, load_jsonl, messages_for
 from qwen35.engine import EngineArgs, LLMEngine
@@ -77,6 +79,9 @@ def main(argv=None) -> None:
           f"{result['hit_tokens_after_first']} of {result['prompt_tokens_after_first']} prompt tokens from the cache "
           f"({result['hit_rate']:.1%}), {result['hits_after_first']} hits")
     if args.out:
+        result = {"date": datetime.date.today().isoformat(), "device": str(engine.device), "model": args.model,
+                  "command": "python -m benchmarks.gsm8k_prefix_cache " + " ".join(argv if argv is not None
+                                                                                     else sys.argv[1:]), **result}
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
