@@ -409,7 +409,9 @@ class LLMEngine:
 
 def _send(plan: StepPlan, sampling: SamplingStep | None = None) -> None:
     """Rank 0: the plan and its sampling step to every rank, in one host-group broadcast (sampling step first,
-    behind its length)."""
+    behind its length). Nothing to send with one rank: no encoding either."""
+    if parallel.tp_size() == 1:
+        return
     head = (sampling or SamplingStep()).encode()
     parallel.broadcast_ints(torch.cat([torch.tensor([len(head), *head], dtype=torch.int64), plan.encode()]))
 
