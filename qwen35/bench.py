@@ -162,21 +162,23 @@ def trace(engine: LLMEngine, args, rng: random.Random) -> dict:
         raise SystemExit(f"trace: the prompts are text of this tokenizer ({engine.tokenizer.num_real_tokens} "
                          f"tokens), past the model's vocabulary ({engine.config.vocab_size}); use latency/static")
     counter = SimpleNamespace(tok=engine.tokenizer)
+
+    def new_prompts(n: int) -> list[list[int]]:
+        return [engine.tokenizer.encode_chat([{"role": "user", "content": random_prompt(counter, args.input_len, rng)}])
+                for _ in range(n)]
+
     n_prompts = min(62, args.num_requests)
-    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": random_prompt(counter, args.input_len, rng)}])
-               for _ in range(n_prompts)]
+    prompts = new_prompts(n_prompts)
     lengths = output_lengths(args.output_len_dist, args.num_requests, args.output_len, rng)
-    levels, cold_levels = [], []
+    levels, cold_levels, cold_at = [], [], set(_ints(args.cold_levels))
     for c in _ints(args.levels):
         warm = [(prompts[i % n_prompts], args.output_len) for i in range(NUM_WARMUP)]
         timed = [(prompts[i % n_prompts], lengths[i]) for i in range(args.num_requests)]
         closed_loop(engine, warm, c, f"warm{c}")
         levels.append(_level(engine, timed, c, f"c{c}"))
-        if c in _ints(args.cold_levels):  # the same level on prompts never seen: nothing for the cache to serve
-            new = [engine.tokenizer.encode_chat([{"role": "user",
-                                                  "content": random_prompt(counter, args.input_len, rng)}])
-                   for _ in range(args.num_requests)]
-            cold = _level(engine, [(ids, n) for ids, n in zip(new, lengths)], c, f"cold{c}", cold=True)
+        if c in cold_at:  # the same level on prompts never seen: nothing for the cache to serve
+            new = new_prompts(args.num_requests)
+            cold = _level(engine, list(zip(new, lengths)), c, f"cold{c}", cold=True)
             cold["cold_over_warm"] = cold["wall_s"] / levels[-1]["wall_s"]
             cold_levels.append(cold)
     score = sum(WEIGHTS.get(lv["concurrency"], 0) * lv["tok_s"] for lv in levels)

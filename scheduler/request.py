@@ -42,7 +42,6 @@ class Request:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()   # the model's; params.stop_token_ids replaces them
     detokenizer: object = None            # incremental: add(token_id) -> new text, flush() -> the rest
-    generator: object = None              # torch.Generator of a seeded request (made when it is admitted)
     # ---- scheduling (the scheduler's) --------------------------------------------------------------------------
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0       # tokens written, or scheduled to be written, into its KV blocks and DeltaNet state

@@ -21,3 +21,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---- shared fixtures -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A model cache of the test module's own ($QWEN35_CACHE while the module runs)."""
+    with pytest.MonkeyPatch.context() as mp:
+        d = str(tmp_path_factory.mktemp("qwen35-cache"))
+        mp.setenv("QWEN35_CACHE", d)
+        yield d
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(cache_dir):
+    """The `tiny` preset's synthetic checkpoint (a module may define its own tiny_dir instead)."""
+    from qwen35.hub import resolve_model
+    return resolve_model("tiny")

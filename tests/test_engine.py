@@ -34,20 +34,6 @@ GREEDY = SamplingParams(max_tokens=N_NEW, min_tokens=N_NEW)
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        d = str(tmp_path_factory.mktemp("qwen35-cache"))
-        mp.setenv("QWEN35_CACHE", d)
-        yield d
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(cache_dir):
-    from qwen35.hub import resolve_model
-    return resolve_model("tiny")
-
-
-@pytest.fixture(scope="module")
 def tok(tiny_dir):
     return load_tokenizer(tiny_dir)
 

@@ -24,12 +24,6 @@ SEEDED = SamplingParams(max_tokens=6, min_tokens=6, temperature=1.0, seed=5)
 KINDS = (("g", GREEDY), ("s", SEEDED))
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from qwen35.hub import resolve_model
-    return resolve_model("tiny", cache_dir=str(tmp_path_factory.mktemp("qwen35-cache")))
-
-
 def make(tiny_dir, **kw):
     kw = {"max_num_seqs": 6, "max_model_len": 256, "max_num_batched_tokens": 48, "dtype": "float32",
           "device": "cpu", "prefix_cache_interval": 64, **kw}

@@ -162,20 +162,6 @@ def test_engine_tp2_samples_from_shards(tiny_dir, cache_dir, tmp_path):
     assert all(len(got[r]) == p.max_tokens for r, _, p in _engine_requests())
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mpatch:
-        d = str(tmp_path_factory.mktemp("qwen35-cache"))
-        mpatch.setenv("QWEN35_CACHE", d)
-        yield d
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(cache_dir):
-    from qwen35.hub import resolve_model
-    return resolve_model("tiny")
-
-
 # ---- GPU (pytest -m gpu) ---------------------------------------------------------------------------------------
 
 GPU_VOCAB, GPU_REAL = 248320, 248077
