@@ -7,7 +7,7 @@ Workloads as the engine runs them: S sequences of L tokens packed in steps of at
 each step one call per op; times are for all steps of one layer, "x layers" for all DeltaNet layers of the model.
 Ops: conv1d, delta_rule, and the elementwise ends of the layer's prefill path: gates (g and beta from the raw a, b
 of the fused projection: layers/deltanet.py gates_torch / gates_fast) and gated_norm (layers/norm.py).
---sweep also times the state kernel's launch settings (block of value columns, warps, dot precision).
+--sweep also times the launch settings of the delta rule's kernels and of the conv.
 """
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1, help="local shapes of one rank at this TP degree")
     ap.add_argument("--step-tokens", type=int, default=8192)
-    ap.add_argument("--sweep", action="store_true", help="also time the state kernel's launch settings")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernels' launch settings")
+    ap.add_argument("--profile", action="store_true", help="also print each kernel's time (torch.profiler)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     s = shapes(args.tp)
@@ -119,7 +120,9 @@ def main():
                   f"{tokens / total * 1e3:>16.0f}")
             rows.append(dict(op=op, seqs=seqs, len=length, steps=steps, torch_ms=t_torch, fast_ms=t_fast,
                              gb_s=gbs, layers_ms=total))
-        if args.sweep:
+        if args.profile:
+            profile_kernels(x, scale, f"{seqs} x {length}")
+        if args.sweep and (seqs, length) == (8, 1024):
             sweep(x, scale, steps, f"{seqs} x {length}")
     if args.out:
         with open(args.out, "w") as f:
@@ -127,36 +130,64 @@ def main():
                        "rows": rows}, f, indent=1)
 
 
-def sweep(x, scale, steps, label):
-    """Launch settings for one workload (ms of the whole delta rule, all steps of one layer): the state kernel's
-    dot precision, block of value columns and warps, then the W/U kernel's warps at the best of those."""
-    saved = dict(dp.FAST_CONFIG)
-    results = []
+def profile_kernels(x, scale, label):
+    """GPU time per kernel of one step of the fast conv and delta rule."""
+    from torch.profiler import ProfilerActivity, profile
+    calls = (conv_call(dp.causal_conv1d_varlen_fast, x), delta_call(dp.chunk_delta_rule_varlen_fast, x, scale))
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for fn in calls:
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"  kernels of one step, {label}: " + ", ".join(
+        f"{e.key} {e.self_device_time_total / 1e3:.3f} ms" for e in sorted(events, key=lambda e: e.key)))
 
-    def run(**settings):
+
+def sweep(x, scale, steps, label):
+    """Launch settings for one workload (ms of all steps of one layer): the delta rule's three kernels one after
+    another (state kernel: value block, warps, pipelining; output kernel: value block, warps; prep kernel: warps),
+    each at the best of the ones before, then the conv's token and channel blocks."""
+    saved = dict(dp.FAST_CONFIG)
+
+    def run(fn, results, **settings):
         dp.FAST_CONFIG.update(saved, **settings)
         try:
-            t = bench(delta_call(dp.chunk_delta_rule_varlen_fast, x, scale), 100) * steps
+            t = bench(fn, 100) * steps
         except Exception as e:  # a setting this Triton cannot compile (e.g. out of shared memory)
             print(f"  {settings}: {type(e).__name__}")
             return
         results.append((t, dict(settings)))
+        print(f"    {t:8.3f} ms  {settings}", flush=True)  # as it goes: a setting that faults names itself
 
-    for precision in ("tf32", "tf32x3", "ieee"):
-        for block_v in (16, 32, 64):
-            for warps in (4, 8):
-                run(precision=precision, block_v=block_v, warps_state=warps)
+    delta = delta_call(dp.chunk_delta_rule_varlen_fast, x, scale)
+    results = []
+    for block_v in (16, 32, 64):
+        for warps in (2, 4, 8):
+            for stages in (1, 2, 3):
+                if block_v * 8 < warps * 32:  # fewer value columns than warps can tile: Triton 3.6 faults here
+                    continue
+                run(delta, results, block_v=block_v, warps_state=warps, stages=stages)
     best = min(results, key=lambda r: r[0])[1] if results else {}
-    for warps in (4, 8):
-        run(**best, warps_prep=warps)
+    for block_v_out in (32, 64, 128):
+        for warps in (4, 8):
+            run(delta, results, **best, block_v_out=block_v_out, warps_out=warps)
+    best = min(results, key=lambda r: r[0])[1] if results else {}
+    for warps in (2, 4, 8):
+        run(delta, results, **dict(best, warps_prep=warps))
+    conv = []
+    for block_t in (16, 32, 64, 128):
+        for block_c in (32, 64, 128, 256):
+            run(conv_call(dp.causal_conv1d_varlen_fast, x), conv, conv_block_t=block_t, conv_block_c=block_c)
     dp.FAST_CONFIG.clear()
     dp.FAST_CONFIG.update(saved)
-    results.sort(key=lambda r: r[0])
-    print(f"  sweep {label}:")
-    for t, settings in results[:5]:
-        print(f"    {t:8.3f} ms  {settings}")
-    ieee = [t for t, st in results if st.get("precision") == "ieee"]
-    print(f"    best with ieee dots: {min(ieee, default=float('nan')):.3f} ms")
+    for name, res in (("delta_rule", results), ("conv1d", conv)):
+        res.sort(key=lambda r: r[0])
+        print(f"  sweep {name} {label}:")
+        for t, settings in res[:4]:
+            print(f"    {t:8.3f} ms  {settings}")
 
 
 if __name__ == "__main__":

@@ -19,9 +19,14 @@ cumulative log decay G (from the chunk start), keys k (l2-normalised), queries q
     A = strict_lower(diag(beta) K K^T * exp(G_i - G_j));  T = (I + A)^-1          (in-chunk triangular solve)
     W = T (diag(beta exp(G)) K);  U = T (diag(beta) V)                             (no dependency on the state)
     V' = U - W S;  O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j))_causal V';  S = exp(G_C) S + (exp(G_C - G) K)^T V'
-The fast path runs it as two kernels: one program per (chunk, value head) computes W and U for all chunks in
-parallel (the solve blocked by 16 rows: 16x16 diagonal inverses, then row blocks by dots); one program per
-(sequence, value head, block of value columns) then carries the state [dk, BV] in registers across the chunks.
+The fast path runs it as three kernels (the split of flash-linear-attention's chunked kernels, our own code):
+  prep    one program per (chunk, value head), all chunks in parallel: W and U, the solve in four row blocks of
+          CHUNK/4 held in registers (diagonal inverses by forward substitution with rows read back from a small
+          scratch, the rest by block products);
+  state   one program per (sequence, value head, block of value columns), the only sequential part: the state
+          [dk, BV] stays in registers across the chunks; it saves the state at each chunk start (h, fp32) and
+          turns U into V' in place;
+  output  one program per (chunk, value head), all chunks in parallel again: O from Q, K, G, h and V'.
 """
 from __future__ import annotations
 
@@ -34,11 +39,12 @@ from layers.varlen import block_of
 CHUNK = 64          # tokens per chunk of the delta rule
 L2_EPS = 1e-6       # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
 # Launch settings of the fast path (module level so that benchmarks can sweep them; the signatures stay equal).
-# precision: tl.dot input precision of the sequential state kernel ("tf32", "tf32x3" or "ieee"); precision_prep:
-# that of the W/U kernel's two products W = T X, U = T Y (its K K^T and triangular solve always run in "ieee").
-FAST_CONFIG = {"conv_block_t": 64, "conv_block_c": 64, "block_v": 32, "warps_prep": 4, "warps_state": 8,
-               "stages": 1,  # software pipelining would hold several fp32 [64, 128] tiles: past the 227 KB of smem
-               "precision": "tf32", "precision_prep": "tf32"}
+# precision: tl.dot input precision of the state and output kernels ("tf32", "tf32x3" or "ieee"); precision_prep:
+# that of the prep kernel's products W = T X, U = T Y (its K K^T and triangular solve always run in "ieee").
+# block_v / block_v_out: value columns per state program / per step of an output program; stages: the state
+# kernel's software pipelining (the next chunk's W, U and K load while this one computes).
+FAST_CONFIG = {"conv_block_t": 64, "conv_block_c": 64, "block_v": 32, "block_v_out": 64, "warps_prep": 4,
+               "warps_state": 4, "warps_out": 8, "stages": 2, "precision": "tf32", "precision_prep": "tf32"}
 
 
 # ------------------------------------------------------------------------------------------------ torch oracles
@@ -167,36 +173,46 @@ def chunk_delta_rule_varlen_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  beta: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,
                                  ssm_state: torch.Tensor, slots: torch.Tensor, scale: float,
                                  checkpoints: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
-    """chunk_delta_rule_varlen_torch in two launches (W/U per chunk in parallel, then the state recurrence).
-    dk, dv and the chunk must be powers of two >= 16 (tl.dot tiles)."""
+    """chunk_delta_rule_varlen_torch in three launches: W/U per chunk in parallel, the state recurrence (the only
+    sequential part, per sequence), then the outputs per chunk in parallel from the states at the chunk starts.
+    dk and dv must be powers of two >= 16, the chunk 64 or 128 (four row blocks of >= 16, tl.dot's minimum)."""
     N, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     B = cu_seqlens.numel() - 1
     out = torch.empty((N, Hv, dv), dtype=v.dtype, device=v.device)
     if B == 0:
         return out
-    for d in (dk, dv, chunk):
-        assert d >= 16 and d & (d - 1) == 0, f"dims and chunk must be powers of two >= 16, got {d}"
+    for d in (dk, dv):
+        assert d >= 16 and d & (d - 1) == 0, f"head dims must be powers of two >= 16, got {d}"
+    assert chunk in (64, 128), f"the fast delta rule takes chunks of 64 or 128 tokens, got {chunk}"
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     cfg = FAST_CONFIG
+    chunks = triton.cdiv(N, chunk) + B          # an upper bound of the chunks in the pack (a shape: no sync)
+    block_b = triton.next_power_of_2(B + 1)
     w = torch.empty((N, Hv, dk), dtype=torch.float32, device=v.device)
-    u = torch.empty((N, Hv, dv), dtype=torch.float32, device=v.device)
-    # the solve's scratch: each program's own token rows of w (written with W only after the solve), when wide enough
-    scr = w if dk >= chunk else torch.empty((N, Hv, chunk), dtype=torch.float32, device=v.device)
-    _prep_kernel[(triton.cdiv(N, chunk) + B, Hv)](
+    u = torch.empty((N, Hv, dv), dtype=torch.float32, device=v.device)      # U, then V' in place
+    h = torch.empty((chunks, Hv, dk, dv), dtype=torch.float32, device=v.device)  # state at each chunk start
+    scr = torch.empty((N, Hv, chunk // 4), dtype=torch.float32, device=v.device)  # the solve's diagonal blocks
+    _prep_kernel[(chunks, Hv)](
         k, v, g, beta, cu_seqlens, w, u, scr, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         beta.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1), scr.stride(0), scr.stride(1),
-        REP=Hv // Hk, DK=dk, DV=dv, CHUNK=chunk, BLK=16, BLOCK_B=triton.next_power_of_2(B + 1),
-        PRECISION=cfg["precision_prep"], num_warps=cfg["warps_prep"], num_stages=cfg["stages"])
+        REP=Hv // Hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_B=block_b, PRECISION=cfg["precision_prep"],
+        num_warps=cfg["warps_prep"])
     ck, n_ck = _checkpoint_arg(checkpoints, slots)
     block_v = min(cfg["block_v"], dv)
     st = ssm_state
     _state_kernel[(B, Hv, triton.cdiv(dv, block_v))](
-        q, k, g, w, u, cu_seqlens, start_pos, slots, st, out, ck, n_ck,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1),
-        u.stride(0), u.stride(1), st.stride(0), st.stride(1), st.stride(2), out.stride(0), out.stride(1), scale,
-        REP=Hv // Hk, DK=dk, DV=dv, BV=block_v, CHUNK=chunk, BLOCK_CK=triton.next_power_of_2(max(n_ck, 1)),
-        HAS_CKPT=n_ck > 0, PRECISION=cfg["precision"], num_warps=cfg["warps_state"], num_stages=cfg["stages"])
+        k, g, w, u, cu_seqlens, start_pos, slots, st, h, ck, n_ck, B,
+        k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        st.stride(0), st.stride(1), st.stride(2), h.stride(0), h.stride(1),
+        REP=Hv // Hk, DK=dk, DV=dv, BV=block_v, CHUNK=chunk, BLOCK_B=block_b,
+        BLOCK_CK=triton.next_power_of_2(max(n_ck, 1)), HAS_CKPT=n_ck > 0, PRECISION=cfg["precision"],
+        STAGES=cfg["stages"], num_warps=cfg["warps_state"])
+    _output_kernel[(chunks, Hv)](
+        q, k, g, u, h, cu_seqlens, out, B, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0),
+        u.stride(0), u.stride(1), h.stride(0), h.stride(1), out.stride(0), out.stride(1), scale,
+        REP=Hv // Hk, DK=dk, DV=dv, BV=min(cfg["block_v_out"], dv), CHUNK=chunk, BLOCK_B=block_b,
+        PRECISION=cfg["precision"], num_warps=cfg["warps_out"])
     return out
 
 
@@ -265,97 +281,175 @@ if triton is not None:
             tl.store(tail[None, :] + jj[:, None] * ss_k, last, mask=jmask)
 
     @triton.jit
-    def _diag_block_inverses(D, BLK: tl.constexpr):
-        """(I + D_b)^-1 of every diagonal block b of D [NB, BLK, BLK] (strictly lower), all blocks at once, by forward
-        substitution: inv_i = e_i - sum_{j<i} D_ij inv_j (BLK - 1 steps on NB * BLK * BLK elements)."""
+    def _diag_inverses_t(scr, s_row, n, BLK: tl.constexpr):
+        """Transposes of (I + D_r)^-1 for the four strictly lower diagonal blocks D_r [BLK, BLK] of a chunk, whose
+        rows lie in scratch (row i of block r at scr + (r * BLK + i) * s_row; rows >= n are padding, read as 0).
+        Forward substitution on X = T^T, column by column: X[:, i] = e_i - X D[i, :]^T (the columns not yet built
+        are identity columns and meet D_ij = 0, j >= i). Row i of D comes from memory straight into the layout of
+        the broadcast, and each step reduces along a row (within a warp), not across warps."""
         ii = tl.arange(0, BLK)
         eye = tl.where(ii[:, None] == ii[None, :], 1.0, 0.0)
-        inv = tl.zeros_like(D) + eye[None, :, :]
+        x0, x1, x2, x3 = eye, eye, eye, eye
         for i in range(1, BLK):
-            sel = ii[None, :, None] == i
-            d_i = tl.sum(tl.where(sel, D, 0.0), 1)                                       # D[:, i, :]
-            row = tl.where(ii[None, :] == i, 1.0, 0.0) - tl.sum(d_i[:, :, None] * inv, 1)  # inv[:, i, :]
-            inv = tl.where(sel, row[:, None, :], inv)
-        return inv
+            e_i = tl.where(ii == i, 1.0, 0.0)
+            at_i = ii[None, :] == i
+            row = tl.zeros([BLK], dtype=tl.int32) + i  # a tensor: the interpreter takes no scalar mask
+            d0 = tl.load(scr + i * s_row + ii, mask=row < n, other=0.0)
+            d1 = tl.load(scr + (BLK + i) * s_row + ii, mask=row + BLK < n, other=0.0)
+            d2 = tl.load(scr + (2 * BLK + i) * s_row + ii, mask=row + 2 * BLK < n, other=0.0)
+            d3 = tl.load(scr + (3 * BLK + i) * s_row + ii, mask=row + 3 * BLK < n, other=0.0)
+            x0 = tl.where(at_i, (e_i - tl.sum(x0 * d0[None, :], 1))[:, None], x0)
+            x1 = tl.where(at_i, (e_i - tl.sum(x1 * d1[None, :], 1))[:, None], x1)
+            x2 = tl.where(at_i, (e_i - tl.sum(x2 * d2[None, :], 1))[:, None], x2)
+            x3 = tl.where(at_i, (e_i - tl.sum(x3 * d3[None, :], 1))[:, None], x3)
+        return x0, x1, x2, x3
 
     @triton.jit
-    def _unit_lower_inverse(A, scr, s_row, n, CHUNK: tl.constexpr, BLK: tl.constexpr):
-        """T = (I + A)^-1 for A strictly lower triangular [CHUNK, CHUNK] fp32 (rows past n are padding, zero),
-        blocked by BLK rows: the diagonal blocks by forward substitution (_diag_block_inverses), then row block by
-        row block T_r = T_rr (E_r - A_r,<r T_<r), E_r the identity's rows of block r, with fp32 ("ieee") dots.
-        Registers cannot be sliced, so A goes through this program's scratch rows scr + row * s_row + col (rows
-        >= n neither written nor read: the solve of the first n rows never needs them) and T is built in place of
-        A, one row block at a time (block r reads A's row block r and T's rows above it)."""
-        rows = tl.arange(0, CHUNK)
-        tl.store(scr + rows[:, None] * s_row + rows[None, :], A, mask=(rows < n)[:, None])
-        tl.debug_barrier()
-        bb, ii = tl.arange(0, CHUNK // BLK), tl.arange(0, BLK)
-        drow = bb[:, None, None] * BLK + ii[None, :, None]                                  # [NB, BLK, 1]
-        D = tl.load(scr + drow * s_row + (bb[:, None, None] * BLK + ii[None, None, :]), mask=drow < n, other=0.0)
-        inv = _diag_block_inverses(D, BLK)
-        for r in tl.static_range(CHUNK // BLK):
-            t_rr = tl.sum(tl.where(bb[:, None, None] == r, inv, 0.0), 0)                   # [BLK, BLK]
-            rr = r * BLK + ii
-            a_r = tl.load(scr + rr[:, None] * s_row + rows[None, :],
-                          mask=(rr < n)[:, None] & (rows < r * BLK)[None, :], other=0.0)  # A_r,<r
-            t_up = tl.load(scr + rows[:, None] * s_row + rows[None, :],
-                           mask=((rows < r * BLK) & (rows < n))[:, None], other=0.0)      # T rows above block r
-            e_r = tl.where(rows[None, :] == rr[:, None], 1.0, 0.0)
-            t_r = tl.dot(t_rr, e_r - tl.dot(a_r, t_up, input_precision="ieee"), input_precision="ieee")
-            tl.debug_barrier()
-            tl.store(scr + rr[:, None] * s_row + rows[None, :], t_r, mask=(rr < n)[:, None])
-            tl.debug_barrier()
-        T = tl.load(scr + rows[:, None] * s_row + rows[None, :], mask=(rows < n)[:, None], other=0.0)
-        tl.debug_barrier()  # the scratch may be the w rows that the caller writes next
-        return T
+    def _dot_ieee(a, b):
+        return tl.dot(a, b, input_precision="ieee")
+
+    @triton.jit
+    def _key_rows(k_ptr, g_ptr, beta_ptr, t0, n, r, hk, h, sk_t, sk_h, sg_t, sb_t,
+                  DK: tl.constexpr, BLK: tl.constexpr):
+        """Row block r of a chunk: l2-normalised keys [BLK, DK] fp32, g and beta [BLK] (zeros past the n valid rows,
+        so padding rows add nothing to any product)."""
+        rows = r * BLK + tl.arange(0, BLK)
+        valid = rows < n
+        t = (t0 + rows).to(tl.int64)
+        k = tl.load(k_ptr + t[:, None] * sk_t + hk * sk_h + tl.arange(0, DK)[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.float32)
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        g = tl.load(g_ptr + t * sg_t + h, mask=valid, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * sb_t + h, mask=valid, other=0.0).to(tl.float32)
+        return k, g, beta
+
+    @triton.jit
+    def _a_block(kr, ks, br, gr, gs, DIAG: tl.constexpr, BLK: tl.constexpr):
+        """Block (r, s) of A = strict_lower(diag(beta) K K^T * exp(G_i - G_j)) (fp32 dots). Off the diagonal every
+        row of r follows every row of s, so G_i - G_j <= 0 there."""
+        ii = tl.arange(0, BLK)
+        expo = gr[:, None] - gs[None, :]
+        if DIAG:
+            expo = tl.where(ii[:, None] > ii[None, :], expo, float("-inf"))
+        return _dot_ieee(kr, tl.trans(ks)) * br[:, None] * tl.exp(expo)
+
+    @triton.jit
+    def _store_rows(ptr, x, t0, n, r, h, s_t, s_h, D: tl.constexpr, BLK: tl.constexpr):
+        rows = r * BLK + tl.arange(0, BLK)
+        t = (t0 + rows).to(tl.int64)
+        tl.store(ptr + t[:, None] * s_t + h * s_h + tl.arange(0, D)[None, :], x, mask=(rows < n)[:, None])
+
+    @triton.jit
+    def _value_rows(v_ptr, beta, t0, n, r, h, sv_t, sv_h, DV: tl.constexpr, BLK: tl.constexpr):
+        """Row block r of diag(beta) V, fp32."""
+        rows = r * BLK + tl.arange(0, BLK)
+        t = (t0 + rows).to(tl.int64)
+        v = tl.load(v_ptr + t[:, None] * sv_t + h * sv_h + tl.arange(0, DV)[None, :], mask=(rows < n)[:, None],
+                    other=0.0)
+        return v.to(tl.float32) * beta[:, None]
 
     @triton.jit
     def _prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, w_ptr, u_ptr, scr_ptr, B,
                      sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, sw_t, sw_h, su_t, su_h, ss_t, ss_h,
                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
-                     BLK: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_B: tl.constexpr, PRECISION: tl.constexpr):
         """W and U of one (chunk, value head): the state-independent part of the chunk, all chunks in parallel.
-        scr: fp32 scratch rows by token [N, Hv, >= CHUNK] for the triangular solve (may be w itself)."""
+        The chunk is four row blocks of BLK = CHUNK / 4 held in registers: the blocks of A from fp32 dots of the
+        key blocks, T = (I + A)^-1 by blocks (diagonal inverses by forward substitution, their rows read back from
+        scratch scr [N, Hv, BLK]; then T_rs = -T_rr sum_{s<=j<r} A_rj T_js), then W_r = sum_{s<=r} T_rs
+        diag(beta exp(G)) K_s and U_r = sum_{s<=r} T_rs diag(beta) V_s."""
+        BLK: tl.constexpr = CHUNK // 4
         b, ci = block_of(cu_ptr, tl.program_id(0), B, CHUNK, BLOCK_B, False)
         if b >= B:
             return
         h = tl.program_id(1)
+        hk = h // REP
         t0 = tl.load(cu_ptr + b) + ci * CHUNK
         n = tl.minimum(tl.load(cu_ptr + b + 1) - t0, CHUNK)
-        rows = tl.arange(0, CHUNK)
-        valid = rows < n
-        t = (t0 + rows).to(tl.int64)
-        kk, vv = tl.arange(0, DK), tl.arange(0, DV)
-        k = tl.load(k_ptr + t[:, None] * sk_t + (h // REP) * sk_h + kk[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        g = tl.load(g_ptr + t * sg_t + h, mask=valid, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + t * sb_t + h, mask=valid, other=0.0).to(tl.float32)
-        gc = tl.cumsum(g, 0)
-        lower = rows[:, None] > rows[None, :]
-        A = tl.dot(k, tl.trans(k), input_precision="ieee") * beta[:, None] * \
-            tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
-        T = _unit_lower_inverse(A, scr_ptr + t0.to(tl.int64) * ss_t + h * ss_h, ss_t, n, CHUNK, BLK)
-        w = tl.dot(T, k * (beta * tl.exp(gc))[:, None], input_precision=PRECISION)
-        tl.store(w_ptr + t[:, None] * sw_t + h * sw_h + kk[None, :], w, mask=valid[:, None])
-        v = tl.load(v_ptr + t[:, None] * sv_t + h * sv_h + vv[None, :], mask=valid[:, None], other=0.0)
-        u = tl.dot(T, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
-        tl.store(u_ptr + t[:, None] * su_t + h * su_h + vv[None, :], u, mask=valid[:, None])
+        k0, g0, b0 = _key_rows(k_ptr, g_ptr, beta_ptr, t0, n, 0, hk, h, sk_t, sk_h, sg_t, sb_t, DK, BLK)
+        k1, g1, b1 = _key_rows(k_ptr, g_ptr, beta_ptr, t0, n, 1, hk, h, sk_t, sk_h, sg_t, sb_t, DK, BLK)
+        k2, g2, b2 = _key_rows(k_ptr, g_ptr, beta_ptr, t0, n, 2, hk, h, sk_t, sk_h, sg_t, sb_t, DK, BLK)
+        k3, g3, b3 = _key_rows(k_ptr, g_ptr, beta_ptr, t0, n, 3, hk, h, sk_t, sk_h, sg_t, sb_t, DK, BLK)
+        # cumulative log decay from the chunk start, block by block
+        o1 = tl.sum(g0, 0)
+        o2 = o1 + tl.sum(g1, 0)
+        o3 = o2 + tl.sum(g2, 0)
+        G0, G1, G2, G3 = tl.cumsum(g0, 0), tl.cumsum(g1, 0) + o1, tl.cumsum(g2, 0) + o2, tl.cumsum(g3, 0) + o3
+        # the diagonal blocks' rows go through this program's scratch rows (token-indexed, BLK wide)
+        scr = scr_ptr + t0.to(tl.int64) * ss_t + h * ss_h
+        _store_rows(scr_ptr, _a_block(k0, k0, b0, G0, G0, True, BLK), t0, n, 0, h, ss_t, ss_h, BLK, BLK)
+        _store_rows(scr_ptr, _a_block(k1, k1, b1, G1, G1, True, BLK), t0, n, 1, h, ss_t, ss_h, BLK, BLK)
+        _store_rows(scr_ptr, _a_block(k2, k2, b2, G2, G2, True, BLK), t0, n, 2, h, ss_t, ss_h, BLK, BLK)
+        _store_rows(scr_ptr, _a_block(k3, k3, b3, G3, G3, True, BLK), t0, n, 3, h, ss_t, ss_h, BLK, BLK)
+        tl.debug_barrier()  # every thread's rows stored before any thread reads them
+        x0, x1, x2, x3 = _diag_inverses_t(scr, ss_t, n, BLK)
+        T00, T11, T22, T33 = tl.trans(x0), tl.trans(x1), tl.trans(x2), tl.trans(x3)
+        A10 = _a_block(k1, k0, b1, G1, G0, False, BLK)
+        A20 = _a_block(k2, k0, b2, G2, G0, False, BLK)
+        A21 = _a_block(k2, k1, b2, G2, G1, False, BLK)
+        A30 = _a_block(k3, k0, b3, G3, G0, False, BLK)
+        A31 = _a_block(k3, k1, b3, G3, G1, False, BLK)
+        A32 = _a_block(k3, k2, b3, G3, G2, False, BLK)
+        T10 = -_dot_ieee(T11, _dot_ieee(A10, T00))
+        T21 = -_dot_ieee(T22, _dot_ieee(A21, T11))
+        T20 = -_dot_ieee(T22, _dot_ieee(A20, T00) + _dot_ieee(A21, T10))
+        T32 = -_dot_ieee(T33, _dot_ieee(A32, T22))
+        T31 = -_dot_ieee(T33, _dot_ieee(A31, T11) + _dot_ieee(A32, T21))
+        T30 = -_dot_ieee(T33, _dot_ieee(A30, T00) + _dot_ieee(A31, T10) + _dot_ieee(A32, T20))
+        # W = T diag(beta exp(G)) K, row block by row block
+        x0 = k0 * (b0 * tl.exp(G0))[:, None]
+        x1 = k1 * (b1 * tl.exp(G1))[:, None]
+        x2 = k2 * (b2 * tl.exp(G2))[:, None]
+        x3 = k3 * (b3 * tl.exp(G3))[:, None]
+        _store_rows(w_ptr, tl.dot(T00, x0, input_precision=PRECISION), t0, n, 0, h, sw_t, sw_h, DK, BLK)
+        w = tl.dot(T11, x1, tl.dot(T10, x0, input_precision=PRECISION), input_precision=PRECISION)
+        _store_rows(w_ptr, w, t0, n, 1, h, sw_t, sw_h, DK, BLK)
+        w = tl.dot(T22, x2, tl.dot(T21, x1, tl.dot(T20, x0, input_precision=PRECISION), input_precision=PRECISION),
+                   input_precision=PRECISION)
+        _store_rows(w_ptr, w, t0, n, 2, h, sw_t, sw_h, DK, BLK)
+        w = tl.dot(T30, x0, input_precision=PRECISION)
+        w = tl.dot(T31, x1, w, input_precision=PRECISION)
+        w = tl.dot(T32, x2, w, input_precision=PRECISION)
+        w = tl.dot(T33, x3, w, input_precision=PRECISION)
+        _store_rows(w_ptr, w, t0, n, 3, h, sw_t, sw_h, DK, BLK)
+        # U = T diag(beta) V
+        y0 = _value_rows(v_ptr, b0, t0, n, 0, h, sv_t, sv_h, DV, BLK)
+        y1 = _value_rows(v_ptr, b1, t0, n, 1, h, sv_t, sv_h, DV, BLK)
+        y2 = _value_rows(v_ptr, b2, t0, n, 2, h, sv_t, sv_h, DV, BLK)
+        y3 = _value_rows(v_ptr, b3, t0, n, 3, h, sv_t, sv_h, DV, BLK)
+        _store_rows(u_ptr, tl.dot(T00, y0, input_precision=PRECISION), t0, n, 0, h, su_t, su_h, DV, BLK)
+        u = tl.dot(T11, y1, tl.dot(T10, y0, input_precision=PRECISION), input_precision=PRECISION)
+        _store_rows(u_ptr, u, t0, n, 1, h, su_t, su_h, DV, BLK)
+        u = tl.dot(T22, y2, tl.dot(T21, y1, tl.dot(T20, y0, input_precision=PRECISION), input_precision=PRECISION),
+                   input_precision=PRECISION)
+        _store_rows(u_ptr, u, t0, n, 2, h, su_t, su_h, DV, BLK)
+        u = tl.dot(T30, y0, input_precision=PRECISION)
+        u = tl.dot(T31, y1, u, input_precision=PRECISION)
+        u = tl.dot(T32, y2, u, input_precision=PRECISION)
+        u = tl.dot(T33, y3, u, input_precision=PRECISION)
+        _store_rows(u_ptr, u, t0, n, 3, h, su_t, su_h, DV, BLK)
 
     @triton.jit
-    def _state_kernel(q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, cu_ptr, start_ptr, slots_ptr, state_ptr, out_ptr,
-                      ck_ptr, n_ck, sq_t, sq_h, sk_t, sk_h, sg_t, sw_t, sw_h, su_t, su_h, ss_slot, ss_h, ss_k,
-                      so_t, so_h, scale,
+    def _state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, cu_ptr, start_ptr, slots_ptr, state_ptr, h_ptr,
+                      ck_ptr, n_ck, B, sk_t, sk_h, sg_t, sw_t, sw_h, su_t, su_h, ss_slot, ss_h, ss_k, sh_c, sh_h,
                       REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK_CK: tl.constexpr, HAS_CKPT: tl.constexpr, PRECISION: tl.constexpr):
-        """One (sequence, value head, block of BV value columns): the fp32 state [DK, BV] stays in registers across
-        the sequence's chunks; read from the slot at the start (zeros for a fresh sequence), written back at the
-        end (and at checkpoints)."""
+                      BLOCK_B: tl.constexpr, BLOCK_CK: tl.constexpr, HAS_CKPT: tl.constexpr,
+                      PRECISION: tl.constexpr, STAGES: tl.constexpr):
+        """One (sequence, value head, block of BV value columns), the only sequential part: the fp32 state [DK, BV]
+        stays in registers across the sequence's chunks. Per chunk it saves the state at the chunk start (h, for
+        the output kernel), turns u into V' = U - W S in place, and steps S = exp(G_C) S + (exp(G_C - G) K)^T V'.
+        The state is read from the slot at the start (zeros for a fresh sequence), written back at the end (and
+        at checkpoints). Chunk c of sequence b has h index (chunks of the sequences before b) + c, the index the
+        prep and output kernels' programs have."""
         b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = h // REP
         lo = tl.load(cu_ptr + b)
         length = tl.load(cu_ptr + b + 1) - lo
         start = tl.load(start_ptr + b)
+        seqs = tl.arange(0, BLOCK_B)
+        before = seqs < b
+        lens = tl.load(cu_ptr + seqs + 1, mask=before, other=0) - tl.load(cu_ptr + seqs, mask=before, other=0)
+        first = tl.sum((lens + CHUNK - 1) // CHUNK, 0)
         kk = tl.arange(0, DK)
         vv = vb * BV + tl.arange(0, BV)
         vmask = vv < DV
@@ -371,30 +465,23 @@ if triton is not None:
             ck_pos = tl.load(ck_ptr + 3 * ce + 1, mask=cm, other=-1)
             ck_dst = tl.load(ck_ptr + 3 * ce + 2, mask=cm, other=0)
         rows = tl.arange(0, CHUNK)
-        causal = rows[:, None] >= rows[None, :]
-        for ci in range(0, (length + CHUNK - 1) // CHUNK):
+        for ci in tl.range(0, (length + CHUNK - 1) // CHUNK, num_stages=STAGES):
             n = tl.minimum(length - ci * CHUNK, CHUNK)
             valid = rows < n
             t = (lo + ci * CHUNK + rows).to(tl.int64)
+            hp = h_ptr + (first + ci).to(tl.int64) * sh_c + h * sh_h + kk[:, None] * DV + vv[None, :]
+            tl.store(hp, S, mask=vmask[None, :])
             w = tl.load(w_ptr + t[:, None] * sw_t + h * sw_h + kk[None, :], mask=valid[:, None], other=0.0)
-            u = tl.load(u_ptr + t[:, None] * su_t + h * su_h + vv[None, :], mask=valid[:, None] & vmask[None, :],
-                        other=0.0)
+            up = u_ptr + t[:, None] * su_t + h * su_h + vv[None, :]
+            u = tl.load(up, mask=valid[:, None] & vmask[None, :], other=0.0)
             v_new = u - tl.dot(w, S, input_precision=PRECISION)
-            q = tl.load(q_ptr + t[:, None] * sq_t + hk * sq_h + kk[None, :], mask=valid[:, None],
-                        other=0.0).to(tl.float32)
-            q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
+            tl.store(up, v_new, mask=valid[:, None] & vmask[None, :])
             k = tl.load(k_ptr + t[:, None] * sk_t + hk * sk_h + kk[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
             k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
             g = tl.load(g_ptr + t * sg_t + h, mask=valid, other=0.0).to(tl.float32)
             gc = tl.cumsum(g, 0)
             g_end = tl.sum(g, 0)
-            attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * \
-                tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
-            o = tl.dot(q * tl.exp(gc)[:, None], S, input_precision=PRECISION)
-            o = tl.dot(attn, v_new, acc=o, input_precision=PRECISION)
-            tl.store(out_ptr + t[:, None] * so_t + h * so_h + vv[None, :], o.to(out_ptr.dtype.element_ty),
-                     mask=valid[:, None] & vmask[None, :])
             S = S * tl.exp(g_end) + tl.dot(tl.trans(k * tl.exp(g_end - gc)[:, None]), v_new,
                                            input_precision=PRECISION)
             if HAS_CKPT:
@@ -403,3 +490,41 @@ if triton is not None:
                 rows_k = tl.sum(hit.to(tl.int32), 0) * DK
                 tl.store(state + dst * ss_slot, S, mask=(kk < rows_k)[:, None] & vmask[None, :])
         tl.store(state + tl.load(slots_ptr + b).to(tl.int64) * ss_slot, S, mask=vmask[None, :])
+
+    @triton.jit
+    def _output_kernel(q_ptr, k_ptr, g_ptr, vn_ptr, h_ptr, cu_ptr, out_ptr, B, sq_t, sq_h, sk_t, sk_h, sg_t,
+                       sv_t, sv_h, sh_c, sh_h, so_t, so_h, scale,
+                       REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                       CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr):
+        """One (chunk, value head), all chunks in parallel once the states at the chunk starts (h) and V' are
+        known: O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j))_causal V', the value columns BV at a time."""
+        pid = tl.program_id(0)
+        b, ci = block_of(cu_ptr, pid, B, CHUNK, BLOCK_B, False)
+        if b >= B:
+            return
+        h = tl.program_id(1)
+        hk = h // REP
+        t0 = tl.load(cu_ptr + b) + ci * CHUNK
+        n = tl.minimum(tl.load(cu_ptr + b + 1) - t0, CHUNK)
+        rows = tl.arange(0, CHUNK)
+        valid = rows < n
+        t = (t0 + rows).to(tl.int64)
+        kk = tl.arange(0, DK)
+        q = tl.load(q_ptr + t[:, None] * sq_t + hk * sq_h + kk[None, :], mask=valid[:, None], other=0.0)
+        q = q.to(tl.float32)
+        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
+        k = tl.load(k_ptr + t[:, None] * sk_t + hk * sk_h + kk[None, :], mask=valid[:, None], other=0.0)
+        k = k.to(tl.float32)
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        gc = tl.cumsum(tl.load(g_ptr + t * sg_t + h, mask=valid, other=0.0).to(tl.float32), 0)
+        causal = rows[:, None] >= rows[None, :]
+        attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * \
+            tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
+        qg = q * tl.exp(gc)[:, None]
+        for v0 in tl.static_range(0, DV, BV):
+            vv = v0 + tl.arange(0, BV)
+            S = tl.load(h_ptr + pid.to(tl.int64) * sh_c + h * sh_h + kk[:, None] * DV + vv[None, :])
+            vn = tl.load(vn_ptr + t[:, None] * sv_t + h * sv_h + vv[None, :], mask=valid[:, None], other=0.0)
+            o = tl.dot(attn, vn, tl.dot(qg, S, input_precision=PRECISION), input_precision=PRECISION)
+            tl.store(out_ptr + t[:, None] * so_t + h * so_h + vv[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=valid[:, None])

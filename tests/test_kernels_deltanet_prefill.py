@@ -154,37 +154,40 @@ def test_delta_torch_equals_recurrence(chunk):
 if triton is not None:
     import triton.language as tl
 
-    _unit_lower_inverse = dp._unit_lower_inverse
+    _diag_inverses_t = dp._diag_inverses_t
 
     @triton.jit
-    def _inverse_kernel(a_ptr, t_ptr, scr_ptr, n, CHUNK: tl.constexpr):
-        rows = tl.arange(0, CHUNK)
-        A = tl.load(a_ptr + rows[:, None] * CHUNK + rows[None, :])
-        T = _unit_lower_inverse(A, scr_ptr, CHUNK, n, CHUNK, 16)
-        tl.store(t_ptr + rows[:, None] * CHUNK + rows[None, :], T)
+    def _inverse_kernel(scr_ptr, t_ptr, n, BLK: tl.constexpr):
+        ii = tl.arange(0, BLK)
+        x0, x1, x2, x3 = _diag_inverses_t(scr_ptr, BLK, n, BLK)
+        out = t_ptr + ii[:, None] * BLK + ii[None, :]
+        tl.store(out, tl.trans(x0))
+        tl.store(out + BLK * BLK, tl.trans(x1))
+        tl.store(out + 2 * BLK * BLK, tl.trans(x2))
+        tl.store(out + 3 * BLK * BLK, tl.trans(x3))
 
 
-@pytest.mark.parametrize("chunk,n", [(64, 64), (64, 37), (32, 32), (32, 5), (16, 16)])
-def test_unit_lower_inverse(chunk, n):
-    """The prep kernel's blocked solve: (I + A)^-1 for A strictly lower (|A_ij| <= 1, rows past n zero) against
-    torch's triangular solve in fp64, on the first n rows (the only ones the kernel keeps; the rest come back 0)."""
-    gen = torch.Generator().manual_seed(chunk + n)
-    A = (torch.rand(chunk, chunk, generator=gen, dtype=torch.float64) * 2 - 1) * 0.5
-    A = A.tril(-1)
-    A[n:] = 0
-    eye = torch.eye(chunk, dtype=torch.float64)
-    want = torch.linalg.solve_triangular(eye + A, eye, upper=False)[:n]
-    T = torch.full((chunk, chunk), float("nan"), device=DEVICE)
-    scr = torch.full((chunk, chunk), float("nan"), device=DEVICE)
-    _inverse_kernel[(1,)](A.float().to(DEVICE), T, scr, n, CHUNK=chunk)
-    assert rel(T[:n].cpu().double(), want) < 1e-5
-    assert torch.equal(T[n:].cpu(), torch.zeros(chunk - n, chunk))
+@pytest.mark.parametrize("blk,n", [(16, 64), (16, 37), (16, 5), (32, 128)])
+def test_diag_inverses(blk, n):
+    """The prep kernel's diagonal-block solve: (I + D_r)^-1 of a chunk's four strictly lower diagonal blocks
+    (|D_ij| <= 1/2), their rows in scratch, against torch's triangular solve in fp64. Scratch rows past n hold
+    garbage (NaN) that must be read as padding: zero rows of D, identity rows of the inverse."""
+    gen = torch.Generator().manual_seed(blk + n)
+    D = ((torch.rand(4, blk, blk, generator=gen, dtype=torch.float64) * 2 - 1) * 0.5).tril(-1)
+    D.view(4 * blk, blk)[n:] = 0
+    eye = torch.eye(blk, dtype=torch.float64)
+    want = torch.linalg.solve_triangular(eye + D, eye.expand(4, blk, blk), upper=False)
+    scr = D.float().reshape(4 * blk, blk).clone()
+    scr[n:] = float("nan")
+    T = torch.full((4, blk, blk), float("nan"), device=DEVICE)
+    _inverse_kernel[(1,)](scr.to(DEVICE), T, n, BLK=blk)
+    assert rel(T.cpu().double(), want) < 1e-5
 
 
-@pytest.mark.parametrize("Hk,Hv,dk,dv,chunk", [(2, 4, 16, 16, 64), (1, 3, 16, 32, 16), (1, 2, 32, 16, 32)])
+@pytest.mark.parametrize("Hk,Hv,dk,dv,chunk", [(2, 4, 16, 16, 64), (1, 3, 16, 32, 64), (1, 2, 32, 16, 128)])
 def test_delta_fast_equals_torch(exact_dots, Hk, Hv, dk, dv, chunk):
     """A varlen pack (lengths 1, 63, 64, 65, 200 and an empty sequence), cached and fresh states, shuffled slots,
-    strided q/k/v/g/beta; TP-local odd head counts (Hv = 3 Hk) and dk != dv; chunk 64 and a small chunk."""
+    strided q/k/v/g/beta; TP-local odd head counts (Hv = 3 Hk) and dk != dv; chunk 64 and 128."""
     lens, starts = PACK + [0], STARTS + [4]
     N = sum(lens)
     q, k, v, g, beta = delta_inputs(N, Hk, Hv, dk, dv)
@@ -215,12 +218,12 @@ def test_delta_fast_decode_rows(exact_dots):
 def test_delta_checkpoints(exact_dots):
     """Checkpoint states at chunk multiples and at a sequence end, in spare slots: equal to the oracle's, and the
     oracle's equal to the final state of the same sequence cut there."""
-    Hk, Hv, dk, dv, chunk = 1, 2, 16, 16, 16
-    lens, starts = [40, 70, 5], [0, 12, 3]
+    Hk, Hv, dk, dv, chunk = 1, 2, 16, 16, 64
+    lens, starts = [140, 70, 5], [0, 12, 3]
     q, k, v, g, beta = delta_inputs(sum(lens), Hk, Hv, dk, dv, seed=5)
     cu, sp, slots = packed(lens, starts, seed=5, num_slots=10)
     spare = [s for s in range(10) if s not in slots.tolist()]
-    ck = torch.tensor([[0, 16, spare[0]], [0, 32, spare[1]], [1, 12 + 48, spare[2]], [2, 8, spare[3]]],
+    ck = torch.tensor([[0, 64, spare[0]], [0, 128, spare[1]], [1, 12 + 64, spare[2]], [2, 8, spare[3]]],
                       device=DEVICE)
     state = torch.randn(10, Hv, dk, dv, device=DEVICE) * 0.3
     before, ref_state = state.clone(), state.clone()
