@@ -42,8 +42,9 @@ def main():
     runner = ModelRunner(cfg, load_format="dummy", device="cuda", max_num_seqs=max(batches + [args.prefill_seqs]),
                          max_model_len=args.prefill_len + 64, enforce_eager=True)
     nblk = -(-(args.prefill_len + 64) // runner.block_size)
-    tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(max(batches))]
-    ids = torch.randint(0, 248000, (max(batches), args.prefill_len)).tolist()
+    rows = max(batches + [args.prefill_seqs])
+    tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(rows)]
+    ids = torch.randint(0, 248000, (rows, args.prefill_len)).tolist()
 
     def prefill(seqs):
         return StepPlan(list(range(seqs)), ids[:seqs], [0] * seqs, tables[:seqs], [True] * seqs)

@@ -20,9 +20,9 @@ cumulative log decay G (from the chunk start), keys k (l2-normalised), queries q
     W = T (diag(beta exp(G)) K);  U = T (diag(beta) V)                             (no dependency on the state)
     V' = U - W S;  O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j))_causal V';  S = exp(G_C) S + (exp(G_C - G) K)^T V'
 The fast path runs it as three kernels (the split of flash-linear-attention's chunked kernels, our own code):
-  prep    one program per (chunk, value head), all chunks in parallel: W and U, the solve in four row blocks of
-          CHUNK/4 held in registers (diagonal inverses by forward substitution with rows read back from a small
-          scratch, the rest by block products);
+  prep    one program per (chunk, value head), all chunks in parallel: W and U; A through a scratch [N, Hv, CHUNK],
+          the solve by row blocks of CHUNK/4 (diagonal inverses by forward substitution, the rest by block
+          products), T written over A and read back for two full-size dots;
   state   one program per (sequence, value head, block of value columns), the only sequential part: the state
           [dk, BV] stays in registers across the chunks; it saves the state at each chunk start (h, fp32) and
           turns U into V' in place;
@@ -40,11 +40,13 @@ CHUNK = 64          # tokens per chunk of the delta rule
 L2_EPS = 1e-6       # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
 # Launch settings of the fast path (module level so that benchmarks can sweep them; the signatures stay equal).
 # precision: tl.dot input precision of the state and output kernels ("tf32", "tf32x3" or "ieee"); precision_prep:
-# that of the prep kernel's products W = T X, U = T Y (its K K^T and triangular solve always run in "ieee").
+# that of the prep kernel's products W = T X, U = T Y; precision_solve: that of its K K^T and triangular solve
+# ("tf32x3": three tf32 products, about fp32's accuracy on the tensor cores; "ieee" runs them on the FMA units).
 # block_v / block_v_out: value columns per state program / per step of an output program; stages: the state
 # kernel's software pipelining (the next chunk's W, U and K load while this one computes).
-FAST_CONFIG = {"conv_block_t": 64, "conv_block_c": 64, "block_v": 32, "block_v_out": 64, "warps_prep": 4,
-               "warps_state": 4, "warps_out": 8, "stages": 2, "precision": "tf32", "precision_prep": "tf32"}
+FAST_CONFIG = {"conv_block_t": 16, "conv_block_c": 128, "block_v": 32, "block_v_out": 64, "warps_prep": 8,
+               "warps_state": 4, "warps_out": 8, "stages": 2, "precision": "tf32", "precision_prep": "tf32",
+               "precision_solve": "tf32x3"}
 
 
 # ------------------------------------------------------------------------------------------------ torch oracles
@@ -192,11 +194,12 @@ def chunk_delta_rule_varlen_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     w = torch.empty((N, Hv, dk), dtype=torch.float32, device=v.device)
     u = torch.empty((N, Hv, dv), dtype=torch.float32, device=v.device)      # U, then V' in place
     h = torch.empty((chunks, Hv, dk, dv), dtype=torch.float32, device=v.device)  # state at each chunk start
-    scr = torch.empty((N, Hv, chunk // 4), dtype=torch.float32, device=v.device)  # the solve's diagonal blocks
+    scr = torch.empty((N, Hv, chunk), dtype=torch.float32, device=v.device)  # each chunk's A, then T
     _prep_kernel[(chunks, Hv)](
         k, v, g, beta, cu_seqlens, w, u, scr, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         beta.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1), scr.stride(0), scr.stride(1),
-        REP=Hv // Hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_B=block_b, PRECISION=cfg["precision_prep"],
+        REP=Hv // Hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_B=block_b, SOLVE=cfg["precision_solve"],
+        PRECISION=cfg["precision_prep"],
         num_warps=cfg["warps_prep"])
     ck, n_ck = _checkpoint_arg(checkpoints, slots)
     block_v = min(cfg["block_v"], dv)
@@ -282,8 +285,8 @@ if triton is not None:
 
     @triton.jit
     def _diag_inverses_t(scr, s_row, n, BLK: tl.constexpr):
-        """Transposes of (I + D_r)^-1 for the four strictly lower diagonal blocks D_r [BLK, BLK] of a chunk, whose
-        rows lie in scratch (row i of block r at scr + (r * BLK + i) * s_row; rows >= n are padding, read as 0).
+        """Transposes of (I + D_r)^-1 for the four strictly lower diagonal blocks D_r [BLK, BLK] of a chunk's A,
+        whose rows lie in scratch (A_ij at scr + i * s_row + j; rows >= n are padding, read as 0).
         Forward substitution on X = T^T, column by column: X[:, i] = e_i - X D[i, :]^T (the columns not yet built
         are identity columns and meet D_ij = 0, j >= i). Row i of D comes from memory straight into the layout of
         the broadcast, and each step reduces along a row (within a warp), not across warps."""
@@ -295,9 +298,9 @@ if triton is not None:
             at_i = ii[None, :] == i
             row = tl.zeros([BLK], dtype=tl.int32) + i  # a tensor: the interpreter takes no scalar mask
             d0 = tl.load(scr + i * s_row + ii, mask=row < n, other=0.0)
-            d1 = tl.load(scr + (BLK + i) * s_row + ii, mask=row + BLK < n, other=0.0)
-            d2 = tl.load(scr + (2 * BLK + i) * s_row + ii, mask=row + 2 * BLK < n, other=0.0)
-            d3 = tl.load(scr + (3 * BLK + i) * s_row + ii, mask=row + 3 * BLK < n, other=0.0)
+            d1 = tl.load(scr + (BLK + i) * s_row + BLK + ii, mask=row + BLK < n, other=0.0)
+            d2 = tl.load(scr + (2 * BLK + i) * s_row + 2 * BLK + ii, mask=row + 2 * BLK < n, other=0.0)
+            d3 = tl.load(scr + (3 * BLK + i) * s_row + 3 * BLK + ii, mask=row + 3 * BLK < n, other=0.0)
             x0 = tl.where(at_i, (e_i - tl.sum(x0 * d0[None, :], 1))[:, None], x0)
             x1 = tl.where(at_i, (e_i - tl.sum(x1 * d1[None, :], 1))[:, None], x1)
             x2 = tl.where(at_i, (e_i - tl.sum(x2 * d2[None, :], 1))[:, None], x2)
@@ -305,129 +308,89 @@ if triton is not None:
         return x0, x1, x2, x3
 
     @triton.jit
-    def _dot_ieee(a, b):
-        return tl.dot(a, b, input_precision="ieee")
+    def _dot_p(a, b, PRECISION: tl.constexpr):
+        return tl.dot(a, b, input_precision=PRECISION)
 
     @triton.jit
-    def _key_rows(k_ptr, g_ptr, beta_ptr, t0, n, r, hk, h, sk_t, sk_h, sg_t, sb_t,
-                  DK: tl.constexpr, BLK: tl.constexpr):
-        """Row block r of a chunk: l2-normalised keys [BLK, DK] fp32, g and beta [BLK] (zeros past the n valid rows,
-        so padding rows add nothing to any product)."""
-        rows = r * BLK + tl.arange(0, BLK)
-        valid = rows < n
-        t = (t0 + rows).to(tl.int64)
-        k = tl.load(k_ptr + t[:, None] * sk_t + hk * sk_h + tl.arange(0, DK)[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        g = tl.load(g_ptr + t * sg_t + h, mask=valid, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + t * sb_t + h, mask=valid, other=0.0).to(tl.float32)
-        return k, g, beta
-
-    @triton.jit
-    def _a_block(kr, ks, br, gr, gs, DIAG: tl.constexpr, BLK: tl.constexpr):
-        """Block (r, s) of A = strict_lower(diag(beta) K K^T * exp(G_i - G_j)) (fp32 dots). Off the diagonal every
-        row of r follows every row of s, so G_i - G_j <= 0 there."""
+    def _block(scr, s_row, n, r, s, BLK: tl.constexpr):
+        """Block (r, s) [BLK, BLK] of the chunk matrix in scratch (rows >= n read as 0)."""
         ii = tl.arange(0, BLK)
-        expo = gr[:, None] - gs[None, :]
-        if DIAG:
-            expo = tl.where(ii[:, None] > ii[None, :], expo, float("-inf"))
-        return _dot_ieee(kr, tl.trans(ks)) * br[:, None] * tl.exp(expo)
+        rows = r * BLK + ii
+        return tl.load(scr + rows[:, None] * s_row + s * BLK + ii[None, :], mask=(rows < n)[:, None], other=0.0)
 
     @triton.jit
-    def _store_rows(ptr, x, t0, n, r, h, s_t, s_h, D: tl.constexpr, BLK: tl.constexpr):
-        rows = r * BLK + tl.arange(0, BLK)
-        t = (t0 + rows).to(tl.int64)
-        tl.store(ptr + t[:, None] * s_t + h * s_h + tl.arange(0, D)[None, :], x, mask=(rows < n)[:, None])
-
-    @triton.jit
-    def _value_rows(v_ptr, beta, t0, n, r, h, sv_t, sv_h, DV: tl.constexpr, BLK: tl.constexpr):
-        """Row block r of diag(beta) V, fp32."""
-        rows = r * BLK + tl.arange(0, BLK)
-        t = (t0 + rows).to(tl.int64)
-        v = tl.load(v_ptr + t[:, None] * sv_t + h * sv_h + tl.arange(0, DV)[None, :], mask=(rows < n)[:, None],
-                    other=0.0)
-        return v.to(tl.float32) * beta[:, None]
+    def _store_block(scr, s_row, n, r, s, x, BLK: tl.constexpr):
+        ii = tl.arange(0, BLK)
+        rows = r * BLK + ii
+        tl.store(scr + rows[:, None] * s_row + s * BLK + ii[None, :], x, mask=(rows < n)[:, None])
 
     @triton.jit
     def _prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, w_ptr, u_ptr, scr_ptr, B,
                      sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, sw_t, sw_h, su_t, su_h, ss_t, ss_h,
                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
-                     BLOCK_B: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_B: tl.constexpr, SOLVE: tl.constexpr, PRECISION: tl.constexpr):
         """W and U of one (chunk, value head): the state-independent part of the chunk, all chunks in parallel.
-        The chunk is four row blocks of BLK = CHUNK / 4 held in registers: the blocks of A from fp32 dots of the
-        key blocks, T = (I + A)^-1 by blocks (diagonal inverses by forward substitution, their rows read back from
-        scratch scr [N, Hv, BLK]; then T_rs = -T_rr sum_{s<=j<r} A_rj T_js), then W_r = sum_{s<=r} T_rs
-        diag(beta exp(G)) K_s and U_r = sum_{s<=r} T_rs diag(beta) V_s."""
+        A = strict_lower(diag(beta) K K^T * exp(G_i - G_j)) from one dot goes through this program's scratch
+        rows scr [N, Hv, CHUNK] (registers cannot be sliced); T = (I + A)^-1 by row blocks of BLK = CHUNK / 4
+        (diagonal inverses by forward substitution, then T_rs = -T_rr sum_{s<=j<r} A_rj T_js, dots of SOLVE) is
+        written over it, read back whole (blocks above the diagonal as 0), and W = T diag(beta exp(G)) K and
+        U = T diag(beta) V are two full-size dots."""
         BLK: tl.constexpr = CHUNK // 4
         b, ci = block_of(cu_ptr, tl.program_id(0), B, CHUNK, BLOCK_B, False)
         if b >= B:
             return
         h = tl.program_id(1)
-        hk = h // REP
         t0 = tl.load(cu_ptr + b) + ci * CHUNK
         n = tl.minimum(tl.load(cu_ptr + b + 1) - t0, CHUNK)
-        k0, g0, b0 = _key_rows(k_ptr, g_ptr, beta_ptr, t0, n, 0, hk, h, sk_t, sk_h, sg_t, sb_t, DK, BLK)
-        k1, g1, b1 = _key_rows(k_ptr, g_ptr, beta_ptr, t0, n, 1, hk, h, sk_t, sk_h, sg_t, sb_t, DK, BLK)
-        k2, g2, b2 = _key_rows(k_ptr, g_ptr, beta_ptr, t0, n, 2, hk, h, sk_t, sk_h, sg_t, sb_t, DK, BLK)
-        k3, g3, b3 = _key_rows(k_ptr, g_ptr, beta_ptr, t0, n, 3, hk, h, sk_t, sk_h, sg_t, sb_t, DK, BLK)
-        # cumulative log decay from the chunk start, block by block
-        o1 = tl.sum(g0, 0)
-        o2 = o1 + tl.sum(g1, 0)
-        o3 = o2 + tl.sum(g2, 0)
-        G0, G1, G2, G3 = tl.cumsum(g0, 0), tl.cumsum(g1, 0) + o1, tl.cumsum(g2, 0) + o2, tl.cumsum(g3, 0) + o3
-        # the diagonal blocks' rows go through this program's scratch rows (token-indexed, BLK wide)
+        rows = tl.arange(0, CHUNK)
+        valid = rows < n
+        t = (t0 + rows).to(tl.int64)
+        kk = tl.arange(0, DK)
+        k = tl.load(k_ptr + t[:, None] * sk_t + (h // REP) * sk_h + kk[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.float32)
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        g = tl.load(g_ptr + t * sg_t + h, mask=valid, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * sb_t + h, mask=valid, other=0.0).to(tl.float32)
+        gc = tl.cumsum(g, 0)
+        lower = rows[:, None] > rows[None, :]
+        A = _dot_p(k, tl.trans(k), SOLVE) * beta[:, None] * \
+            tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
         scr = scr_ptr + t0.to(tl.int64) * ss_t + h * ss_h
-        _store_rows(scr_ptr, _a_block(k0, k0, b0, G0, G0, True, BLK), t0, n, 0, h, ss_t, ss_h, BLK, BLK)
-        _store_rows(scr_ptr, _a_block(k1, k1, b1, G1, G1, True, BLK), t0, n, 1, h, ss_t, ss_h, BLK, BLK)
-        _store_rows(scr_ptr, _a_block(k2, k2, b2, G2, G2, True, BLK), t0, n, 2, h, ss_t, ss_h, BLK, BLK)
-        _store_rows(scr_ptr, _a_block(k3, k3, b3, G3, G3, True, BLK), t0, n, 3, h, ss_t, ss_h, BLK, BLK)
+        tile = scr + rows[:, None] * ss_t + rows[None, :]
+        tl.store(tile, A, mask=valid[:, None])
         tl.debug_barrier()  # every thread's rows stored before any thread reads them
         x0, x1, x2, x3 = _diag_inverses_t(scr, ss_t, n, BLK)
         T00, T11, T22, T33 = tl.trans(x0), tl.trans(x1), tl.trans(x2), tl.trans(x3)
-        A10 = _a_block(k1, k0, b1, G1, G0, False, BLK)
-        A20 = _a_block(k2, k0, b2, G2, G0, False, BLK)
-        A21 = _a_block(k2, k1, b2, G2, G1, False, BLK)
-        A30 = _a_block(k3, k0, b3, G3, G0, False, BLK)
-        A31 = _a_block(k3, k1, b3, G3, G1, False, BLK)
-        A32 = _a_block(k3, k2, b3, G3, G2, False, BLK)
-        T10 = -_dot_ieee(T11, _dot_ieee(A10, T00))
-        T21 = -_dot_ieee(T22, _dot_ieee(A21, T11))
-        T20 = -_dot_ieee(T22, _dot_ieee(A20, T00) + _dot_ieee(A21, T10))
-        T32 = -_dot_ieee(T33, _dot_ieee(A32, T22))
-        T31 = -_dot_ieee(T33, _dot_ieee(A31, T11) + _dot_ieee(A32, T21))
-        T30 = -_dot_ieee(T33, _dot_ieee(A30, T00) + _dot_ieee(A31, T10) + _dot_ieee(A32, T20))
-        # W = T diag(beta exp(G)) K, row block by row block
-        x0 = k0 * (b0 * tl.exp(G0))[:, None]
-        x1 = k1 * (b1 * tl.exp(G1))[:, None]
-        x2 = k2 * (b2 * tl.exp(G2))[:, None]
-        x3 = k3 * (b3 * tl.exp(G3))[:, None]
-        _store_rows(w_ptr, tl.dot(T00, x0, input_precision=PRECISION), t0, n, 0, h, sw_t, sw_h, DK, BLK)
-        w = tl.dot(T11, x1, tl.dot(T10, x0, input_precision=PRECISION), input_precision=PRECISION)
-        _store_rows(w_ptr, w, t0, n, 1, h, sw_t, sw_h, DK, BLK)
-        w = tl.dot(T22, x2, tl.dot(T21, x1, tl.dot(T20, x0, input_precision=PRECISION), input_precision=PRECISION),
-                   input_precision=PRECISION)
-        _store_rows(w_ptr, w, t0, n, 2, h, sw_t, sw_h, DK, BLK)
-        w = tl.dot(T30, x0, input_precision=PRECISION)
-        w = tl.dot(T31, x1, w, input_precision=PRECISION)
-        w = tl.dot(T32, x2, w, input_precision=PRECISION)
-        w = tl.dot(T33, x3, w, input_precision=PRECISION)
-        _store_rows(w_ptr, w, t0, n, 3, h, sw_t, sw_h, DK, BLK)
-        # U = T diag(beta) V
-        y0 = _value_rows(v_ptr, b0, t0, n, 0, h, sv_t, sv_h, DV, BLK)
-        y1 = _value_rows(v_ptr, b1, t0, n, 1, h, sv_t, sv_h, DV, BLK)
-        y2 = _value_rows(v_ptr, b2, t0, n, 2, h, sv_t, sv_h, DV, BLK)
-        y3 = _value_rows(v_ptr, b3, t0, n, 3, h, sv_t, sv_h, DV, BLK)
-        _store_rows(u_ptr, tl.dot(T00, y0, input_precision=PRECISION), t0, n, 0, h, su_t, su_h, DV, BLK)
-        u = tl.dot(T11, y1, tl.dot(T10, y0, input_precision=PRECISION), input_precision=PRECISION)
-        _store_rows(u_ptr, u, t0, n, 1, h, su_t, su_h, DV, BLK)
-        u = tl.dot(T22, y2, tl.dot(T21, y1, tl.dot(T20, y0, input_precision=PRECISION), input_precision=PRECISION),
-                   input_precision=PRECISION)
-        _store_rows(u_ptr, u, t0, n, 2, h, su_t, su_h, DV, BLK)
-        u = tl.dot(T30, y0, input_precision=PRECISION)
-        u = tl.dot(T31, y1, u, input_precision=PRECISION)
-        u = tl.dot(T32, y2, u, input_precision=PRECISION)
-        u = tl.dot(T33, y3, u, input_precision=PRECISION)
-        _store_rows(u_ptr, u, t0, n, 3, h, su_t, su_h, DV, BLK)
+        A21 = _block(scr, ss_t, n, 2, 1, BLK)
+        A31 = _block(scr, ss_t, n, 3, 1, BLK)
+        A32 = _block(scr, ss_t, n, 3, 2, BLK)
+        T10 = -_dot_p(T11, _dot_p(_block(scr, ss_t, n, 1, 0, BLK), T00, SOLVE), SOLVE)
+        T21 = -_dot_p(T22, _dot_p(A21, T11, SOLVE), SOLVE)
+        T20 = -_dot_p(T22, _dot_p(_block(scr, ss_t, n, 2, 0, BLK), T00, SOLVE) + _dot_p(A21, T10, SOLVE),
+                      SOLVE)
+        T32 = -_dot_p(T33, _dot_p(A32, T22, SOLVE), SOLVE)
+        T31 = -_dot_p(T33, _dot_p(A31, T11, SOLVE) + _dot_p(A32, T21, SOLVE), SOLVE)
+        T30 = -_dot_p(T33, _dot_p(_block(scr, ss_t, n, 3, 0, BLK), T00, SOLVE) + _dot_p(A31, T10, SOLVE) +
+                      _dot_p(A32, T20, SOLVE), SOLVE)
+        tl.debug_barrier()  # A read whole before T overwrites it
+        _store_block(scr, ss_t, n, 0, 0, T00, BLK)
+        _store_block(scr, ss_t, n, 1, 0, T10, BLK)
+        _store_block(scr, ss_t, n, 1, 1, T11, BLK)
+        _store_block(scr, ss_t, n, 2, 0, T20, BLK)
+        _store_block(scr, ss_t, n, 2, 1, T21, BLK)
+        _store_block(scr, ss_t, n, 2, 2, T22, BLK)
+        _store_block(scr, ss_t, n, 3, 0, T30, BLK)
+        _store_block(scr, ss_t, n, 3, 1, T31, BLK)
+        _store_block(scr, ss_t, n, 3, 2, T32, BLK)
+        _store_block(scr, ss_t, n, 3, 3, T33, BLK)
+        tl.debug_barrier()
+        T = tl.load(tile, mask=valid[:, None] & (rows[None, :] // BLK <= rows[:, None] // BLK), other=0.0)
+        w = tl.dot(T, k * (beta * tl.exp(gc))[:, None], input_precision=PRECISION)
+        tl.store(w_ptr + t[:, None] * sw_t + h * sw_h + kk[None, :], w, mask=valid[:, None])
+        vv = tl.arange(0, DV)
+        v = tl.load(v_ptr + t[:, None] * sv_t + h * sv_h + vv[None, :], mask=valid[:, None], other=0.0)
+        u = tl.dot(T, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
+        tl.store(u_ptr + t[:, None] * su_t + h * su_h + vv[None, :], u, mask=valid[:, None])
 
     @triton.jit
     def _state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, cu_ptr, start_ptr, slots_ptr, state_ptr, h_ptr,

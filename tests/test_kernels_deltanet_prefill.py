@@ -31,6 +31,7 @@ def exact_dots(monkeypatch):
     """fp32 comparisons: all dots in full fp32 (a no-op in the interpreter, which uses numpy)."""
     monkeypatch.setitem(dp.FAST_CONFIG, "precision", "ieee")
     monkeypatch.setitem(dp.FAST_CONFIG, "precision_prep", "ieee")
+    monkeypatch.setitem(dp.FAST_CONFIG, "precision_solve", "ieee")
 
 
 def packed(lens, starts, device=DEVICE, seed=0, num_slots=None):
@@ -159,7 +160,7 @@ if triton is not None:
     @triton.jit
     def _inverse_kernel(scr_ptr, t_ptr, n, BLK: tl.constexpr):
         ii = tl.arange(0, BLK)
-        x0, x1, x2, x3 = _diag_inverses_t(scr_ptr, BLK, n, BLK)
+        x0, x1, x2, x3 = _diag_inverses_t(scr_ptr, 4 * BLK, n, BLK)
         out = t_ptr + ii[:, None] * BLK + ii[None, :]
         tl.store(out, tl.trans(x0))
         tl.store(out + BLK * BLK, tl.trans(x1))
@@ -169,15 +170,17 @@ if triton is not None:
 
 @pytest.mark.parametrize("blk,n", [(16, 64), (16, 37), (16, 5), (32, 128)])
 def test_diag_inverses(blk, n):
-    """The prep kernel's diagonal-block solve: (I + D_r)^-1 of a chunk's four strictly lower diagonal blocks
-    (|D_ij| <= 1/2), their rows in scratch, against torch's triangular solve in fp64. Scratch rows past n hold
-    garbage (NaN) that must be read as padding: zero rows of D, identity rows of the inverse."""
+    """The prep kernel's diagonal-block solve: (I + D_r)^-1 of the four strictly lower diagonal blocks D_r of a
+    chunk's A [4 blk, 4 blk] (|A_ij| <= 1/2) in scratch, against torch's triangular solve in fp64. The blocks off
+    the diagonal must be ignored, and scratch rows past n hold garbage (NaN) that must be read as padding: zero
+    rows of D, identity rows of the inverse."""
     gen = torch.Generator().manual_seed(blk + n)
-    D = ((torch.rand(4, blk, blk, generator=gen, dtype=torch.float64) * 2 - 1) * 0.5).tril(-1)
-    D.view(4 * blk, blk)[n:] = 0
+    A = ((torch.rand(4 * blk, 4 * blk, generator=gen, dtype=torch.float64) * 2 - 1) * 0.5).tril(-1)
+    A[n:] = 0
+    D = torch.stack([A[r * blk:(r + 1) * blk, r * blk:(r + 1) * blk] for r in range(4)])
     eye = torch.eye(blk, dtype=torch.float64)
     want = torch.linalg.solve_triangular(eye + D, eye.expand(4, blk, blk), upper=False)
-    scr = D.float().reshape(4 * blk, blk).clone()
+    scr = A.float().clone()
     scr[n:] = float("nan")
     T = torch.full((4, blk, blk), float("nan"), device=DEVICE)
     _inverse_kernel[(1,)](scr.to(DEVICE), T, n, BLK=blk)
