@@ -44,8 +44,10 @@ L2_EPS = 1e-6       # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
 # ("tf32x3": three tf32 products, about fp32's accuracy on the tensor cores; "ieee" runs them on the FMA units).
 # block_v / block_v_out: value columns per state program / per step of an output program; stages: the state
 # kernel's software pipelining (the next chunk's W, U and K load while this one computes).
-FAST_CONFIG = {"conv_block_t": 16, "conv_block_c": 128, "block_v": 32, "block_v_out": 64, "warps_prep": 8,
-               "warps_state": 4, "warps_out": 8, "stages": 2, "precision": "tf32", "precision_prep": "tf32",
+# Defaults: the best of `python -m benchmarks.bench_deltanet_prefill --sweep` on 1x H200 (2026-11-24, 8 x 1024
+# tokens at TP=1: delta rule 1.28 ms per layer, conv 0.27 ms).
+FAST_CONFIG = {"conv_block_t": 16, "conv_block_c": 128, "block_v": 64, "block_v_out": 32, "warps_prep": 4,
+               "warps_state": 4, "warps_out": 4, "stages": 2, "precision": "tf32", "precision_prep": "tf32",
                "precision_solve": "tf32x3"}
 
 
