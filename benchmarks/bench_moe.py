@@ -1,7 +1,7 @@
 """GPU micro-benchmark of the sparse MoE block (layers/moe.py): torch oracle vs Triton, one layer at the
 Qwen3.5-35B-A3B shapes of one rank (rank 0 of --tp), bf16, random weights and routing of random inputs.
 
-    python -m benchmarks.bench_moe [--tp 1] [--out results.json]
+    python -m benchmarks.bench_moe [--tp 1] [--decode-only | --layout-only] [--out results.json]
 
 Rows, for decode batches 1..64 and prefill sizes:
 - route: the router|shared-gate GEMM and the routing (softmax, top-k, renormalise, sigmoid);
@@ -12,12 +12,18 @@ graph-captured); "graph ms" is the fast path replayed from a CUDA graph, as deco
 path must move (the distinct local experts hit, the shared expert and router weights, activations in and out) over
 the graph time; the floor of a decode MoE layer is those bytes at the GPU's copy bandwidth.
 
-Then the decode table (batches 1..64, us per layer from a CUDA graph; launches per layer counted eagerly with
+Then the prefill layout table (T = 1024..16384, us from a CUDA graph): the one-program align_serial (the path
+before the chunked kernels) against align_chunked's three launches at several chunk sizes (moe.ALIGN_CHUNK is the
+default).
+
+Then the decode tables (batches 1..64, us per layer from a CUDA graph; launches per layer counted eagerly with
 torch.profiler, memcpy/memset excluded):
-- before: the six-launch path (router GEMM, route_fast, align, gate_up, down, combine);
-- fused / split: the decode path with down + combine in one kernel / in two (front, gate_up, then 1 or 2);
-  "moe_fast" says which one moe_fast takes here (the tuned table's choice, else moe.DOWN_COMBINE_MAX_T);
-- front vs router GEMM + route_fast + align, and down_combine vs down + combine, each alone;
+- before: router GEMM, route_fast, align_serial, gate_up, then down + combine in one kernel or two (5 or 6);
+- fused / split: moe_decode_fast (router GEMM, route_align_fast, gate_up, then down + combine in one kernel / in
+  two: 4 or 5); "moe_fast" says which one moe_fast takes here (the tuned table's choice, else
+  moe.DOWN_COMBINE_MAX_T);
+- the parts alone, on the same logits: route_fast + align_serial vs route_align_fast (the launch saved); router GEMM
+  + either vs the front kernel (which would fold the GEMM in too); down_combine vs down + combine;
 - floor: the layer's bytes at the copy rate measured in the same run.
 """
 from __future__ import annotations
@@ -36,6 +42,8 @@ from qwen35.synth import PRESETS
 
 DECODE = [1, 2, 4, 8, 16, 32, 64]
 PREFILL = [512, 2048, 8192]
+LAYOUT = [1024, 4096, 8192, 16384]
+CHUNKS = sorted({512, 1024, 2048, moe.ALIGN_CHUNK})
 
 
 def model_config() -> ModelConfig:
@@ -92,22 +100,45 @@ def rows_for(layer: Layer, T: int, gen: torch.Generator) -> list[dict]:
     return out
 
 
+def layout_row(layer: Layer, T: int, gen: torch.Generator) -> dict:
+    """The prefill layout of T tokens routed from random inputs: one program vs the chunked kernels."""
+    x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    ids = moe.route_fast(F.linear(x, layer.router), layer.top_k)[0]
+    w = layer.w
+    num_local = w.gate_up.shape[0]
+    block_m = moe.moe_config(T, num_local, layer.hidden, w.down.shape[2], w.shared_down.shape[1], x.device)["BLOCK_M"]
+    row = {"batch": T, "block_m": block_m,
+           "serial_us": graph_ms(lambda: moe.align_serial(ids, w.start, num_local, block_m)) * 1e3}
+    for chunk in CHUNKS:
+        row[f"chunk{chunk}_us"] = graph_ms(lambda: moe.align_chunked(ids, w.start, num_local, block_m, chunk)) * 1e3
+    return row
+
+
 def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
     """One decode batch: the whole layer before / fused / split, and the replaced parts alone (see the docstring)."""
     x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     k, w, router = layer.top_k, layer.w, layer.router
     num_local, inter = w.gate_up.shape[0], w.down.shape[2]
     cfg = moe.moe_config(T, num_local, layer.hidden, inter, w.shared_down.shape[1], x.device)
-    f = moe.front_fast(x, router, k, w.start, num_local, cfg["BLOCK_M"], cfg["front"])
+    logits = F.linear(x, router)
+    f = moe.route_align_fast(logits, k, w.start, num_local, cfg["BLOCK_M"])
     act = moe.gate_up_fast(x, w, f.layout, cfg["gate_up"])
+
+    def route_align_was(logits):
+        return moe.align_serial(moe.route_fast(logits, k)[0], w.start, num_local, cfg["BLOCK_M"])
+
+    def route_align(logits):
+        return moe.route_align_fast(logits, k, w.start, num_local, cfg["BLOCK_M"])
     whole = {
-        "before": lambda: moe.experts_fast(x, *moe.route_fast(F.linear(x, router), k), w),
+        "before": lambda: moe.experts_fast(x, *moe.route_fast(F.linear(x, router), k), w),  # align_serial here
         "fused": lambda: moe.moe_decode_fast(x, router, k, w, down_combine=True),
         "split": lambda: moe.moe_decode_fast(x, router, k, w, down_combine=False),
     }
     parts = {
-        "front_before": lambda: moe.align(moe.route_fast(F.linear(x, router), k)[0], w.start, num_local,
-                                          cfg["BLOCK_M"]),
+        "route_align_was": lambda: route_align_was(logits),
+        "route_align": lambda: route_align(logits),
+        "gemm_route_align_was": lambda: route_align_was(F.linear(x, router)),
+        "gemm_route_align": lambda: route_align(F.linear(x, router)),
         "front": lambda: moe.front_fast(x, router, k, w.start, num_local, cfg["BLOCK_M"], cfg["front"]),
         "down_before": lambda: moe.combine_fast(moe.down_fast(act, w, f.layout, f.weights, f.shared_gate,
                                                               cfg["down"]), f.layout, T),
@@ -126,7 +157,9 @@ def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=1, help="time rank 0 of this tensor-parallel degree")
-    ap.add_argument("--decode-only", action="store_true", help="only the decode table")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--decode-only", action="store_true", help="only the decode tables")
+    only.add_argument("--layout-only", action="store_true", help="only the prefill layout table")
     ap.add_argument("--out", help="also write the rows as JSON here")
     args = ap.parse_args()
     cfg = model_config()
@@ -134,29 +167,48 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, TP={args.tp}: {layer.w.gate_up.shape[0]} local experts, "
           f"shared intermediate {layer.w.shared_down.shape[1]}, {cfg.num_hidden_layers} MoE layers")
-    rows = []
-    if not args.decode_only:
+    rows, layout, decode, rate = [], [], [], None
+    if not (args.decode_only or args.layout_only):
         print(f"{'op':<8} {'batch':>6} {'torch ms':>9} {'fast ms':>8} {'graph ms':>9} {'GB/s':>7}")
         for T in DECODE + PREFILL:
             for r in rows_for(layer, T, gen):
                 rows.append(r)
                 gbs = f"{r['gb_s']:7.0f}" if r["gb_s"] else f"{'':>7}"
                 print(f"{r['op']:<8} {T:>6} {r['torch_ms']:9.3f} {r['fast_ms']:8.3f} {r['graph_ms']:9.3f} {gbs}")
-    rate = copy_rate(torch.device("cuda"))
-    print(f"\ndecode, us per layer from a CUDA graph (launches per layer, eager); copy rate {rate / 1e9:.0f} GB/s")
-    print(f"{'batch':>5} {'before':>13} {'fused':>13} {'split':>13} {'moe_fast':>8} {'floor':>6} | "
-          f"{'front was':>9} {'front':>6} {'down+comb was':>13} {'down_comb':>9}")
-    decode = []
-    for T in DECODE:
-        r = decode_row(layer, T, gen, rate)
-        decode.append(r)
-        cells = " ".join(f"{r[n + '_us']:7.1f} ({r[n + '_launches']})" for n in ("before", "fused", "split"))
-        print(f"{T:>5} {cells} {r['moe_fast']:>8} {r['floor_us']:6.1f} | {r['front_before_us']:9.1f} "
-              f"{r['front_us']:6.1f} {r['down_before_us']:13.1f} {r['down_combine_us']:9.1f}")
+    if not args.decode_only:
+        print(f"\nprefill layout, us from a CUDA graph: one program (align_serial) vs align_chunked's three launches "
+              f"at {len(CHUNKS)} chunk sizes (moe.ALIGN_CHUNK = {moe.ALIGN_CHUNK})")
+        print(f"{'batch':>6} {'BLOCK_M':>7} {'serial':>8} " + " ".join(f"{'chunk ' + str(c):>10}" for c in CHUNKS)
+              + f" {'speedup':>8}")  # serial / the default chunk
+        for T in LAYOUT:
+            r = layout_row(layer, T, gen)
+            layout.append(r)
+            print(f"{T:>6} {r['block_m']:>7} {r['serial_us']:8.1f} "
+                  + " ".join(f"{r[f'chunk{c}_us']:10.1f}" for c in CHUNKS)
+                  + f" {r['serial_us'] / r[f'chunk{moe.ALIGN_CHUNK}_us']:7.1f}x")
+    if not args.layout_only:
+        rate = copy_rate(torch.device("cuda"))
+        for T in DECODE:
+            decode.append(decode_row(layer, T, gen, rate))
+        print(f"\ndecode, us per layer from a CUDA graph (launches per layer, eager); copy rate {rate / 1e9:.0f} GB/s")
+        print(f"{'batch':>5} {'before':>13} {'fused':>13} {'split':>13} {'moe_fast':>8} {'floor':>6}")
+        for r in decode:
+            cells = " ".join(f"{r[n + '_us']:7.1f} ({r[n + '_launches']})" for n in ("before", "fused", "split"))
+            print(f"{r['batch']:>5} {cells} {r['moe_fast']:>8} {r['floor_us']:6.1f}")
+        print("\ndecode parts, us from a CUDA graph: route_fast + align_serial vs route_align_fast (same logits); "
+              "router GEMM + either vs the front kernel; down + combine vs down_combine")
+        print(f"{'batch':>5} {'route+align':>11} {'fused':>6} {'saved':>6} | {'GEMM+r+a':>8} {'GEMM+fused':>10} "
+              f"{'front':>6} | {'down+comb':>9} {'down_comb':>9}")
+        for r in decode:
+            print(f"{r['batch']:>5} {r['route_align_was_us']:11.1f} {r['route_align_us']:6.1f} "
+                  f"{r['route_align_was_us'] - r['route_align_us']:6.1f} | {r['gemm_route_align_was_us']:8.1f} "
+                  f"{r['gemm_route_align_us']:10.1f} {r['front_us']:6.1f} | {r['down_before_us']:9.1f} "
+                  f"{r['down_combine_us']:9.1f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp, "copy_gb_s": rate / 1e9,
-                       "rows": rows, "decode": decode}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp,
+                       "copy_gb_s": rate / 1e9 if rate else None, "rows": rows, "layout": layout,
+                       "decode": decode}, f, indent=1)
 
 
 if __name__ == "__main__":

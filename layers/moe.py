@@ -11,32 +11,42 @@ so one GEMM gives the logits [T, E + 1] (column E is the shared gate's). Two imp
 (layers/backend.py), bound once when the layer is built: moe_torch (the oracle) and moe_fast, made of these steps:
 
     route_torch / route_fast      softmax (fp32) over the logits rounded to the model dtype, top-k, renormalise
+    align_torch / align           the sorted layout below
     experts_torch / experts_fast  routed experts + sigmoid(shared gate) * shared expert, in the model dtype
-    front_torch / front_fast      (decode) router GEMM + route + the sorted layout below, in one launch
+    route_align_fast              (decode) route + the sorted layout, in one launch (oracle: the two above)
+    front_torch / front_fast      (decode) router GEMM + route + the sorted layout, in one launch
     down_combine_torch / _fast    (decode) the down GEMMs, routing weights and the per-token sum, in one launch
 
-experts_torch is the oracle: one expert at a time, with host syncs (eager only). experts_fast is four Triton
-launches with no host sync and buffers sized from T alone, so CUDA graphs capture it:
+experts_torch is the oracle: one expert at a time, with host syncs (eager only). experts_fast is Triton launches
+with no host sync and buffers sized from T alone, so CUDA graphs capture it:
 
-    _align_kernel    (token, slot) pairs of this rank's experts grouped by expert into a sorted layout (below)
+    align            (token, slot) pairs of this rank's experts grouped by expert into a sorted layout (below): one
+                     program (_align_kernel) up to ALIGN_SERIAL_MAX_T tokens; above, align_chunked's three launches
+                     over chunks of pairs (_align_count_kernel, _align_offsets_kernel, _align_scatter_kernel), as one
+                     program's serial loops over the T * k pairs took 0.41 ms per layer at T = 8192 (1x H200)
     _gate_up_kernel  grouped GEMM x @ [W_gate | W_up]^T with silu(gate) * up in the epilogue -> act [rows, I]
     _down_kernel     grouped GEMM act @ W_down^T times the routing weight in the epilogue -> y [rows, H]
     _combine_kernel  per token: the k routed rows in top-k order, then the shared row, summed in fp32 -> [T, H]
 
-With the router GEMM and _route_kernel that is 6 dependent launches per layer. They stay for T > FRONT_MAX_T, where
-the grouped kernels stream each expert's weights once for all its tokens. At decode sizes the launches, not the
-bytes, are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so the decode path is meant to run 3
-(or 4) — but the front kernel measured slower than what it replaces (USE_FRONT below: off), so today moe_fast runs
-the router GEMM, _route_kernel, _align_kernel, _gate_up_kernel and _down_combine_kernel at T <= 8 (5 launches):
+Prefill (T > FRONT_MAX_T) is the router GEMM, _route_kernel and these: 8 dependent launches per layer, where the
+grouped kernels stream each expert's weights once for all its tokens. At decode sizes the launches, not the bytes,
+are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so moe_decode_fast runs 4 (or 5):
 
-    _front_kernel         logits slices by many programs; the last program of each token block routes it; the last
-                          of those builds the sorted layout (deterministic: a group's pairs in pair order)
-    _gate_up_kernel       as above, on the front kernel's layout
+    router GEMM           cuBLAS: logits [T, E + 1]
+    _route_layout_kernel  one program: routes the tokens a block of FRONT_BLOCK_T at a time, then builds the sorted
+                          layout from the blocks' counts (route_align_fast)
+    _gate_up_kernel       as above, on that layout
     _down_combine_kernel  (few tokens) per (token, N tile): the token's routed experts as one tile and the shared
                           expert's, in one software-pipelined K loop (every expert's loads in flight together),
                           each GEMV times its weight, summed in fp32 in a fixed order; else _down_kernel +
                           _combine_kernel as above. The tuned table says which, per power-of-two bucket of T and
                           rank shape (DOWN_COMBINE_MAX_T without a table)
+
+The front kernel would fold the router GEMM into the first launch too, but measured slower than what it replaces
+(USE_FRONT below: off):
+
+    _front_kernel  logits slices by many programs; the last program of each token block routes it; the last of
+                   those builds the sorted layout
 
 The choices depend on shapes only, at power-of-two boundaries: a decode batch padded for a CUDA graph never crosses
 the next power of two, so the padded batch takes the same kernels and gives the same bits as the batch run eagerly.
@@ -45,10 +55,11 @@ Sorted layout: rows grouped in blocks of BLOCK_M rows that belong to one expert 
 more expert (index num_local, its own weight pointers; its intermediate size may differ: 64 per rank at TP=8 vs the
 routed experts' 512) and comes first: rows [0, S), S = T rounded up to BLOCK_M, row t = token t. Then each local
 expert's pairs (pair p = t * k + slot), the group padded to a multiple of BLOCK_M with pair -1. Buffers are sized
-by the worst case for T, so nothing depends on the routing on the host. In _align_kernel the rows within a group
-are placed by integer atomics, so their order may vary between runs; no result depends on it (every output row is
-computed from its own input row, and the combine sums each token's rows in a fixed order), so the output is
-bitwise deterministic: no floating-point atomics anywhere.
+by the worst case for T, so nothing depends on the routing on the host. A group holds its pairs in pair order
+(align_torch's layout exactly) from every builder but _align_kernel, which places them by integer atomics, so
+their order may vary between runs; no result depends on it (every output row is computed from its own input row,
+and the combine sums each token's rows in a fixed order), so the output is bitwise deterministic: no
+floating-point atomics anywhere.
 
 The router GEMM, the kernels' tiles and the fp32 accumulation differ from the oracle's only in rounding; the fast
 kernels round to the model dtype where the oracle does (GEMM outputs, silu, the products with the weights).
@@ -157,25 +168,65 @@ def max_rows(T: int, top_k: int, num_local: int, block_m: int) -> int:
     return triton.cdiv(T, block_m) * block_m + routed
 
 
+def _empty_layout(T: int, top_k: int, num_local: int, block_m: int, device: torch.device) -> Layout:
+    """A layout's buffers, sized from T alone (max_rows) in one allocation, for a builder's kernels to fill."""
+    rows = max_rows(T, top_k, num_local, block_m)
+    sizes = [rows, rows // block_m, T * top_k, 1]
+    buffers = torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)  # one allocation
+    return Layout(*buffers, rows, block_m, top_k)
+
+
 def align(ids: torch.Tensor, start: int, num_local: int, block_m: int) -> Layout:
-    """The sorted layout for ids [T, k] (global expert ids) on a rank owning experts [start, start + num_local)."""
+    """The sorted layout for ids [T, k] (global expert ids) on a rank owning experts [start, start + num_local):
+    align_serial (one launch) up to ALIGN_SERIAL_MAX_T tokens, align_chunked (three, over all SMs) above."""
+    if ids.shape[0] <= ALIGN_SERIAL_MAX_T:
+        return align_serial(ids, start, num_local, block_m)
+    return align_chunked(ids, start, num_local, block_m)
+
+
+def align_serial(ids: torch.Tensor, start: int, num_local: int, block_m: int) -> Layout:
+    """The layout by one program (_align_kernel): cheapest for few pairs, one SM's serial loops for many."""
     T, k = ids.shape
-    dev = ids.device
-    rows = max_rows(T, k, num_local, block_m)
-    layout = Layout(torch.empty(rows, dtype=torch.int32, device=dev),
-                    torch.empty(rows // block_m, dtype=torch.int32, device=dev),
-                    torch.empty(T * k, dtype=torch.int32, device=dev),
-                    torch.empty(1, dtype=torch.int32, device=dev), rows, block_m, k)
+    layout = _empty_layout(T, k, num_local, block_m, ids.device)
     bins = triton.next_power_of_2(num_local)
-    scratch = torch.empty(2 * bins, dtype=torch.int32, device=dev)  # counts, then cursors, per local expert
+    scratch = torch.empty(2 * bins, dtype=torch.int32, device=ids.device)  # counts, then cursors, per local expert
     _align_kernel[(1,)](ids.contiguous(), layout.sorted_pairs, layout.block_expert, layout.inverse, layout.total,
                         scratch, T, start, num_local, TOP_K=k, BLOCK_M=block_m, BINS=bins,
                         CHUNK=min(1024, triton.next_power_of_2(T * k)), NB_CHUNK=16, num_warps=8)
     return layout
 
 
+def align_chunked(ids: torch.Tensor, start: int, num_local: int, block_m: int, chunk: int | None = None) -> Layout:
+    """The layout in three launches over chunks of `chunk` pairs (a power of two; ALIGN_CHUNK by default), equal to
+    align_torch's entry for entry (a group's pairs in pair order) and with no atomics:
+
+        _align_count_kernel    a program per chunk: its pairs per local expert -> counts [chunks, bins]
+        _align_offsets_kernel  one program: the group offsets, and per (chunk, expert) where the chunk's pairs of
+                               that expert start (a scan over the chunks); total, block table, pad rows
+        _align_scatter_kernel  a program per chunk: its pairs sorted by (expert, pair); the j-th goes to row
+                               offs[e] + base[chunk, e] + j
+
+    The grid and the scratch ([chunks, bins] twice) follow from T alone. Fewer pairs than ALIGN_CHUNK make one
+    chunk of their number rounded up to a power of two (at top-8 past ALIGN_SERIAL_MAX_T, ALIGN_CHUNK already)."""
+    T, k = ids.shape
+    chunk = chunk or min(ALIGN_CHUNK, triton.next_power_of_2(max(16, T * k)))
+    layout = _empty_layout(T, k, num_local, block_m, ids.device)
+    bins = max(2, triton.next_power_of_2(num_local))  # no scan over a length-1 axis (as in _front_layout)
+    chunks = max(1, triton.cdiv(T * k, chunk))
+    sizes = [chunks * bins, chunks * bins, bins]
+    counts, base, offs = torch.empty(sum(sizes), dtype=torch.int32, device=ids.device).split(sizes)
+    ids = ids.contiguous()
+    _align_count_kernel[(chunks,)](ids, counts, T, start, num_local, TOP_K=k, BINS=bins, CHUNK=chunk, num_warps=4)
+    _align_offsets_kernel[(1,)](counts, base, offs, layout.sorted_pairs, layout.block_expert, layout.total, T,
+                                num_local, TOP_K=k, BLOCK_M=block_m, BINS=bins, CHUNK=chunk,
+                                STEP=max(2, 4096 // bins), NB_CHUNK=16, num_warps=8)
+    _align_scatter_kernel[(chunks,)](ids, layout.sorted_pairs, layout.inverse, base, offs, T, start, num_local,
+                                     TOP_K=k, BINS=bins, CHUNK=chunk, num_warps=4)
+    return layout
+
+
 def align_torch(ids: torch.Tensor, start: int, num_local: int, block_m: int) -> Layout:
-    """The sorted layout in torch (the oracle of the front kernel's): a group's pairs in pair order; blocks past
+    """The sorted layout in torch (the oracle of every builder's): a group's pairs in pair order; blocks past
     `total` and the shared rows' sorted_pairs are -1 (the kernels leave them unwritten)."""
     T, k = ids.shape
     dev = ids.device
@@ -204,15 +255,28 @@ def align_torch(ids: torch.Tensor, start: int, num_local: int, block_m: int) -> 
 
 def experts_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared_gate: torch.Tensor,
                  w: ExpertWeights) -> torch.Tensor:
-    """experts_torch in four Triton launches, no host sync (see the module docstring)."""
-    T, H = x.shape
-    if T == 0:
+    """experts_torch with no host sync: align, then the grouped kernels (see the module docstring)."""
+    if x.shape[0] == 0:
         return torch.empty_like(x)
-    num_local, inter = w.gate_up.shape[0], w.down.shape[2]
-    cfg = moe_config(T, num_local, H, inter, w.shared_down.shape[1], x.device)
-    layout = align(ids, w.start, num_local, cfg["BLOCK_M"])
-    act = gate_up_fast(x.contiguous(), w, layout, cfg["gate_up"])
-    if T <= FRONT_MAX_T and cfg["down_combine"] is not None:
+    cfg = _block_config(x, w)
+    layout = align(ids, w.start, w.gate_up.shape[0], cfg["BLOCK_M"])
+    return experts_on_layout(x.contiguous(), w, layout, ids, weights, shared_gate, cfg)
+
+
+def _block_config(x: torch.Tensor, w: ExpertWeights) -> dict:
+    """moe_config for this call's T and this rank's expert shapes."""
+    return moe_config(x.shape[0], w.gate_up.shape[0], x.shape[1], w.down.shape[2], w.shared_down.shape[1], x.device)
+
+
+def experts_on_layout(x: torch.Tensor, w: ExpertWeights, layout: Layout, ids: torch.Tensor, weights: torch.Tensor,
+                      shared_gate: torch.Tensor, cfg: dict, down_combine: bool | None = None) -> torch.Tensor:
+    """gate_up, then down + combine in one kernel or two: as down_combine forces, else one where the config has a
+    down_combine tile (T <= FRONT_MAX_T only)."""
+    T = x.shape[0]
+    act = gate_up_fast(x, w, layout, cfg["gate_up"])
+    if down_combine is None:
+        down_combine = T <= FRONT_MAX_T and cfg["down_combine"] is not None
+    if down_combine:
         return down_combine_fast(act, w, layout, ids, weights, shared_gate, cfg["down_combine"])
     return combine_fast(down_fast(act, w, layout, weights, shared_gate, cfg["down"]), layout, T)
 
@@ -267,12 +331,15 @@ def combine_fast(y: torch.Tensor, layout: Layout, T: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------- decode (T <= 64)
 # The front kernel measured slower than the three launches it replaces on 1x H200 (2026-11-23, python -m
 # benchmarks.bench_moe --tp 1 --decode-only: ~32 us per layer at T = 1..64 against 11.7-18.5 us for router GEMM +
-# route + align, all inside CUDA graphs), so the decode path keeps those until it is reworked; down + combine in one
-# kernel did pay at T <= 8 (6.8 against 9.0 us at T = 1) and stays.
+# route + align, all inside CUDA graphs), so decode keeps the router GEMM on cuBLAS, with routing and layout in one
+# launch after it (route_align_fast); down + combine in one kernel did pay at T <= 8 (6.8 against 9.0 us at T = 1).
 USE_FRONT = False
-FRONT_MAX_T = 64         # decode kernels at or below this many tokens; above, the grouped path (its layout is
-                         # built by one program whose pair loop and scratch grow with T)
-FRONT_BLOCK_T = 16       # tokens per front program (the GEMV tile's M, tl.dot's minimum) and per routing program
+FRONT_MAX_T = 64         # decode kernels at or below this many tokens; above, the grouped path
+FRONT_BLOCK_T = 16       # tokens per front program (the GEMV tile's M, tl.dot's minimum) and per routing step
+ALIGN_SERIAL_MAX_T = FRONT_MAX_T  # align: one program (_align_kernel) at or below, whose serial loops over the
+                                  # pairs cost 0.41 ms at T = 8192 (1x H200); the chunked kernels above
+ALIGN_CHUNK = 1024       # pairs per program of the chunked layout (untuned): fewer, larger chunks shorten the one
+                         # program's scan over [chunks, experts]; more, smaller ones spread the sorts over more SMs
 DOWN_COMBINE_TILE = dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=4)  # untuned default
 DOWN_COMBINE_MAX_T = 8   # untuned default: down + combine in one kernel at or below. Above, re-reading an expert
                          # two tokens share (and the shared expert, T times) costs more than the launch it saves;
@@ -326,30 +393,62 @@ def front_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, start: int, nu
     if router.shape[1] != H or x.stride(1) != 1 or router.stride(1) != 1:
         raise ValueError(f"moe.front_fast: router {tuple(router.shape)} and x {tuple(x.shape)} must be row-major "
                          f"with the same hidden size")
-    dev = x.device
     tile = _cap(tile or default_config(T)["front"], triton.next_power_of_2(E + 1), triton.next_power_of_2(H))
+    logits = torch.empty(T, E + 1, dtype=x.dtype, device=x.device)
+    f, counts, rank = _front_outputs(logits, top_k, num_local, block_m)
+    if T:
+        counters = _counters(x.device)
+        block_e, nt = triton.next_power_of_2(E), triton.cdiv(T, FRONT_BLOCK_T)
+        grid = (triton.cdiv(E + 1, tile["BLOCK_N"]), nt)
+        _front_kernel[grid](x, router, logits, f.ids, f.weights, f.shared_gate, f.layout.sorted_pairs,
+                            f.layout.block_expert, f.layout.inverse, f.layout.total, counts, rank, counters,
+                            counters[-1:], T, H, E, start, num_local, x.stride(0), router.stride(0), TOP_K=top_k,
+                            K_POW2=triton.next_power_of_2(top_k), BLOCK_M=block_m, BLOCK_T=FRONT_BLOCK_T,
+                            NT_POW2=triton.next_power_of_2(nt), BLOCK_E=block_e, BLOCK_N=tile["BLOCK_N"],
+                            BLOCK_K=tile["BLOCK_K"], PAIR_CHUNK=min(256, triton.next_power_of_2(T * top_k)),
+                            NB_CHUNK=triton.cdiv(FRONT_MAX_T, block_m), PRECISION=_precision(x.dtype),
+                            num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+    return f
+
+
+def route_align_fast(logits: torch.Tensor, top_k: int, start: int, num_local: int, block_m: int) -> Front:
+    """route_torch and align_torch's layout (exactly: a group's pairs in pair order) in one launch, for
+    T <= FRONT_MAX_T: one program routes the tokens a block of FRONT_BLOCK_T at a time (_route_block), then lays
+    their pairs out (_front_layout). Replaces _route_kernel + _align_kernel in decode: one launch and one
+    dependent gap less per layer. logits [T, E + 1] (router | shared gate), rows of unit stride; returned as given."""
+    T, E = logits.shape[0], logits.shape[1] - 1
+    if T > FRONT_MAX_T:
+        raise ValueError(f"moe.route_align_fast takes at most {FRONT_MAX_T} tokens; got {T}")
+    if logits.stride(1) != 1:
+        raise ValueError("moe.route_align_fast: the logits' rows must have unit stride")
+    f, counts, rank = _front_outputs(logits, top_k, num_local, block_m)
+    if T:
+        block_e = triton.next_power_of_2(E)
+        _route_layout_kernel[(1,)](logits, f.ids, f.weights, f.shared_gate, f.layout.sorted_pairs,
+                                   f.layout.block_expert, f.layout.inverse, f.layout.total, counts, rank, T, E,
+                                   start, num_local, logits.stride(0), TOP_K=top_k,
+                                   K_POW2=triton.next_power_of_2(top_k), BLOCK_M=block_m, BLOCK_T=FRONT_BLOCK_T,
+                                   NT_POW2=triton.next_power_of_2(triton.cdiv(FRONT_MAX_T, FRONT_BLOCK_T)),
+                                   BLOCK_E=block_e,
+                                   PAIR_CHUNK=min(256, triton.next_power_of_2(FRONT_MAX_T * top_k)),
+                                   NB_CHUNK=triton.cdiv(FRONT_MAX_T, block_m), num_warps=4)
+    return f
+
+
+def _front_outputs(logits: torch.Tensor, top_k: int, num_local: int, block_m: int):
+    """The front step's outputs around `logits` (routing, layout) and its scratch: per token block the pairs per
+    expert and each block's first rows (counts [2, blocks, BLOCK_E]), each token's place per expert (rank
+    [T, BLOCK_E]). Every int32 buffer in one allocation."""
+    T, E = logits.shape[0], logits.shape[1] - 1
     block_e, nt = triton.next_power_of_2(E), triton.cdiv(T, FRONT_BLOCK_T)
     rows = max_rows(T, top_k, num_local, block_m)
     sizes = [T * top_k, rows, rows // block_m, T * top_k, 1, 2 * nt * block_e, T * block_e]
     ids, sorted_pairs, block_expert, inverse, total, counts, rank = torch.empty(
-        sum(sizes), dtype=torch.int32, device=dev).split(sizes)  # one allocation for every int32 buffer
-    logits = torch.empty(T, E + 1, dtype=x.dtype, device=dev)
-    weights = torch.empty(T, top_k, dtype=x.dtype, device=dev)
-    shared_gate = torch.empty(T, 1, dtype=x.dtype, device=dev)
-    if T:
-        counters = _counters(dev)
-        grid = (triton.cdiv(E + 1, tile["BLOCK_N"]), nt)
-        _front_kernel[grid](x, router, logits, ids, weights, shared_gate, sorted_pairs, block_expert, inverse, total,
-                            counts, rank, counters, counters[-1:], T, H, E, start, num_local, x.stride(0),
-                            router.stride(0), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_M=block_m,
-                            BLOCK_T=FRONT_BLOCK_T, NT_POW2=triton.next_power_of_2(nt), BLOCK_E=block_e,
-                            BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
-                            PAIR_CHUNK=min(256, triton.next_power_of_2(T * top_k)),
-                            NB_CHUNK=triton.cdiv(FRONT_MAX_T, block_m),
-                            PRECISION=_precision(x.dtype), num_warps=tile["num_warps"],
-                            num_stages=tile["num_stages"])
+        sum(sizes), dtype=torch.int32, device=logits.device).split(sizes)
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    shared_gate = torch.empty(T, 1, dtype=logits.dtype, device=logits.device)
     layout = Layout(sorted_pairs, block_expert, inverse, total, rows, block_m, top_k)
-    return Front(logits, ids.view(T, top_k), weights, shared_gate, layout)
+    return Front(logits, ids.view(T, top_k), weights, shared_gate, layout), counts, rank
 
 
 def down_combine_torch(act: torch.Tensor, w: ExpertWeights, layout: Layout, ids: torch.Tensor,
@@ -396,30 +495,28 @@ def moe_torch(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeight
 
 
 def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights) -> torch.Tensor:
-    """moe_torch without host syncs: the front kernel's path up to FRONT_MAX_T tokens when USE_FRONT, else the
-    router GEMM, route_fast and experts_fast (whose down + combine is one kernel where the tile table says)."""
-    if USE_FRONT and x.shape[0] <= FRONT_MAX_T:
+    """moe_torch without host syncs: the decode path up to FRONT_MAX_T tokens, else the router GEMM, route_fast and
+    experts_fast (the chunked layout and the grouped kernels)."""
+    if x.shape[0] <= FRONT_MAX_T:
         return moe_decode_fast(x, router, top_k, w)
     return experts_fast(x, *route_fast(F.linear(x, router), top_k), w)
 
 
 def moe_decode_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
-                    down_combine: bool | None = None) -> torch.Tensor:
-    """front, gate_up, then down + combine in one kernel or two: as the tile config says (a down_combine tile or
-    None), or as down_combine forces (benchmarks/bench_moe.py times both)."""
-    T, H = x.shape
-    if T == 0:
+                    down_combine: bool | None = None, front: bool | None = None) -> torch.Tensor:
+    """Routing and layout by the front kernel (front, default USE_FRONT) or by the router GEMM and
+    route_align_fast; then experts_on_layout, down + combine as down_combine forces or the config says
+    (benchmarks/bench_moe.py times every choice)."""
+    if x.shape[0] == 0:
         return torch.empty_like(x)
     x = x.contiguous()
-    num_local, inter = w.gate_up.shape[0], w.down.shape[2]
-    cfg = moe_config(T, num_local, H, inter, w.shared_down.shape[1], x.device)
-    f = front_fast(x, router, top_k, w.start, num_local, cfg["BLOCK_M"], cfg["front"])
-    act = gate_up_fast(x, w, f.layout, cfg["gate_up"])
-    if down_combine is None:
-        down_combine = cfg["down_combine"] is not None
-    if down_combine:
-        return down_combine_fast(act, w, f.layout, f.ids, f.weights, f.shared_gate, cfg["down_combine"])
-    return combine_fast(down_fast(act, w, f.layout, f.weights, f.shared_gate, cfg["down"]), f.layout, T)
+    num_local = w.gate_up.shape[0]
+    cfg = _block_config(x, w)
+    if (USE_FRONT if front is None else front):
+        f = front_fast(x, router, top_k, w.start, num_local, cfg["BLOCK_M"], cfg["front"])
+    else:
+        f = route_align_fast(F.linear(x, router), top_k, w.start, num_local, cfg["BLOCK_M"])
+    return experts_on_layout(x, w, f.layout, f.ids, f.weights, f.shared_gate, cfg, down_combine)
 
 
 # ------------------------------------------------------------------------------------------------- tile configs
@@ -550,6 +647,55 @@ if triton is not None:
         _layout_tail(sorted_ptr, block_expert_ptr, total_ptr, counts, padded, offs, bins, T, num_local, BLOCK_M,
                      NB_CHUNK)
 
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
+    def _align_count_kernel(ids_ptr, counts_ptr, T, start, num_local, TOP_K: tl.constexpr, BINS: tl.constexpr,
+                            CHUNK: tl.constexpr):
+        """counts[c, e]: pairs of chunk c on local expert e (a histogram in registers: no atomics, no zeroing)."""
+        c = tl.program_id(0)
+        e, mine = _local_expert(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), T * TOP_K, start, num_local)
+        tl.store(counts_ptr + c * BINS + tl.arange(0, BINS), tl.histogram(e, BINS, mask=mine))
+
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
+    def _align_offsets_kernel(counts_ptr, base_ptr, offs_ptr, sorted_ptr, block_expert_ptr, total_ptr, T, num_local,
+                              TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr,
+                              STEP: tl.constexpr, NB_CHUNK: tl.constexpr):
+        """One program, STEP chunks at a time: base[c, e] = (e's pairs in chunks before c) - (chunk c's pairs on
+        experts below e), so that the chunk's j-th pair in (expert, pair) order, of expert e, belongs at row
+        offs[e] + base[c, e] + j. Then the group offsets (as _align_kernel's) and the rest of the layout."""
+        chunks = tl.cdiv(T * TOP_K, CHUNK)
+        bins = tl.arange(0, BINS)
+        seen = tl.zeros([BINS], dtype=tl.int32)  # pairs per expert in the chunks done
+        for c0 in range(0, chunks, STEP):
+            c = c0 + tl.arange(0, STEP)[:, None]
+            cell = c * BINS + bins[None, :]
+            cnt = tl.load(counts_ptr + cell, mask=c < chunks, other=0)
+            before = seen[None, :] + tl.cumsum(cnt, 0) - cnt
+            below = tl.cumsum(cnt, 1) - cnt
+            tl.store(base_ptr + cell, before - below, mask=c < chunks)
+            seen += tl.sum(cnt, 0)
+        padded = (seen + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        offs = tl.cumsum(padded, 0) - padded + (T + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        tl.store(offs_ptr + bins, offs)
+        _layout_tail(sorted_ptr, block_expert_ptr, total_ptr, seen, padded, offs, bins, T, num_local, BLOCK_M,
+                     NB_CHUNK)
+
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
+    def _align_scatter_kernel(ids_ptr, sorted_ptr, inv_ptr, base_ptr, offs_ptr, T, start, num_local,
+                              TOP_K: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
+        """Chunk c's pairs placed: sorted by the key (expert, place in the chunk), other ranks' pairs last (expert
+        BINS), the j-th local one goes to row offs[e] + base[c, e] + j (see _align_offsets_kernel)."""
+        c = tl.program_id(0)
+        j = tl.arange(0, CHUNK)
+        p = c * CHUNK + j
+        e, mine = _local_expert(ids_ptr, p, T * TOP_K, start, num_local)
+        tl.store(inv_ptr + p, tl.full([CHUNK], -1, tl.int32), mask=(p < T * TOP_K) & ~mine)
+        key = tl.sort(tl.where(mine, e, BINS) * CHUNK + j)
+        e, p = key // CHUNK, c * CHUNK + key % CHUNK
+        mine = e < BINS
+        row = tl.load(offs_ptr + e, mask=mine, other=0) + tl.load(base_ptr + c * BINS + e, mask=mine, other=0) + j
+        tl.store(sorted_ptr + row, p, mask=mine)
+        tl.store(inv_ptr + p, row, mask=mine)
+
     @triton.jit
     def _layout_tail(sorted_ptr, block_expert_ptr, total_ptr, counts, padded, offs, experts, T, num_local,
                      BLOCK_M: tl.constexpr, NB_CHUNK: tl.constexpr):
@@ -563,7 +709,7 @@ if triton is not None:
             tl.store(block_expert_ptr + b, tl.zeros([NB_CHUNK], dtype=tl.int32) + num_local,
                      mask=b < shared_rows // BLOCK_M)
         first, nblocks = offs // BLOCK_M, padded // BLOCK_M
-        for j0 in range(0, (T + BLOCK_M - 1) // BLOCK_M, NB_CHUNK):  # a group holds at most T pairs
+        for j0 in range(0, tl.max(nblocks, 0), NB_CHUNK):
             j = j0 + tl.arange(0, NB_CHUNK)
             tl.store(block_expert_ptr + first[:, None] + j[None, :],
                      experts[:, None] + tl.zeros([NB_CHUNK], dtype=tl.int32)[None, :],
@@ -602,8 +748,8 @@ if triton is not None:
         if tl.atomic_add(block_counter_ptr + pid_b, 1, sem="acq_rel", scope="gpu") != tl.num_programs(0) - 1:
             return
         tl.store(block_counter_ptr + pid_b, 0)  # for the next launch
-        _route_block(logits_ptr, ids_ptr, rw_ptr, sg_ptr, counts_ptr, rank_ptr, pid_b, T, E, start, num_local,
-                     TOP_K, K_POW2, BLOCK_T, BLOCK_E)
+        _route_block(logits_ptr, ids_ptr, rw_ptr, sg_ptr, counts_ptr, rank_ptr, pid_b, T, E, E + 1, start,
+                     num_local, TOP_K, K_POW2, BLOCK_T, BLOCK_E)
         tl.debug_barrier()
         if tl.atomic_add(all_counter_ptr, 1, sem="acq_rel", scope="gpu") != tl.num_programs(1) - 1:
             return
@@ -611,18 +757,34 @@ if triton is not None:
         _front_layout(ids_ptr, sorted_ptr, block_expert_ptr, inv_ptr, total_ptr, counts_ptr, rank_ptr, T, start,
                       num_local, tl.num_programs(1), TOP_K, BLOCK_M, BLOCK_T, NT_POW2, BLOCK_E, PAIR_CHUNK, NB_CHUNK)
 
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size (NT_POW2 fixed by the caller)
+    def _route_layout_kernel(logits_ptr, ids_ptr, rw_ptr, sg_ptr, sorted_ptr, block_expert_ptr, inv_ptr, total_ptr,
+                             counts_ptr, rank_ptr, T, E, start, num_local, sl, TOP_K: tl.constexpr,
+                             K_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                             NT_POW2: tl.constexpr, BLOCK_E: tl.constexpr, PAIR_CHUNK: tl.constexpr,
+                             NB_CHUNK: tl.constexpr):
+        """One program: the front kernel's phases 2 and 3 in order, every token block routed, then the layout. One
+        program needs no arrival counters: a barrier makes its own stores visible to all its threads."""
+        nt = tl.cdiv(T, BLOCK_T)
+        for b in range(0, nt):
+            _route_block(logits_ptr, ids_ptr, rw_ptr, sg_ptr, counts_ptr, rank_ptr, b, T, E, sl, start, num_local,
+                         TOP_K, K_POW2, BLOCK_T, BLOCK_E)
+        tl.debug_barrier()
+        _front_layout(ids_ptr, sorted_ptr, block_expert_ptr, inv_ptr, total_ptr, counts_ptr, rank_ptr, T, start,
+                      num_local, nt, TOP_K, BLOCK_M, BLOCK_T, NT_POW2, BLOCK_E, PAIR_CHUNK, NB_CHUNK)
+
     @triton.jit
-    def _route_block(logits_ptr, ids_ptr, rw_ptr, sg_ptr, counts_ptr, rank_ptr, b, T, E, start, num_local,
+    def _route_block(logits_ptr, ids_ptr, rw_ptr, sg_ptr, counts_ptr, rank_ptr, b, T, E, sl, start, num_local,
                      TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-        """_route_kernel's routing for the tokens of block b, a row each. Top-k on int64 keys (probability bits,
-        then the column reversed: one max per slot takes the largest probability, among ties the lowest id).
-        Then, for this rank's experts: counts[b, e] = the block's pairs on e, rank[t, e] = token t's place among
+        """_route_kernel's routing for the tokens of block b, a row each (logits' rows sl apart). Top-k on int64
+        keys (probability bits, then the column reversed: one max per slot takes the largest probability, among ties
+        the lowest id). Then, for this rank's experts: counts[b, e] = the block's pairs on e, rank[t, e] = token t's place among
         them (a cumsum over the block's rows, so pairs keep their order)."""
         rows = b * BLOCK_T + tl.arange(0, BLOCK_T)
         rmask = rows < T
         cols = tl.arange(0, BLOCK_E)
         emask = cols < E
-        lp = logits_ptr + rows.to(tl.int64) * (E + 1)
+        lp = logits_ptr + rows.to(tl.int64) * sl
         logit = tl.load(lp[:, None] + cols[None, :], mask=rmask[:, None] & emask[None, :], other=float("-inf"),
                         volatile=True).to(tl.float32)
         logit = tl.where(rmask[:, None], logit, 0.0)  # rows past T: finite, never stored

@@ -3,15 +3,19 @@
 CPU (Triton interpreter, fp32, tiny shapes): routing ids equal, weights and gates <= 1e-6 (fp32 rounding of a
 softmax and a division: a few ulps of values <= 1); expert outputs <= 1e-5 max abs on outputs of magnitude ~1-5
 (fp32 GEMMs summed in another order; a wrong row, weight or expert is O(0.1)). The sorted layout is checked
-directly (every local pair once, one expert per block, pads marked). Shapes cover a TP=1 rank, middle and last
-ranks owning part of the experts, a rank with no routed pair, every token on one expert, odd hidden/intermediate
-sizes, a shared expert narrower than the routed ones (its TP=8 shard), and batch sizes 1..37.
+directly (every local pair once, one expert per block, pads marked), and every builder but the one-program
+_align_kernel (atomics place its rows) must equal align_torch's entry for entry: the chunked one with several
+chunks (a partial last one, a group spanning all of them, an offsets scan in two steps), ranks with start > 0 and
+fewer experts than E, no pair at all, one local expert. Shapes cover a TP=1 rank, middle and last ranks owning
+part of the experts, a rank with no routed pair, every token on one expert, odd hidden/intermediate sizes, a
+shared expert narrower than the routed ones (its TP=8 shard), and batch sizes 1..130. (The interpreter sorts one
+element at a time, so the chunked layout at prefill sizes is checked on the GPU only.)
 
-Decode kernels (T <= FRONT_MAX_T): the front kernel's logits within 1e-5 of F.linear (fp32 GEMM order), its
-routing equal to route_torch on those logits (ids exactly, weights 1e-6), its layout equal to align_torch's entry
-for entry (both keep a group's pairs in pair order), ties in the logits (integer-valued inputs) to the lowest ids,
-1 to 4 token blocks (T 1..64), arrival counters back at zero after each launch; down+combine within 1e-5 of its
-torch oracle and of the two-kernel path; the whole block within 1e-5 of moe_torch on both sides of each threshold.
+Decode kernels (T <= FRONT_MAX_T): route_align_fast (one program: routing + layout) and the front kernel's routing
+equal to route_torch on their logits (ids exactly, weights 1e-6), their layouts equal to align_torch's, ties in the
+logits to the lowest ids, 1 to 4 token blocks (T 1..64); the front kernel's logits within 1e-5 of F.linear (fp32
+GEMM order), its arrival counters back at zero after each launch; down+combine within 1e-5 of its torch oracle and
+of the two-kernel path; the whole block within 1e-5 of moe_torch on both sides of each threshold.
 
 GPU (`-m gpu`, bf16, Qwen3.5-35B-A3B shapes: 256 experts, top-8, hidden 2048, expert intermediate 512; shared
 intermediate 512 at TP=1 and 64 per rank at TP=8 with 32 local experts): routing ids equal except at exact ties
@@ -19,8 +23,9 @@ intermediate 512 at TP=1 and 64 per rank at TP=8 with 32 local experts): routing
 (Frobenius) of the oracle: both round every intermediate to bf16 where the reference does, so the difference is
 fp32 accumulation order flipping some of those roundings (a few 1e-3); a wrong block or weight is > 0.1.
 Front kernel: each logit within one bf16 ulp of cuBLAS's (2^-7 relative, + 1e-4: both round an fp32 sum), routing
-and layout exactly the oracle's on those logits. Padded batches, repeated runs and CUDA-graph replay must give
-identical bits.
+and layout exactly the oracle's on those logits; route_align_fast likewise on cuBLAS's logits. The chunked layout
+at T = 65..16384 (and chunks of 256..4096 pairs) exactly align_torch's. Padded batches (on the front kernel's
+path), repeated runs and CUDA-graph replay (decode and prefill) must give identical bits.
 """
 import functools
 from types import SimpleNamespace
@@ -81,9 +86,10 @@ def test_route_ties_go_to_lowest_id():
     logits = torch.randint(0, 3, (T, E + 1), generator=gen).float()
     ids, w, _ = moe.route_torch(logits, k)
     fids, fw, _ = moe.route_fast(logits, k)
+    fused = moe.route_align_fast(logits, k, 0, E, 16)
     expected = torch.tensor([sorted(range(E), key=lambda e: (-logits[t, e].item(), e))[:k] for t in range(T)])
-    assert torch.equal(ids, expected) and torch.equal(fids.long(), expected)
-    assert max_diff(fw, w) <= TOL_ROUTE
+    assert torch.equal(ids, expected) and torch.equal(fids.long(), expected) and torch.equal(fused.ids.long(), expected)
+    assert max_diff(fw, w) <= TOL_ROUTE and max_diff(fused.weights, w) <= TOL_ROUTE
 
 
 # ------------------------------------------------------------------------------------------------ sorted layout
@@ -128,18 +134,56 @@ def same_layout(a, b, T):
                                                           (600, 8, 2, 0, 8, 16),        # groups of many blocks
                                                           (8192, 256, 8, 0, 256, 64),   # a full prefill step
                                                           (3000, 256, 8, 32, 32, 128)])  # TP=8 rank, BLOCK_M 128
-def test_align_layout(T, E, k, start, num_local, block_m):
-    """The Triton layout and the torch one both hold; the torch one keeps each group's pairs in pair order."""
+def test_align_serial_layout(T, E, k, start, num_local, block_m):
+    """The one-program layout and the torch one both hold; the torch one keeps each group's pairs in pair order.
+    (The chunked layout at these sizes is checked on the GPU: the interpreter sorts one element at a time.)"""
     gen = torch.Generator().manual_seed(T + start)
     ids, _, _ = make_routing(T, E, k, gen, routed="low" if T == 9 else "any")
-    check_layout(moe.align(ids, start, num_local, block_m), ids, start, num_local, block_m)
+    check_layout(moe.align_serial(ids, start, num_local, block_m), ids, start, num_local, block_m)
     ref = moe.align_torch(ids, start, num_local, block_m)
     check_layout(ref, ids, start, num_local, block_m)
     routed = ref.sorted_pairs[-(-T // block_m) * block_m: int(ref.total)]
-    for e in range(num_local):
-        group = routed[ref.block_expert[torch.arange(len(routed)) // block_m + -(-T // block_m)] == e]
-        group = group[group >= 0]
-        assert bool((group.diff() > 0).all())
+    expert = ref.block_expert[torch.arange(len(routed)) // block_m + -(-T // block_m)]
+    pairs, expert = routed[routed >= 0], expert[routed >= 0]
+    same = expert[1:] == expert[:-1]
+    assert bool((pairs[1:][same] > pairs[:-1][same]).all())  # pair order within each group
+
+
+CHUNKED_CASES = [  # T, E, k, start, num_local, block_m, chunk (pairs per program), routed
+    (65, 8, 2, 0, 8, 16, 16, "any"),       # TP=1, 9 chunks, the last one partial
+    (97, 16, 4, 12, 4, 16, 32, "any"),     # last rank: start > 0, num_local < E; 13 chunks
+    (83, 12, 3, 3, 6, 32, 64, "one"),      # middle rank, 6 local experts (8 bins); one group over every chunk
+    (70, 8, 2, 4, 4, 16, 16, "low"),       # no pair on this rank: every group empty, shared rows only
+    (70, 8, 2, 5, 1, 16, 16, "any"),       # one local expert
+    (150, 256, 8, 0, 256, 16, 64, "any"),  # TP=1's 256 bins: 16 chunks per offsets step, so 19 take two
+    (129, 32, 4, 0, 32, 64, None, "any"),  # the default chunk: one program of 516 -> 1024 pairs
+]
+
+
+@pytest.mark.parametrize("T,E,k,start,num_local,block_m,chunk,routed", CHUNKED_CASES)
+def test_align_chunked_equals_torch(T, E, k, start, num_local, block_m, chunk, routed):
+    """The chunked layout is align_torch's entry for entry (a group's pairs in pair order across chunks), on every
+    run; check_layout holds for both."""
+    gen = torch.Generator().manual_seed(T * 13 + start)
+    ids, _, _ = make_routing(T, E, k, gen, routed)
+    fast = moe.align_chunked(ids, start, num_local, block_m, chunk)
+    ref = moe.align_torch(ids, start, num_local, block_m)
+    check_layout(fast, ids, start, num_local, block_m)
+    assert same_layout(fast, ref, T)
+    if routed == "low":
+        assert int(fast.total) == -(-T // block_m) * block_m and bool((fast.inverse == -1).all())
+
+
+def test_align_switches_at_threshold():
+    """align: one program up to ALIGN_SERIAL_MAX_T tokens (its own row order), the chunked kernels above (exactly
+    align_torch's); both complete layouts."""
+    gen = torch.Generator().manual_seed(3)
+    for T in (moe.ALIGN_SERIAL_MAX_T, moe.ALIGN_SERIAL_MAX_T + 1):
+        ids, _, _ = make_routing(T, 8, 2, gen)
+        lay = moe.align(ids, 2, 4, 16)
+        check_layout(lay, ids, 2, 4, 16)
+        if T > moe.ALIGN_SERIAL_MAX_T:
+            assert same_layout(lay, moe.align_torch(ids, 2, 4, 16), T)
 
 
 # ------------------------------------------------------------------------------------------------------- front
@@ -155,18 +199,24 @@ FRONT_CASES = [  # T, E, k, H, start, num_local, block_m, tile (None: the defaul
 
 def check_front(fast, x, router, k, start, num_local, block_m, tol_logits=1e-5):
     """The front kernel against its oracle, step by step: logits vs the GEMM (tol_logits None: checked by the
-    caller); routing vs route_torch on the kernel's own logits (so that a GEMM rounding cannot move a near-tie);
-    layout vs align_torch on those ids."""
-    T = x.shape[0]
+    caller); routing and layout as check_routed_layout says, on the kernel's own logits (so that a GEMM rounding
+    cannot move a near-tie)."""
     if tol_logits is not None:
         assert max_diff(fast.logits, F.linear(x, router)) <= tol_logits
+    check_routed_layout(fast, k, start, num_local, block_m)
+    assert not moe._counters(x.device).any()  # reset for the next launch
+
+
+def check_routed_layout(fast, k, start, num_local, block_m):
+    """A Front's routing against route_torch on its logits (ids exactly, int32; weights and gate 1e-6 in fp32, one
+    bf16 ulp of values <= 1 in bf16) and its layout against align_torch on those ids, entry for entry."""
+    T = fast.logits.shape[0]
     ids, w, g = moe.route_torch(fast.logits, k)
     assert fast.ids.dtype == torch.int32 and torch.equal(fast.ids.long(), ids)
-    tol = TOL_ROUTE if x.dtype == torch.float32 else 4e-3
+    tol = TOL_ROUTE if fast.logits.dtype == torch.float32 else 4e-3
     assert max_diff(fast.weights, w) <= tol and max_diff(fast.shared_gate, g) <= tol
     assert same_layout(fast.layout, moe.align_torch(ids, start, num_local, block_m), T)
     check_layout(fast.layout, ids, start, num_local, block_m)
-    assert not moe._counters(x.device).any()  # reset for the next launch
 
 
 @pytest.mark.parametrize("T,E,k,H,start,num_local,block_m,tile", FRONT_CASES)
@@ -203,6 +253,48 @@ def test_front_rejects_too_many_tokens():
         moe.front_fast(torch.zeros(moe.FRONT_MAX_T + 1, 32), torch.zeros(9, 32), 2, 0, 8, 16)
     with pytest.raises(ValueError, match="hidden size"):
         moe.front_fast(torch.zeros(4, 32), torch.zeros(9, 48), 2, 0, 8, 16)
+
+
+ROUTE_ALIGN_CASES = [  # T, E, k, start, num_local, block_m, extra (columns past E + 1: rows further apart)
+    (1, 8, 2, 0, 8, 16, 0),       # TP=1, one token
+    (5, 12, 3, 4, 4, 16, 3),      # a middle rank, E not a power of two, strided rows
+    (16, 16, 4, 12, 4, 16, 0),    # last rank, one full token block
+    (17, 16, 2, 8, 8, 32, 5),     # two token blocks, BLOCK_M 32
+    (37, 8, 2, 2, 4, 16, 0),      # three token blocks
+    (64, 64, 8, 16, 16, 16, 0),   # FRONT_MAX_T: four blocks, top-8, TP=4-like rank
+]
+
+
+@pytest.mark.parametrize("T,E,k,start,num_local,block_m,extra", ROUTE_ALIGN_CASES)
+def test_route_align_fast_equals_torch(T, E, k, start, num_local, block_m, extra):
+    """The fused decode kernel: route_torch's routing and align_torch's layout, the same on every run, and the same
+    routing as route_fast."""
+    gen = torch.Generator().manual_seed(T * 5 + E)
+    logits = (torch.randn(T, E + 1 + extra, generator=gen) * 2)[:, :E + 1]
+    fast = moe.route_align_fast(logits, k, start, num_local, block_m)
+    assert fast.logits is logits
+    check_routed_layout(fast, k, start, num_local, block_m)
+    ids, w, _ = moe.route_fast(logits, k)
+    assert torch.equal(fast.ids, ids) and max_diff(fast.weights, w) <= TOL_ROUTE
+    again = moe.route_align_fast(logits, k, start, num_local, block_m)
+    assert same_layout(again.layout, fast.layout, T) and torch.equal(again.weights, fast.weights)
+
+
+def test_route_align_fast_rank_without_pairs():
+    """Every token routed to the lower half of the experts: the upper rank's layout is the shared rows only."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(21, 17, generator=gen)
+    logits[:, :8] += 20
+    fast = moe.route_align_fast(logits, 4, 8, 8, 16)
+    check_routed_layout(fast, 4, 8, 8, 16)
+    assert int(fast.layout.total) == 32 and bool((fast.layout.inverse == -1).all())
+
+
+def test_route_align_fast_rejects():
+    with pytest.raises(ValueError, match="at most"):
+        moe.route_align_fast(torch.zeros(moe.FRONT_MAX_T + 1, 9), 2, 0, 8, 16)
+    with pytest.raises(ValueError, match="unit stride"):
+        moe.route_align_fast(torch.zeros(9, 4).T, 2, 0, 8, 16)
 
 
 # ------------------------------------------------------------------------------------------------------ experts
@@ -275,14 +367,17 @@ BLOCK_CASES = [  # T, E, k, H, I, I_s, start, num_local
     (9, 12, 3, 32, 16, 8, 8, 4),      # just past it: down + combine in two kernels
     (37, 8, 2, 32, 16, 16, 2, 4),     # three token blocks
     (64, 16, 4, 32, 16, 16, 0, 16),   # FRONT_MAX_T
-    (65, 8, 2, 32, 16, 16, 4, 4),     # just past it: the grouped path with route_fast and align
+    (65, 8, 2, 32, 16, 16, 4, 4),     # just past it: the grouped path with route_fast and the chunked layout
+    (130, 16, 4, 32, 16, 8, 4, 8),    # 520 pairs in 9 chunks of 64 (ALIGN_CHUNK made small here)
 ]
 
 
 @pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local", BLOCK_CASES)
-def test_moe_fast_equals_torch(T, E, k, H, I, I_s, start, num_local):
-    """The whole block: moe_fast (which picks its kernels by T) and, where it applies, the decode path with the
-    other down+combine choice, against moe_torch."""
+def test_moe_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, monkeypatch):
+    """The whole block: moe_fast (which picks its kernels by T: route_align_fast up to FRONT_MAX_T, the chunked
+    layout above) and, where it applies, the front kernel's path with the other down+combine choice, against
+    moe_torch."""
+    monkeypatch.setattr(moe, "ALIGN_CHUNK", 64)  # several chunks at interpreter sizes
     gen = torch.Generator().manual_seed(T + E)
     w = make_weights(num_local, H, I, I_s, start, gen)
     x = torch.randn(T, H, generator=gen)
@@ -292,7 +387,7 @@ def test_moe_fast_equals_torch(T, E, k, H, I, I_s, start, num_local):
     assert max_diff(moe.moe_fast(x, router, k, w), want) <= TOL
     if T <= moe.FRONT_MAX_T:
         other = T > moe.DOWN_COMBINE_MAX_T
-        assert max_diff(moe.moe_decode_fast(x, router, k, w, down_combine=other), want) <= TOL
+        assert max_diff(moe.moe_decode_fast(x, router, k, w, down_combine=other, front=True), want) <= TOL
 
 
 def test_moe_fast_padding_and_repeat():
@@ -407,6 +502,59 @@ def test_route_fast_bf16(T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("T,chunk", [(65, None), (1024, None), (8192, None), (8192, 256), (8192, 4096),
+                                     (16384, None)])
+def test_align_chunked_bf16_real_shapes(tp, T, chunk):
+    """The chunked layout at prefill sizes (ids routed from bf16 logits, BLOCK_M from the config): align_torch's
+    entry for entry, on every run; and align, which takes it above ALIGN_SERIAL_MAX_T."""
+    w = real_weights(tp)
+    num_local = w.gate_up.shape[0]
+    gen = torch.Generator().manual_seed(T + tp)
+    ids = moe.route_fast((torch.randn(T, 257, generator=gen) * 2).to("cuda", torch.bfloat16), 8)[0]
+    block_m = moe.moe_config(T, num_local, 2048, 512, 512 // tp, ids.device)["BLOCK_M"]
+    ref = moe.align_torch(ids, w.start, num_local, block_m)
+    fast = moe.align_chunked(ids, w.start, num_local, block_m, chunk)
+    check_layout(fast, ids, w.start, num_local, block_m)
+    assert same_layout(fast, ref, T) and same_layout(moe.align_chunked(ids, w.start, num_local, block_m, chunk), ref, T)
+    assert same_layout(moe.align(ids, w.start, num_local, block_m), ref, T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("T", [1, 2, 7, 16, 17, 64])
+def test_route_align_fast_bf16_real_shapes(tp, T):
+    """The fused decode kernel on cuBLAS's logits: route_torch's routing, align_torch's layout."""
+    w, router = real_weights(tp), real_router(tp)
+    gen = torch.Generator().manual_seed(T + 20 * tp)
+    x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
+    num_local = w.gate_up.shape[0]
+    for block_m in (16, moe.moe_config(T, num_local, 2048, 512, 512 // tp, x.device)["BLOCK_M"]):
+        fast = moe.route_align_fast(F.linear(x, router), 8, w.start, num_local, block_m)
+        check_routed_layout(fast, 8, w.start, num_local, block_m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+def test_experts_fast_prefill_bits_and_graph_replay(tp):
+    """The prefill path (chunked layout, grouped kernels) gives the same bits on every run and from a CUDA graph
+    replayed on new inputs."""
+    w, router = real_weights(tp), real_router(tp)
+    gen = torch.Generator().manual_seed(30 + tp)
+    x = torch.randn(1024, 2048, generator=gen).to("cuda", torch.bfloat16)
+    eager = moe.moe_fast(x, router, 8, w)
+    assert torch.equal(moe.moe_fast(x, router, 8, w), eager)
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.moe_fast(static, router, 8, w)
+    x2 = torch.randn(1024, 2048, generator=gen).to("cuda", torch.bfloat16)
+    static.copy_(x2)
+    graph.replay()
+    assert torch.equal(out, moe.moe_fast(x2, router, 8, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
 @pytest.mark.parametrize("T", [1, 2, 7, 64, 300, 2048, 8192])  # 8192: a prefill step (large-M tiles)
 def test_experts_fast_bf16_real_shapes(tp, T):
     w = real_weights(tp)
@@ -498,32 +646,36 @@ def test_down_combine_fast_bf16(tp, T):
 @pytest.mark.parametrize("tp", [1, 8])
 @pytest.mark.parametrize("T", [1, 2, 8, 16, 64])
 def test_moe_decode_bf16_real_shapes(tp, T):
-    """The decode path (both down+combine choices) against experts_torch routed on the front kernel's logits."""
+    """The decode path, both first steps (cuBLAS + route_align_fast, the front kernel) and both down+combine
+    choices, against experts_torch routed on the same logits."""
     w, router = real_weights(tp), real_router(tp)
     gen = torch.Generator().manual_seed(T * 5 + tp)
     x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
-    front = moe.front_fast(x, router, 8, w.start, w.gate_up.shape[0], 16)
-    ref = moe.experts_torch(x, *moe.route_torch(front.logits, 8), w)
-    for down_combine in (True, False):
-        out = moe.moe_decode_fast(x, router, 8, w, down_combine)
-        assert torch.isfinite(out).all() and rel(out, ref) <= 1e-2
+    for front in (False, True):
+        logits = moe.front_fast(x, router, 8, w.start, w.gate_up.shape[0], 16).logits if front else \
+            F.linear(x, router)
+        ref = moe.experts_torch(x, *moe.route_torch(logits, 8), w)
+        for down_combine in (True, False):
+            out = moe.moe_decode_fast(x, router, 8, w, down_combine, front)
+            assert torch.isfinite(out).all() and rel(out, ref) <= 1e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, 8])
 def test_moe_fast_bits_padding_and_graph_replay(tp):
-    """Identical bits on the decode path, for graph sizes with and without the one-kernel down+combine and with
-    several token blocks: two eager runs; CUDA-graph replays (new inputs each time) vs eager; the arrival counters
-    back at zero after the replays; and, on the front kernel's path (its own GEMV: a row's logits do not depend on
-    the batch, where cuBLAS's router GEMM may pick another algorithm for another M), n tokens vs the same padded to
-    the graph size."""
+    """Identical bits on the decode path (router GEMM + route_align_fast), for graph sizes with and without the
+    one-kernel down+combine and with several token blocks: two eager runs; CUDA-graph replays (new inputs each time)
+    vs eager; and, on the front kernel's path (its own GEMV: a row's logits do not depend on the batch, where
+    cuBLAS's router GEMM may pick another algorithm for another M), n tokens vs the same padded to the graph size,
+    its arrival counters back at zero."""
     w, router = real_weights(tp), real_router(tp)
     gen = torch.Generator().manual_seed(tp)
     for n, b in [(1, 1), (3, 4), (13, 16), (50, 56)]:
         x = torch.randn(b, 2048, generator=gen).to("cuda", torch.bfloat16)
         eager = moe.moe_fast(x, router, 8, w)
         assert torch.equal(moe.moe_fast(x, router, 8, w), eager)
-        assert torch.equal(moe.moe_decode_fast(x[:n], router, 8, w), moe.moe_decode_fast(x, router, 8, w)[:n])
+        front = moe.moe_decode_fast(x, router, 8, w, front=True)
+        assert torch.equal(moe.moe_decode_fast(x[:n], router, 8, w, front=True), front[:n])
         static = x.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
