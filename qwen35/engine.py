@@ -189,6 +189,7 @@ class LLMEngine:
             from qwen35.tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.model_dir)
+            self.tokenizer.warm_detokenizer()  # no token's text is worked out for the first time while streaming
             num_real = min(self.tokenizer.num_real_tokens, self.config.vocab_size)
         # every rank samples its vocabulary slice (the tokens then feed the next step on every rank)
         self.sampler = Sampler(parallel.broadcast_object(num_real), self.config.vocab_size,
@@ -203,9 +204,20 @@ class LLMEngine:
                                    args.prefix_cache_interval, CHUNK, stateless=not self.runner.gdn_layers)
         self._admissions = 0  # requests admitted so far: an unseeded request's noise key mixes in its number
         self._pin = self.device.type == "cuda"
+        if self._pin:
+            # allocated once: a step's tokens land in a pinned buffer, and its start and end are timed with a pair
+            # of events, each reused after the step that used it last has been taken (postprocessed). Overlap holds
+            # two steps at most (one queued, one being taken), and the end event of the step before a taken one is
+            # read too: two buffers and three pairs of events go round.
+            n = self.scheduler.max_num_seqs
+            self._token_buffers = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._token_views: dict[tuple[int, int], torch.Tensor] = {}
+            self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                            for _ in range(3)]
         self.overlap = args.overlap
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._in_flight: _Launched | None = None
+        self._batch_hints: tuple = (None, None)  # the decode rows _sampling_step saw last, and their hints
         self._last_end: torch.cuda.Event | None = None  # end of the step queued last, while steps follow back to back
         self._failed: list[RequestOutput] = []  # requests that failed while their step was being queued
         self.total_prompt_tokens = 0      # prompt tokens prefilled
@@ -227,7 +239,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         req = Request(request_id, list(prompt_ids), params, self.eos_token_ids,
-                      IncrementalDetokenizer(self.tokenizer, prompt_ids))
+                      IncrementalDetokenizer(self.tokenizer, prompt_ids, keep_text=False))
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -254,7 +266,8 @@ class LLMEngine:
         if self.overlap:
             done, self._in_flight = self._in_flight, launched
         outputs = self._postprocess(done) if done is not None else []
-        outputs, self._failed = outputs + self._failed, []
+        if self._failed:
+            outputs, self._failed = outputs + self._failed, []
         self.last_step_time = self.times.stop()
         return outputs
 
@@ -265,33 +278,33 @@ class LLMEngine:
         if not plan.num_seqs:
             self._last_end = None  # the device may now idle for want of work: not a gap of the loop
             return None
-        self.times.steps += 1
-        start = self._event()
-        sampling = self._sampling_step(step, self._bind(step.admitted))
+        times = self.times
+        times.steps += 1
+        k = self.num_steps + 1  # this step's number: it picks the step's events and token buffer
+        if self._pin:
+            start, ready = self._events[k % 3]
+            start.record()
+        sampling = self._sampling_step(step, self._bind(step.admitted) if step.admitted else [])
         _send(plan, sampling)
         t0 = time.perf_counter()
         tokens = self._run_step(plan, sampling)
-        self.times.forward_s += time.perf_counter() - t0
+        times.forward_s += time.perf_counter() - t0
         self.total_prompt_tokens += step.num_prompt_tokens
-        self.num_steps += 1
+        self.num_steps = k
         if not self._pin:
             return _Launched(step.sampled, tokens, None)
         host = None
         if tokens is not None:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            key = (k % 2, len(step.sampled))
+            host = self._token_views.get(key)
+            if host is None:
+                host = self._token_views[key] = self._token_buffers[key[0]][:key[1]]
             host.copy_(tokens, non_blocking=True)
-        launched = _Launched(step.sampled, host, self._event(), start)
-        if self._last_end is not None:  # a gap to measure once both ends have run (in _postprocess)
-            launched.after = self._last_end
-        self._last_end = launched.ready
+        ready.record()
+        # a gap to measure once both ends have run (in _postprocess), after the step queued last if back to back
+        launched = _Launched(step.sampled, host, ready, start, self._last_end)
+        self._last_end = ready
         return launched
-
-    def _event(self) -> torch.cuda.Event | None:
-        if not self._pin:
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def _bind(self, admitted: list[Request]) -> list[tuple[int, tuple[float, float, float], int]]:
         """The sampling state of newly admitted requests, for every rank's sampler: (slot, (temperature, top_k,
@@ -309,19 +322,27 @@ class LLMEngine:
 
     def _sampling_step(self, step: ScheduledStep, admitted: list) -> SamplingStep:
         """What every rank's sampler needs for this step besides the plan: the admitted slots' settings, and what
-        only the records know (any sampled row, any top-k / top-p, stop ids suppressed before min_tokens)."""
+        only the records know (any sampled row, any top-k / top-p, stop ids suppressed before min_tokens). The rows
+        of the decode batch (scheduler.DecodeBatch: the same requests step after step) are looked at once."""
         out = SamplingStep(admitted=admitted)
-        for i, req in enumerate(step.sampled):
-            if req.is_finished:  # failed while being bound: its row's token is dropped
-                continue
-            p = req.params
-            if not p.greedy:
-                out.greedy_only = False
-                out.any_top_k |= p.top_k > 0
-                out.any_top_p |= p.top_p < 1.0
-            if p.min_tokens:
-                # the completion tokens before this row's
+        rows, first = step.sampled, 0
+        batch = step.decode_rows
+        if batch is not None:
+            if self._batch_hints[0] is not batch:  # the same list object: the same requests (scheduler.DecodeBatch)
+                self._batch_hints = (batch, _hints(batch, 0))
+            out.greedy_only, out.any_top_k, out.any_top_p, with_min = self._batch_hints[1]
+            for i, req in with_min:
                 out.suppress += [(i, t) for t in req.suppressed_ids(req.num_scheduled - 1)]
+            first = len(batch)
+            if first == len(rows):
+                return out
+        greedy_only, any_top_k, any_top_p, with_min = _hints(rows[first:], first)
+        out.greedy_only &= greedy_only
+        out.any_top_k |= any_top_k
+        out.any_top_p |= any_top_p
+        for i, req in with_min:
+            # the completion tokens before this row's
+            out.suppress += [(i, t) for t in req.suppressed_ids(req.num_scheduled - 1)]
         return out
 
     def _run_step(self, plan: StepPlan, sampling: SamplingStep) -> torch.Tensor | None:
@@ -346,19 +367,20 @@ class LLMEngine:
             self.times.gpu_idle_s += launched.after.elapsed_time(launched.start) / 1e3
             self.times.gpu_gaps += 1
         outputs = []
+        add = outputs.append
         for req, token in zip(launched.sampled, tokens):
-            if req.is_finished:  # aborted, failed or stopped while this step was queued: the token is dropped
+            if req.finish_reason is not None:  # aborted, failed or stopped while this step was queued: dropped
                 continue
             try:
-                req.append_token(token)
+                out = req.take_token(token)  # append_token, then take_output
             except Exception as e:
                 self._fail(req, e)
                 continue
-            self.total_completion_tokens += 1
-            if req.is_finished:
+            if out.finished:
                 self.scheduler.free(req)
                 del self.requests[req.request_id]
-            outputs.append(req.take_output())
+            add(out)
+        self.total_completion_tokens += len(outputs)  # one output per token appended
         return outputs
 
     def _fail(self, req: Request, error: Exception) -> None:
@@ -405,6 +427,24 @@ class LLMEngine:
                 return
             if plan.command == "step":
                 self._run_step(plan, sampling)
+
+
+def _hints(rows: list[Request], first: int) -> tuple[bool, bool, bool, list[tuple[int, Request]]]:
+    """Over requests sampled from rows first, first + 1, ...: (every one greedy, any with top-k, any with top-p,
+    the (row, request) of those with min_tokens). A request already finished (failed while being bound) is left
+    out: its row's token is dropped."""
+    greedy_only, any_top_k, any_top_p, with_min = True, False, False, []
+    for i, req in enumerate(rows, first):
+        if req.finish_reason is not None:
+            continue
+        p = req.params
+        if not p.greedy:
+            greedy_only = False
+            any_top_k |= p.top_k > 0
+            any_top_p |= p.top_p < 1.0
+        if p.min_tokens:
+            with_min.append((i, req))
+    return greedy_only, any_top_k, any_top_p, with_min
 
 
 def _send(plan: StepPlan, sampling: SamplingStep | None = None) -> None:

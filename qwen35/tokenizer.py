@@ -258,6 +258,14 @@ class Tokenizer:
         # byte-level BPE (Qwen, Llama 3) maps every byte to a printable char; SentencePiece-style vocabularies
         # (Llama 2) spell spaces as U+2581 and unknown bytes as <0xHH> tokens
         self._byte_level = type(hf.decoder).__name__ == "ByteLevel"
+        # filled as tokens are first met, or all at once (warm_detokenizer; safe to share between threads under the
+        # GIL): a token's bytes, and for IncrementalDetokenizer, indexed by token id, its text where its bytes
+        # decode whole on their own, else False (None: not worked out yet); one list for each skip_special_tokens
+        # (specials: "" when skipped). A list rather than a dict: one memory access fewer per streamed token.
+        self._bytes: dict[int, bytes] = {}
+        n = max(self.num_real_tokens, max(added, default=-1) + 1)
+        self._clean: tuple[list[str | bool | None], list[str | bool | None]] = ([None] * n, [None] * n)
+        self._warm = False
 
     def encode(self, text: str) -> list[int]:
         # encode_batch, not encode: the Rust encode() holds the GIL for the whole call (seconds for a prompt of
@@ -272,6 +280,52 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """Raw bytes of one token (b"" for ids with no token, e.g. logits padding)."""
+        data = self._bytes.get(token_id)
+        if data is None:
+            data = self._bytes[token_id] = self._token_bytes(token_id)
+        return data
+
+    def clean_text(self, token_id: int, skip_special_tokens: bool) -> str | None:
+        """The text of a token whose bytes decode whole on their own (an incremental UTF-8 decoder with nothing
+        pending emits it and keeps nothing pending; invalid bytes are U+FFFD); None for a token that ends inside
+        a character. "" for a special token when they are skipped."""
+        clean = self._clean[skip_special_tokens]
+        known = 0 <= token_id < len(clean)
+        text = clean[token_id] if known else None
+        if text is None:
+            data = b"" if skip_special_tokens and token_id in self.special_ids else self.token_bytes(token_id)
+            text, used = codecs.utf_8_decode(data, "replace", False)
+            text = text if used == len(data) else False
+            if known:
+                clean[token_id] = text
+        return text if text is not False else None
+
+    def warm_detokenizer(self) -> None:
+        """Fill clean_text's maps for the whole vocabulary at once (about 0.4 s for Qwen's 248K tokens), so that
+        no token is looked up for the first time while requests stream. Once per tokenizer."""
+        if self._warm:
+            return
+        self._warm = True
+        if self._byte_level:  # a token's chars are its bytes, one each: a translation, not a generator per token
+            table = str.maketrans({c: chr(b) for c, b in CHAR_TO_BYTE.items()})
+            alphabet = frozenset(CHAR_TO_BYTE)
+            items = [(i, t.translate(table).encode("latin-1")) for t, i in self.hf.get_vocab(False).items()
+                     if alphabet.issuperset(t)]  # (any other is left to token_bytes, when met)
+        else:
+            items = [(i, self._token_bytes(i)) for i in range(self.hf.get_vocab_size(with_added_tokens=False))]
+        items += self._added_bytes.items()
+        keep, skip = self._clean[False], self._clean[True]
+        decode, n = codecs.utf_8_decode, len(keep)
+        for i, data in items:
+            if 0 <= i < n:
+                text, used = decode(data, "replace", False)
+                keep[i] = text if used == len(data) else False
+        skip[:] = keep
+        for i in self.special_ids:
+            if 0 <= i < n:
+                skip[i] = ""
+
+    def _token_bytes(self, token_id: int) -> bytes:
         if token_id in self._added_bytes:
             return self._added_bytes[token_id]
         token = self.hf.id_to_token(token_id)
@@ -361,14 +415,22 @@ class IncrementalDetokenizer:
     incomplete tail until it completes (never emitting U+FFFD for it), which makes each call
     O(new tokens) with no re-decoding window.  Bytes that can never form valid UTF-8 become
     U+FFFD exactly as `Tokenizer.decode` renders them.
+
+    The decoder is codecs' buffered UTF-8 decoder (errors "replace") written out: the pending bytes, and
+    utf_8_decode over pending + new bytes. With nothing pending, a token whose bytes decode whole on their own
+    (most tokens) gives its cached text (Tokenizer.clean_text): no bytes are joined or decoded per token.
+    `keep_text=False` (the engine, whose request records keep the text) keeps no `text`.
     """
 
+    __slots__ = ("tokenizer", "skip_special_tokens", "_clean", "_pending", "_pieces")
+
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, keep_text: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._pieces: list[str] = []
+        self._clean = tokenizer._clean[skip_special_tokens]
+        self._pending = b""  # the bytes of an unfinished character
+        self._pieces: list[str] | None = [] if keep_text else None
         self._seed_with_prompt_tail(prompt_ids or ())
 
     def _seed_with_prompt_tail(self, prompt_ids: Sequence[int]) -> None:
@@ -379,27 +441,46 @@ class IncrementalDetokenizer:
             tail = self.tokenizer.token_bytes(token_id) + tail
             if len(tail) >= 4:
                 break
-        self._decoder.decode(tail)
+        self._decode(tail)
+
+    def _decode(self, data: bytes, final: bool = False) -> str:
+        data = self._pending + data
+        text, used = codecs.utf_8_decode(data, "replace", final)
+        self._pending = data[used:]
+        return text
 
     def add(self, token_ids: Iterable[int] | int) -> str:
         if isinstance(token_ids, int):
+            if not self._pending:
+                try:
+                    delta = self._clean[token_ids] if token_ids >= 0 else None
+                except IndexError:
+                    delta = None
+                if not delta:  # not the common case (a token met before, with text of its own)
+                    delta = self.tokenizer.clean_text(token_ids, self.skip_special_tokens)
+                if delta is not None:
+                    if delta and self._pieces is not None:
+                        self._pieces.append(delta)
+                    return delta
             token_ids = (token_ids,)
         skip = self.tokenizer.special_ids if self.skip_special_tokens else ()
-        data = b"".join(self.tokenizer.token_bytes(t) for t in token_ids if t not in skip)
-        delta = self._decoder.decode(data)
-        if delta:
+        delta = self._decode(b"".join(self.tokenizer.token_bytes(t) for t in token_ids if t not in skip))
+        if delta and self._pieces is not None:
             self._pieces.append(delta)
         return delta
 
     def flush(self) -> str:
         """End of stream: an unfinished character is rendered as U+FFFD, as decode() would."""
-        delta = self._decoder.decode(b"", final=True)
-        if delta:
+        delta = self._decode(b"", final=True)
+        if delta and self._pieces is not None:
             self._pieces.append(delta)
         return delta
 
     @property
     def text(self) -> str:
+        """Everything added so far (not with keep_text=False)."""
+        if self._pieces is None:
+            raise AttributeError("made with keep_text=False: the text is not kept")
         if len(self._pieces) > 1:
             self._pieces[:] = ["".join(self._pieces)]  # amortised: joins only new pieces once
         return self._pieces[0] if self._pieces else ""

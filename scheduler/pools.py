@@ -31,11 +31,16 @@ class IdPool:
         return ids
 
     def free(self, ids: list[int]) -> None:
+        used = self._used
+        if len(ids) == 1 and ids[0] in used:  # the common case
+            used.remove(ids[0])
+            self._free.append(ids[0])
+            return
         for i in ids:
             # a double free would hand one id to two requests: fail loudly instead
-            if i not in self._used:
+            if i not in used:
                 raise RuntimeError(f"{self.name} pool: id {i} freed but not allocated")
-            self._used.remove(i)
+            used.remove(i)
             self._free.append(i)
 
 

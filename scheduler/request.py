@@ -22,7 +22,7 @@ class RequestStatus(enum.Enum):
     RELEASED = "released"    # out of the scheduler (all its tokens scheduled, or it ended): holds nothing
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request (deltas), as streamed to the caller."""
     request_id: str
@@ -35,17 +35,54 @@ class RequestOutput:
     error: str | None = None     # why, when finish_reason is "error"
 
 
-@dataclass(eq=False)
+_STOP_SETS: dict[tuple[int, ...], frozenset] = {}
+
+
+def _stop_set(ids: tuple[int, ...]) -> frozenset:
+    """One set object per distinct stop ids (most requests share the model's): fewer objects read per token."""
+    found = _STOP_SETS.get(ids)
+    if found is None:
+        found = frozenset(ids)
+        if len(_STOP_SETS) < 1024:
+            _STOP_SETS[ids] = found
+    return found
+
+
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()   # the model's; params.stop_token_ids replaces them
     detokenizer: object = None            # incremental: add(token_id) -> new text, flush() -> the rest
+    # ---- output (the postprocess's) ----------------------------------------------------------------------------
+    # (the fields a token is taken with come first, and next to each other: fewer cache lines read per token)
+    output_ids: list[int] = field(default_factory=list)  # completion tokens received from the device
+    finish_reason: str | None = None
+    # set in __post_init__: the parameters read per token, kept here rather than behind self.params (validated
+    # values, not changed later), and the text: what outputs carried already (pieces, joined when read) and what
+    # follows it (held back, or not taken yet); stop strings are searched in the latter only, which holds every
+    # character a new match can use
+    _stop_set: frozenset = field(init=False, repr=False)
+    _stops: tuple[str, ...] = field(init=False, repr=False)
+    _max_tokens: int = field(init=False, repr=False)
+    _unsent: str = field(init=False, repr=False)
+    _sent: list[str] = field(init=False, repr=False)
+    _sent_tokens: int = field(init=False, repr=False)
+    _num_prompt: int = field(init=False, repr=False)
+    _min_tokens: int = field(init=False, repr=False)
+    _hold: int = field(init=False, repr=False)
+    _sent_chars: int = field(init=False, repr=False)  # (kept with stop strings only: what _cut_at_stop_string needs)
+    _checked: int = field(init=False, repr=False)     # text length already searched for stop strings
+    stop_token_ids: tuple[int, ...] = field(init=False, repr=False)
+    error: str | None = None
     # ---- scheduling (the scheduler's) --------------------------------------------------------------------------
     status: RequestStatus = RequestStatus.WAITING
-    num_computed: int = 0       # tokens written, or scheduled to be written, into its KV blocks and DeltaNet state
-    num_scheduled: int = 0      # completion tokens scheduled to be sampled (the last may still be on the device)
+    # num_computed and num_scheduled (properties below) are these plus the steps its decode batch has taken
+    _computed: int = field(default=0, init=False, repr=False)
+    _scheduled: int = field(default=0, init=False, repr=False)
+    _batch: object = field(default=None, init=False, repr=False)
+    admission_no: int = field(default=-1, init=False, repr=False)  # admitted as the scheduler's n-th request
     state_slot: int | None = None
     block_ids: list[int] = field(default_factory=list)  # every block it may need, reserved at admission
     # prefix cache (scheduler/prefix_cache.py): the chain of cached blocks this request is on (the root, then a node
@@ -54,22 +91,62 @@ class Request:
     cache_path: list = field(default_factory=list)
     num_shared_blocks: int = 0
     snapshots: list[tuple[int, bool]] = field(default_factory=list)
-    # ---- output (the postprocess's) ----------------------------------------------------------------------------
-    output_ids: list[int] = field(default_factory=list)  # completion tokens received from the device
-    text: str = ""
-    finish_reason: str | None = None
-    error: str | None = None
 
     def __post_init__(self):
-        ids = self.eos_token_ids if self.params.stop_token_ids is None else self.params.stop_token_ids
+        params = self.params
+        ids = self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         # ignore_eos disables stop tokens only (benchmarks fix output lengths); stop strings still apply
-        self.stop_token_ids: tuple[int, ...] = () if self.params.ignore_eos else tuple(dict.fromkeys(ids))
-        self._hold = max((len(s) for s in self.params.stop), default=1) - 1
-        self._checked = 0       # text length already searched for stop strings
-        self._sent_chars = 0
-        self._sent_tokens = 0
+        self.stop_token_ids = () if params.ignore_eos else tuple(dict.fromkeys(ids))
+        self._hold = max((len(s) for s in params.stop), default=1) - 1
+        self._stop_set = _stop_set(self.stop_token_ids)
+        self._stops = tuple(params.stop)
+        self._min_tokens, self._max_tokens = params.min_tokens, params.max_tokens
+        self._sent, self._sent_chars, self._unsent = [], 0, ""
+        self._checked = self._sent_tokens = 0
+        self._num_prompt = len(self.prompt_ids)  # (the prompt is not changed once here)
 
     # ---- scheduling views -----------------------------------------------------------------------------------
+    # Once its prefill is scheduled, the scheduler moves it on by one token per step together with every other
+    # decoding request (its DecodeBatch, an object with a `steps` count): these two counts are then the values
+    # stored here plus the steps that batch has taken since this request joined it, so that a step touches no
+    # request.
+    @property
+    def num_computed(self) -> int:
+        """Tokens written, or scheduled to be written, into its KV blocks and DeltaNet state."""
+        b = self._batch
+        return self._computed if b is None else self._computed + b.steps
+
+    @num_computed.setter
+    def num_computed(self, value: int) -> None:
+        b = self._batch
+        self._computed = value if b is None else value - b.steps
+
+    @property
+    def num_scheduled(self) -> int:
+        """Completion tokens scheduled to be sampled (the last may still be on the device)."""
+        b = self._batch
+        return self._scheduled if b is None else self._scheduled + b.steps
+
+    @num_scheduled.setter
+    def num_scheduled(self, value: int) -> None:
+        b = self._batch
+        self._scheduled = value if b is None else value - b.steps
+
+    def join_batch(self, batch) -> None:
+        """From now on the counts also move with `batch.steps` (from its value now)."""
+        self.leave_batch()
+        self._computed -= batch.steps
+        self._scheduled -= batch.steps
+        self._batch = batch
+
+    def leave_batch(self) -> None:
+        """The counts stop moving with the batch (they keep their values)."""
+        b = self._batch
+        if b is not None:
+            self._computed += b.steps
+            self._scheduled += b.steps
+            self._batch = None
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
@@ -93,33 +170,68 @@ class Request:
         return self.stop_token_ids if num_before < self.params.min_tokens else ()
 
     # ---- output -----------------------------------------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        """The completion's text so far (a stop string and what follows it removed)."""
+        sent = self._sent
+        if len(sent) > 1:
+            sent[:] = ["".join(sent)]  # amortised: joins only new pieces once
+        return (sent[0] if sent else "") + self._unsent
+
     def append_token(self, token_id: int) -> None:
         """Add one sampled token; sets finish_reason when the request is done."""
-        assert not self.is_finished
-        self.output_ids.append(token_id)
-        n = len(self.output_ids)
-        if token_id in self.stop_token_ids and n > self.params.min_tokens:
+        assert self.finish_reason is None
+        out = self.output_ids
+        out.append(token_id)
+        n = len(out)
+        if token_id in self._stop_set and n > self._min_tokens:
             self._finish("stop")
             return
-        self.text += self.detokenizer.add(token_id)
-        if self.params.stop and n >= self.params.min_tokens and self._cut_at_stop_string():
-            self.finish_reason = "stop"
-            return
-        self._checked = len(self.text)
-        if n >= self.params.max_tokens:
+        delta = self.detokenizer.add(token_id)
+        if delta:
+            self._unsent += delta
+        if self._stops:
+            if n >= self._min_tokens and self._cut_at_stop_string():
+                self.finish_reason = "stop"
+                return
+            self._checked = self._sent_chars + len(self._unsent)
+        if n >= self._max_tokens:
             self._finish("length")
 
+    def take_token(self, token_id: int) -> RequestOutput:
+        """append_token, then take_output: the engine's postprocess, one call per request and step. A request with
+        no stop strings (nothing held back) that does not stop on this token takes a short way there."""
+        out = self.output_ids
+        if self._stops or self.finish_reason is not None or token_id in self._stop_set:
+            self.append_token(token_id)
+            return self.take_output()
+        out.append(token_id)
+        text = self.detokenizer.add(token_id)
+        n = len(out)
+        reason = None
+        if n >= self._max_tokens:
+            text += self.detokenizer.flush()
+            self.finish_reason = reason = "length"
+        if self._unsent:  # appended before without an output taken
+            text, self._unsent = self._unsent + text, ""
+        if text:
+            self._sent.append(text)  # (_sent_chars is read with stop strings only)
+        new, self._sent_tokens = out[self._sent_tokens:], n
+        return RequestOutput(self.request_id, text, new, reason is not None, reason, self._num_prompt, n, None)
+
     def _cut_at_stop_string(self) -> bool:
-        # a new match must end in text added since the last check, so it starts at most _hold chars before it
-        start = max(0, self._checked - self._hold)
-        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        # a new match must end in text added since the last check, so it starts at most _hold chars before it; that
+        # is never in text already sent (at most len - _hold characters are sent while a request runs)
+        start = max(0, self._checked - self._hold - self._sent_chars)
+        unsent = self._unsent
+        hits = [i for i in (unsent.find(s, start) for s in self._stops) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            self._unsent = unsent[:min(hits)]
         return bool(hits)
 
     def _finish(self, reason: str) -> None:
         # an unfinished UTF-8 character at the end renders as U+FFFD, as a full decode() shows it
-        self.text += self.detokenizer.flush()
+        self._unsent += self.detokenizer.flush()
         self.finish_reason = reason
 
     def abort(self) -> None:
@@ -127,17 +239,26 @@ class Request:
 
     def fail(self, error: Exception) -> None:
         """End the request with an error of its own; the text already sent stands, held-back text is dropped."""
-        self.text = self.text[:self._sent_chars]
+        self._unsent = ""
         self.finish_reason, self.error = "error", f"{type(error).__name__}: {error}"
 
     def take_output(self) -> RequestOutput:
         """The delta since the previous call."""
-        done = self.is_finished
-        end = len(self.text) if done else max(self._sent_chars, len(self.text) - self._hold)
-        text, self._sent_chars = self.text[self._sent_chars:end], end
-        ids, self._sent_tokens = self.output_ids[self._sent_tokens:], len(self.output_ids)
-        return RequestOutput(self.request_id, text, ids, done, self.finish_reason, len(self.prompt_ids),
-                             len(self.output_ids), self.error)
+        reason = self.finish_reason
+        text = self._unsent
+        if reason is None and self._hold:  # the last _hold characters wait: a stop string may start in them
+            keep = len(text) - self._hold
+            text, self._unsent = (text[:keep], text[keep:]) if keep > 0 else ("", text)
+        else:
+            self._unsent = ""
+        if text:
+            self._sent.append(text)
+            self._sent_chars += len(text)
+        ids = self.output_ids
+        n = len(ids)
+        new, self._sent_tokens = ids[self._sent_tokens:], n
+        return RequestOutput(self.request_id, text, new, reason is not None, reason, len(self.prompt_ids), n,
+                             self.error)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,73 @@ class ScheduledStep:
     sampled: list[Request] = field(default_factory=list)   # the requests of the logits rows, in row order
     admitted: list[Request] = field(default_factory=list)  # admitted in this step
     num_prompt_tokens: int = 0                              # prompt tokens fed (prefill chunks)
+    # the step's first rows when they are the decode batch's: its list of requests at this step, never changed
+    # (DecodeBatch); one list object for as long as the batch keeps its members, so that what is worked out once
+    # for its requests (the engine's sampling hints) can be kept beside it
+    decode_rows: list[Request] | None = None
+    joining: list[Request] = field(default_factory=list)   # whose prefill ends in this step: they decode from the next
+
+
+NEVER = 1 << 62
+
+
+class DecodeBatch:
+    """The decode rows of the running requests that decode, in admission order (as the rows of a step list them),
+    kept from step to step: a step takes these lists as they are (copies, when rows follow them), adds its number to
+    the start positions and counts itself in `steps`, which moves every member's num_computed and num_scheduled on
+    by one (Request.join_batch) without touching the requests. A request joins when its prefill is scheduled to
+    end and leaves when it is freed.
+
+    A list here is never written once made: joining and leaving make new ones, so that a plan (or a step's rows)
+    holding them stays as it was built. The rows share one empty list for their tokens (fed from the device) and
+    their block tables (kept)."""
+
+    def __init__(self):
+        self.reqs: list[Request] = []
+        self.order: list[int] = []      # admission numbers, ascending
+        self.slots: list[int] = []
+        self.start: list[int] = []      # each one's num_computed less `steps`
+        self.empty: list[list[int]] = []
+        self.want: list[bool] = []
+        self._none: list[int] = []
+        self.steps = 0                  # steps taken
+        self.ends_at = NEVER            # no member has all its tokens scheduled before `steps` reaches this
+
+    def join(self, reqs: list[Request]) -> None:
+        """Requests whose prefill is scheduled to end (not members, none prefilling after the step being built)."""
+        k = self.steps
+        new = {"reqs": reqs, "order": [r.admission_no for r in reqs], "slots": [r.state_slot for r in reqs],
+               "start": [r.num_computed - k for r in reqs], "empty": [self._none] * len(reqs),
+               "want": [True] * len(reqs)}
+        self.ends_at = min(self.ends_at, k + min(r.params.max_tokens - r.num_scheduled for r in reqs))
+        for r in reqs:
+            r.join_batch(self)
+        if self.order and min(new["order"]) < self.order[-1]:  # not all behind the members: merge by admission
+            order = self.order + new["order"]
+            at = sorted(range(len(order)), key=order.__getitem__)
+            for name, value in new.items():
+                both = getattr(self, name) + value
+                setattr(self, name, [both[i] for i in at])
+        else:
+            for name, value in new.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def leave(self, reqs: list[Request]) -> None:
+        if len(reqs) == 1:
+            i = self.reqs.index(reqs[0])
+            cut = lambda old: old[:i] + old[i + 1:]  # noqa: E731
+        else:
+            gone = set(reqs)
+            keep = [i for i, r in enumerate(self.reqs) if r not in gone]
+            cut = lambda old: [old[i] for i in keep]  # noqa: E731
+        for req in reqs:
+            req.leave_batch()
+        for name in ("reqs", "order", "slots", "start", "empty", "want"):
+            setattr(self, name, cut(getattr(self, name)))
+
+    def next_end(self) -> None:
+        """ends_at for the members now (after a step that may have ended some)."""
+        self.ends_at = self.steps + min((r.params.max_tokens - r.num_scheduled for r in self.reqs), default=NEVER)
 
 
 class Scheduler:
@@ -73,6 +140,11 @@ class Scheduler:
         # must wait for the forward of the plan being built (they go to the plan after it)
         self._copies: tuple[list, list] = ([], [])
         self._later: tuple[list, list] = ([], [])
+        # the running requests that decode (their rows, kept from step to step), and those that prefill, each in
+        # admission order
+        self._decode = DecodeBatch()
+        self._prefilling: list[Request] = []
+        self._admissions = 0
 
     # ---- admission -------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -112,6 +184,9 @@ class Scheduler:
                     self._copies[1].append((snap.block, req.block_ids[shared]))
             req.snapshots = self._snapshot_positions(req, hit)
         self.running.append(req)
+        self._prefilling.append(req)  # (at least one prompt token is left to feed: a hit stops short of the end)
+        req.admission_no = self._admissions
+        self._admissions += 1
         return req
 
     def _reserve(self, req: Request, hit: Match, now: int) -> bool:
@@ -215,14 +290,16 @@ class Scheduler:
         """The next step's plan; every token in it counts as computed from now on."""
         self.step_no += 1
         step, budget = ScheduledStep(StepPlan()), self.max_num_batched_tokens
-        for req in self.running:
-            if not req.is_prefilling:
-                self._add_row(step, req, [], [])
-                budget -= 1
-        for req in self.running:
-            if req.is_prefilling and budget > 0:
-                budget -= self._add_chunk(step, req, budget, [])
-        while budget > 0:
+        decode = self._decode
+        n = len(decode.reqs)
+        if n:  # the decoding requests' rows, as the step before left them, moved on by one
+            self._add_decode_rows(step, decode, shared=not self._prefilling and not self.waiting)
+            budget -= n
+        for req in list(self._prefilling):  # oldest first
+            if budget <= 0:
+                break
+            budget -= self._add_chunk(step, req, budget, [])
+        while budget > 0 and self.waiting:
             req = self._admit()
             if req is None:
                 break
@@ -231,10 +308,35 @@ class Scheduler:
         if step.plan.num_seqs:  # copies travel with a plan that runs; the later ones with the plan after it
             step.plan.copy_states, step.plan.copy_blocks = self._copies
             self._copies, self._later = self._later, ([], [])
-        for req in step.sampled:
-            if req.num_scheduled == req.params.max_tokens:
-                self.free(req)
+        if step.joining:
+            decode.join(step.joining)
+        # requests whose last token this step schedules: the decode rows' only once one of them can be
+        sampled = step.sampled
+        check = sampled if n and decode.steps >= decode.ends_at else sampled[n:]
+        ended = [r for r in check if r.num_scheduled == r.params.max_tokens]
+        if ended:
+            self.free(*ended)
+        if n and decode.steps >= decode.ends_at:
+            decode.next_end()
         return step
+
+    @staticmethod
+    def _add_decode_rows(step: ScheduledStep, decode: DecodeBatch, shared: bool) -> None:
+        """The rows _add_row would give every member of `decode`: its own lists when no row follows them (`shared`),
+        else copies for the rows to be appended to."""
+        plan, reqs = step.plan, decode.reqs
+        step.decode_rows = reqs
+        if shared:
+            step.rows = step.sampled = reqs
+            plan.state_slots, plan.token_ids = decode.slots, decode.empty
+            plan.block_tables, plan.want_logits = decode.empty, decode.want
+        else:
+            step.rows, step.sampled = reqs.copy(), reqs.copy()
+            plan.state_slots, plan.token_ids = decode.slots.copy(), decode.empty.copy()
+            plan.block_tables, plan.want_logits = decode.empty.copy(), decode.want.copy()
+        k = decode.steps
+        plan.start_pos = [p + k for p in decode.start]
+        decode.steps = k + 1  # every member's num_computed and num_scheduled one up
 
     def _add_chunk(self, step: ScheduledStep, req: Request, budget: int, table: list[int]) -> int:
         start = req.num_computed
@@ -248,6 +350,9 @@ class Scheduler:
         row = step.plan.num_seqs
         self._add_row(step, req, req.prompt_ids[start:end], table)
         step.num_prompt_tokens += end - start
+        if end == req.num_prompt_tokens:  # its prefill ends with this row: from the next step on it decodes
+            self._prefilling.remove(req)
+            step.joining.append(req)
         if self.cache:
             self._extend(req, req.prompt_ids, end)
             # a checkpoint of this row, unless it is one token on a state (that row runs the decode op): a copy
@@ -276,20 +381,38 @@ class Scheduler:
             step.sampled.append(req)
 
     # ---- leaving ---------------------------------------------------------------------------------------------
-    def free(self, req: Request) -> None:
-        """Take a request out of the scheduler wherever it is and return what it holds (nothing twice). One that
-        ended on a stop (finish_reason "stop") is first snapshotted after what it fed, for a resent conversation."""
-        if req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
-        elif req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-            kept = self._snapshot_reply(req) if self.cache and req.finish_reason == "stop" else None
-            self.slots.free([req.state_slot])
-            self.blocks.free([b for k, b in enumerate(req.block_ids) if b != kept and not self._is_cached(req, k)])
-            if req.cache_path:
-                self.cache.release(req.cache_path[-1])
-            req.state_slot, req.block_ids, req.cache_path, req.snapshots = None, [], [], []
-        req.status = RequestStatus.RELEASED
+    def free(self, *reqs: Request) -> None:
+        """Take requests out of the scheduler wherever they are and return what they hold (nothing twice), one after
+        the other. One that ended on a stop (finish_reason "stop") is first snapshotted after what it fed, for a
+        resent conversation."""
+        running = [r for r in reqs if r.status is RequestStatus.RUNNING]
+        if len(running) == 1:
+            self.running.remove(running[0])
+        elif running:
+            gone = set(running)
+            self.running = [r for r in self.running if r not in gone]
+        prefilling = [r for r in running if r.is_prefilling]
+        for req in prefilling:
+            self._prefilling.remove(req)
+        if len(prefilling) < len(running):
+            self._decode.leave([r for r in running if r not in prefilling] if prefilling else running)
+        slots, cache = [], self.cache
+        for req in reqs:
+            if req.status is RequestStatus.WAITING:
+                self.waiting.remove(req)
+            elif req.status is RequestStatus.RUNNING:
+                kept = self._snapshot_reply(req) if cache and req.finish_reason == "stop" else None
+                slots.append(req.state_slot)  # (admission alone takes slots: freed together, in this order)
+                # its blocks but those of its cached chain (block k is the chain's node k + 1) and the one kept
+                path = req.cache_path
+                self.blocks.free([b for k, b in enumerate(req.block_ids)
+                                  if b != kept and not (k + 1 < len(path) and path[k + 1].block == b)])
+                if path:
+                    cache.release(path[-1])
+                req.state_slot, req.block_ids, req.cache_path, req.snapshots = None, [], [], []
+            req.status = RequestStatus.RELEASED
+        if slots:
+            self.slots.free(slots)
 
     def drop_cache(self) -> None:
         """Evict every snapshot, between steps (their blocks go back to the pool with them). Copies still pending

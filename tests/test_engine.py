@@ -455,14 +455,14 @@ def test_a_failing_request_fails_alone(engine, hf_tokens, monkeypatch):
     output handling) ends that request with finish_reason "error" and frees it; the others go on as if it were not
     there, and the engine keeps serving."""
     broken = SamplingParams(temperature=1.0, max_tokens=8)
-    append = Request.append_token
+    take = Request.take_token  # the postprocess's one call per token: append_token, then take_output
 
-    def append_or_fail(self, token_id):
+    def take_or_fail(self, token_id):
         if self.request_id == "broken-output":
             raise UnicodeError("the detokenizer broke")
-        append(self, token_id)
+        return take(self, token_id)
 
-    monkeypatch.setattr(Request, "append_token", append_or_fail)
+    monkeypatch.setattr(Request, "take_token", take_or_fail)
     reqs = [("ok", PROMPTS[0], GREEDY), ("broken-sampling", PROMPTS[1], broken),
             ("broken-output", PROMPTS[5], SamplingParams(max_tokens=8)), ("ok3", PROMPTS[3], GREEDY)]
     done = run_broken(engine, reqs, lambda: setattr(broken, "top_p", "0.9"))  # torch refuses it in the step

@@ -1,0 +1,72 @@
+"""Host time per decode step outside the forward (issue #10), on any machine: the `cpu_ms` of `qwen35.bench --mode
+record` (profile_steps: the engine's own timers, LLMEngine.times) without a GPU, for a model that runs anywhere.
+
+    python -m qwen35.host_time [--model tiny] [--batch-sizes 1,8,64] [--steps 200] [--reps 3] [--forward real|none|sleep]
+
+Per batch size: `batch` requests of 16 random prompt tokens, greedy, ignore_eos, max_tokens steps + 1; the prefill
+steps are not timed, then every decode step until all have finished is (as the record mode does it). The best of
+--reps runs is printed (the host is shared; the least disturbed run is the most telling). `--forward real` runs the
+model (torch kernels: the forward's own work on this CPU evicts the host's data from the caches between steps);
+`none` replaces the forward and sampling by random tokens (what the engine times is unchanged: the forward is not
+in cpu_ms), the host's work alone with warm caches; `sleep` is `none` after a sleep of --sleep-ms, as a host that
+waits for a GPU sees it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from dist import parallel
+from qwen35.bench import _ints, profile_steps
+from qwen35.engine import EngineArgs, LLMEngine
+
+
+def stub_forward(engine: LLMEngine, sleep_s: float = 0.0, seed: int = 0) -> None:
+    """The engine's forward and sampling replaced by random tokens (ids 1000..49999, as ordinary text would give),
+    after a sleep of `sleep_s`."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def run_step(plan, sampling):
+        if sleep_s:
+            time.sleep(sleep_s)
+        n = sum(plan.want_logits)
+        return torch.randint(1000, 50000, (n,), generator=gen) if n else None
+
+    engine._run_step = run_step
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--batch-sizes", default="1,8,64")
+    ap.add_argument("--steps", type=int, default=200, help="decode steps timed per run")
+    ap.add_argument("--reps", type=int, default=3, help="runs per batch size (the best is reported)")
+    ap.add_argument("--forward", choices=["real", "none", "sleep"], default="real")
+    ap.add_argument("--sleep-ms", type=float, default=10.0, help="--forward sleep: the forward's stand-in")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    parallel.init_distributed("cpu")
+    sizes = _ints(args.batch_sizes)
+    engine = LLMEngine(EngineArgs(model=args.model, device="cpu", max_num_seqs=max(sizes), max_model_len=1024))
+    if args.forward != "real":
+        stub_forward(engine, args.sleep_ms / 1e3 if args.forward == "sleep" else 0.0)
+    rng = random.Random(0)
+    profile_steps(engine, min(8, max(sizes)), 16, 16, rng)  # warm-up: first-use costs stay out
+    rows = []
+    for b in sizes:
+        runs = [profile_steps(engine, b, 16, args.steps, rng) for _ in range(args.reps)]
+        best = min(runs, key=lambda r: r["cpu_ms"])
+        rows.append({"batch": b, "cpu_ms": round(best["cpu_ms"], 4), "steps": best["steps"],
+                     "runs_cpu_ms": [round(r["cpu_ms"], 4) for r in runs]})
+        print(json.dumps(rows[-1]), flush=True)
+    engine.shutdown()
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The host side of a decode step (issue #10): what is kept from step to step must equal what would be built fresh.
+
+- the scheduler's decode batch (scheduler.DecodeBatch: the decoding requests' rows kept across steps, their counts
+  moved by one number) against the same scheduler building every row with _add_row, as it did before, on random
+  workloads in lockstep: every plan, every row's request, every count and every pool the same;
+- the engine's sampling hints kept with the decode rows against hints worked out from every row;
+- the postprocess's one call per token (Request.take_token) against append_token + take_output;
+- the detokenizer's table of token texts filled at once against the one filled as tokens come.
+"""
+import random
+
+import pytest
+
+from qwen35.sampling_params import SamplingParams
+from qwen35.tokenizer import BYTE_TO_CHAR, IncrementalDetokenizer, load_tokenizer
+from scheduler.plan import StepPlan
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler, ScheduledStep
+
+from test_scheduler import Sim, assert_pools_full
+
+
+class GeneralPath(Scheduler):
+    """The reference: every row of every step built by _add_row from the running list (the schedule before the
+    decode batch); the batch's membership is kept up to date, but its rows are never used."""
+
+    def schedule(self) -> ScheduledStep:
+        self.step_no += 1
+        step, budget = ScheduledStep(StepPlan()), self.max_num_batched_tokens
+        for req in self.running:
+            if not req.is_prefilling:
+                self._add_row(step, req, [], [])
+                budget -= 1
+        for req in self.running:
+            if req.is_prefilling and budget > 0:
+                budget -= self._add_chunk(step, req, budget, [])
+        while budget > 0:
+            req = self._admit()
+            if req is None:
+                break
+            step.admitted.append(req)
+            budget -= self._add_chunk(step, req, budget, req.block_ids)
+        if step.plan.num_seqs:
+            step.plan.copy_states, step.plan.copy_blocks = self._copies
+            self._copies, self._later = self._later, ([], [])
+        if step.joining:
+            self._decode.join(step.joining)
+        for req in step.sampled:
+            if req.num_scheduled == req.params.max_tokens:
+                self.free(req)
+        return step
+
+
+def state(s: Scheduler) -> tuple:
+    reqs = sorted([*s.running, *s.waiting], key=lambda r: r.request_id)
+    return ([(r.request_id, r.num_computed, r.num_scheduled, r.state_slot, r.block_ids, r.status) for r in reqs],
+            list(s.blocks._free), list(s.slots._free), [r.request_id for r in s.running],
+            (s.cache.hits, s.cache.hit_tokens, s.cache.num_blocks) if s.cache else None)
+
+
+def ids(reqs) -> list[str]:
+    return [r.request_id for r in reqs]
+
+
+@pytest.mark.parametrize("lag", [False, True])
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_batch_equals_rows_built_fresh(lag, cache, seed):
+    """Random arrivals (some while others decode, some in bursts), prompts that share prefixes, random lengths,
+    stops (with the overlap's lag) and aborts: the decode batch's plans are the reference's, step by step."""
+    rng = random.Random(seed)
+    sims = []
+    stops: dict[str, int] = {}
+    for cls in (Scheduler, GeneralPath):
+        s = cls(num_kv_blocks=80, block_size=4, num_state_slots=6, max_num_seqs=6, max_num_batched_tokens=24,
+                snapshot_slots=[6, 7, 8, 9] if cache else (), snapshot_interval=64 if cache else 0, chunk=4)
+        sims.append(Sim(s, lag=lag, stop_after=stops))
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randint(8, 20))] for _ in range(3)]
+    fast, ref = sims
+    n = 0
+    steady = 0  # steps whose rows were all the decode batch's, shared as they are
+    for _ in range(300):
+        r = rng.random()
+        if r < 0.12 or (r < 0.2 and not fast.live):
+            for _ in range(rng.choice([1, 1, 1, 4])):
+                prompt = rng.choice(prefixes)[:rng.randint(1, 20)] + [rng.randrange(1000) for _ in
+                                                                       range(rng.randint(0, 9))]
+                params = SamplingParams(max_tokens=rng.choice([1, 2, 5, 9, 20, 40]))
+                if rng.random() < 0.3:
+                    stops[f"r{n}"] = rng.randint(1, params.max_tokens)
+                for sim in sims:
+                    sim.add(Request(f"r{n}", list(prompt), params))
+                n += 1
+        elif r < 0.25 and fast.live:  # an abort, between steps
+            rid = rng.choice(sorted(fast.live))
+            for sim in sims:
+                req = sim.live.pop(rid)
+                req.finish_reason = "abort"
+                sim.s.free(req)
+                sim.ended_at[rid] = sim.step_no - 1  # (a row of it may still be in the step in flight)
+        if not fast.live:
+            continue
+        (plan_f, step_f), (plan_r, step_r) = fast.step(), ref.step()
+        assert plan_f == plan_r
+        assert ids(step_f.rows) == ids(step_r.rows) and ids(step_f.sampled) == ids(step_r.sampled)
+        assert ids(step_f.admitted) == ids(step_r.admitted)
+        assert step_f.num_prompt_tokens == step_r.num_prompt_tokens
+        assert state(fast.s) == state(ref.s)
+        if step_f.decode_rows is not None:
+            assert ids(step_f.decode_rows) == ids(step_f.rows[:len(step_f.decode_rows)])
+            steady += step_f.rows is step_f.decode_rows
+    for sim in sims:
+        sim.run()
+        if sim.s.cache:
+            sim.s.drop_cache()
+        assert_pools_full(sim.s)
+    assert fast.plans == ref.plans and steady > 20
+
+
+def test_decode_batch_keeps_its_plans_as_built():
+    """A plan shares the batch's lists: joining and leaving make new lists, so plans already built never change."""
+    s = Scheduler(num_kv_blocks=64, block_size=4, num_state_slots=4, max_num_seqs=4, max_num_batched_tokens=16)
+    sim = Sim(s, lag=True)
+    for i in range(3):
+        sim.add(Request(f"a{i}", [1, 2, 3], SamplingParams(max_tokens=6 + 3 * i)))
+    for _ in range(3):
+        sim.step()
+    kept = [(p, StepPlan(**{f: list(getattr(p, f)) for f in ("state_slots", "token_ids", "start_pos",
+                                                             "block_tables", "want_logits")})) for p in sim.plans]
+    sim.add(Request("late", [4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=3)))
+    sim.run()
+    for plan, copy in kept:
+        assert (plan.state_slots, plan.token_ids, plan.start_pos, plan.block_tables, plan.want_logits) == \
+               (copy.state_slots, copy.token_ids, copy.start_pos, copy.block_tables, copy.want_logits)
+    assert_pools_full(s)
+
+
+# ---- the engine's sampling hints ---------------------------------------------------------------------------------
+
+def test_sampling_hints_kept_with_the_decode_rows(tiny_dir, monkeypatch):
+    """Greedy, sampled (top-k, top-p) and min_tokens requests coming and going: every step's SamplingStep equals the
+    one worked out from all of its rows."""
+    from qwen35 import engine as engine_module
+    from qwen35.engine import EngineArgs, LLMEngine
+
+    eng = LLMEngine(EngineArgs(model=tiny_dir, max_num_seqs=6, max_model_len=128, max_num_batched_tokens=32,
+                               dtype="float32", device="cpu"))
+    steps = []
+    fresh = engine_module.LLMEngine._sampling_step
+
+    def checked(self, step, admitted):
+        got = fresh(self, step, admitted)
+        ref = fresh(self, ScheduledStep(step.plan, step.rows, step.sampled, step.admitted), admitted)
+        assert got == ref
+        steps.append(step.decode_rows is not None)
+        return got
+
+    monkeypatch.setattr(engine_module.LLMEngine, "_sampling_step", checked)
+    rng = random.Random(0)
+    kinds = [SamplingParams(max_tokens=12), SamplingParams(temperature=0.8, top_k=5, max_tokens=9, seed=1),
+             SamplingParams(temperature=1.0, top_p=0.9, max_tokens=7), SamplingParams(max_tokens=10, min_tokens=6),
+             SamplingParams(temperature=0.7, max_tokens=15, min_tokens=3, seed=2)]
+    n = 0
+    while n < 14 or eng.has_unfinished():
+        if n < 14 and rng.random() < 0.35:
+            eng.add_request(f"q{n}", [rng.randrange(1000, 5000) for _ in range(rng.randint(1, 20))],
+                            rng.choice(kinds))
+            n += 1
+        eng.step()
+    assert sum(steps) > 10 and not all(steps)
+
+
+# ---- the postprocess ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    return load_tokenizer(tiny_dir)
+
+
+def test_take_token_equals_append_then_take(tok):
+    """Random completions (plain text, split UTF-8 characters, special and stop tokens), random parameters (stop
+    strings, stop ids, min_tokens, max_tokens, ignore_eos): take_token gives the outputs and the record of
+    append_token followed by take_output."""
+    rng = random.Random(0)
+    words = tok.encode("The answer is 42. naïve 日本語 🙂 Q: what next? stop here\n")
+    split = [tok.token_to_id(BYTE_TO_CHAR[b]) for b in "語🙂".encode()]
+    eos = [248046, 248044]
+    for case in range(300):
+        ids = [rng.choice(words + split + eos + [248045]) for _ in range(rng.randint(1, 25))]
+        params = SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.3,
+                                stop=rng.choice([[], [], ["Q:"], ["語 🙂", "4"]]),
+                                stop_token_ids=rng.choice([None, None, [words[0]]]))
+        params.min_tokens = rng.randint(0, params.max_tokens) if rng.random() < 0.3 else 0
+        prompt = [rng.choice(words + split) for _ in range(3)]
+        a = Request("a", list(prompt), params, tuple(eos), IncrementalDetokenizer(tok, prompt))
+        b = Request("b", list(prompt), params, tuple(eos), IncrementalDetokenizer(tok, prompt))
+        for t in ids:
+            out_a = a.take_token(t)
+            b.append_token(t)
+            out_b = b.take_output()
+            out_b.request_id = "a"
+            assert out_a == out_b, (case, t)
+            assert (a.text, a.output_ids, a.finish_reason) == (b.text, b.output_ids, b.finish_reason)
+            if a.is_finished:
+                break
+
+
+def test_detokenizer_table_filled_at_once_equals_filled_as_met(tiny_dir):
+    warm, lazy = load_tokenizer(tiny_dir), load_tokenizer(tiny_dir)
+    warm.warm_detokenizer()
+    for skip in (False, True):
+        assert [warm.clean_text(i, skip) for i in range(warm.num_real_tokens + 3)] == \
+               [lazy.clean_text(i, skip) for i in range(lazy.num_real_tokens + 3)]
+    rng = random.Random(0)
+    ids = [rng.randrange(warm.num_real_tokens) for _ in range(3000)]
+    for skip in (False, True):
+        a, b = IncrementalDetokenizer(warm, skip_special_tokens=skip), IncrementalDetokenizer(lazy, skip_special_tokens=skip)
+        assert [a.add(i) for i in ids] == [b.add(i) for i in ids] and a.flush() == b.flush()
+        assert a.text == b.text
