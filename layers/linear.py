@@ -112,15 +112,18 @@ def linear_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.view(*x.shape[:-1], N)
 
 
-def fuse_rows(*linears: Linear, attr: str = "weight") -> torch.Tensor:
+def fuse_rows(*linears: Linear, attr: str = "weight", pad_rows_to: int = 1) -> torch.Tensor:
     """One [sum of outputs, in] weight (or with attr="bias" one [sum of outputs] bias) for linears that read the
-    same input, so one GEMM computes them all.
+    same input, so one GEMM computes them all. With pad_rows_to > 1 the buffer holds zero rows up to a multiple of
+    it after the last linear's, and the returned tensor is the leading [sum of outputs] rows of that buffer (see
+    moe.router_logits, which runs its GEMM over the padded rows).
 
     Each linear's parameter becomes a view of its rows of the fused tensor (same name, full_shape and shard), so the
     loader and the dummy initialiser still fill each one by its checkpoint name, and no memory is duplicated."""
     first = getattr(linears[0], attr)
     rows = sum(getattr(lin, attr).shape[0] for lin in linears)
-    fused = torch.empty(rows, *first.shape[1:], dtype=first.dtype, device=first.device)
+    padded = -(-rows // pad_rows_to) * pad_rows_to
+    fused = torch.zeros(padded, *first.shape[1:], dtype=first.dtype, device=first.device)[:rows]
     offset = 0
     for lin in linears:
         old = getattr(lin, attr)

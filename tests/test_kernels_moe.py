@@ -434,6 +434,22 @@ def test_sparse_moe_fast_equals_torch(T):
     assert max_diff(fast(x), want) <= TOL
 
 
+def test_router_logits_over_padded_rows():
+    """SparseMoE's router buffer is padded to a multiple of ROUTER_PAD_ROWS zero rows; router_logits runs its GEMM
+    over them and returns exactly F.linear's [T, E + 1] (same columns, one GEMM), as a view; a router without spare
+    rows (or not contiguous) takes the plain GEMM."""
+    m = build(moe.SparseMoE, "fast", tiny_cfg())
+    E1, H = m.router.shape
+    assert E1 == 9 and m.router.untyped_storage().nbytes() == 16 * H * m.router.element_size()
+    x = torch.randn(70, H, generator=torch.Generator().manual_seed(1))
+    got = moe.router_logits(x, m.router)
+    assert got.shape == (70, E1) and got.stride() == (16, 1)
+    assert max_diff(got, F.linear(x, m.router)) <= 1e-5
+    plain = torch.randn(E1, H)
+    assert moe.router_logits(x, plain).stride() == (E1, 1)
+    assert moe.router_logits(x, m.router.t().contiguous().t()).stride() == (E1, 1)
+
+
 @pytest.mark.parametrize("T,H,I", [(1, 32, 16), (7, 48, 40)])
 def test_mlp_fast_equals_torch(T, H, I):
     torch_mlp, fast_mlp = build(MLP, "torch", H, I), build(MLP, "fast", H, I)
