@@ -18,12 +18,11 @@ default).
 
 Then the decode tables (batches 1..64, us per layer from a CUDA graph; launches per layer counted eagerly with
 torch.profiler, memcpy/memset excluded):
-- before: router GEMM, route_fast, align_serial, gate_up, then down + combine in one kernel or two (5 or 6);
-- fused / split: moe_decode_fast (router GEMM, route_align_fast, gate_up, then down + combine in one kernel / in
-  two: 4 or 5); "moe_fast" says which one moe_fast takes here (the tuned table's choice, else
-  moe.DOWN_COMBINE_MAX_T);
-- the parts alone, on the same logits: route_fast + align_serial vs route_align_fast (the launch saved); router GEMM
-  + either vs the front kernel (which would fold the GEMM in too); down_combine vs down + combine;
+- fused / split: moe_decode_fast (router GEMM, route_fast, align_serial, gate_up, then down + combine in one kernel
+  / in two: 5 or 6); "moe_fast" says which one moe_fast takes here (the tuned table's choice, else
+  moe.DOWN_COMBINE_MAX_T); front: the front kernel in place of the first three (moe.USE_FRONT);
+- the parts alone: route_fast + align_serial; router GEMM + both vs the front kernel (which folds the GEMM in);
+  down_combine vs down + combine;
 - floor: the layer's bytes at the copy rate measured in the same run.
 """
 from __future__ import annotations
@@ -115,38 +114,34 @@ def layout_row(layer: Layer, T: int, gen: torch.Generator) -> dict:
 
 
 def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
-    """One decode batch: the whole layer before / fused / split, and the replaced parts alone (see the docstring)."""
+    """One decode batch: the whole layer fused / split / front, and its parts alone (see the docstring)."""
     x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     k, w, router = layer.top_k, layer.w, layer.router
     num_local, inter = w.gate_up.shape[0], w.down.shape[2]
     cfg = moe.moe_config(T, num_local, layer.hidden, inter, w.shared_down.shape[1], x.device)
-    logits = F.linear(x, router)
-    f = moe.route_align_fast(logits, k, w.start, num_local, cfg["BLOCK_M"])
-    act = moe.gate_up_fast(x, w, f.layout, cfg["gate_up"])
-
-    def route_align_was(logits):
-        return moe.align_serial(moe.route_fast(logits, k)[0], w.start, num_local, cfg["BLOCK_M"])
+    logits = moe.router_logits(x, router)
+    ids, weights, shared_gate = moe.route_fast(logits, k)
+    layout = moe.align_serial(ids, w.start, num_local, cfg["BLOCK_M"])
+    act = moe.gate_up_fast(x, w, layout, cfg["gate_up"])
 
     def route_align(logits):
-        return moe.route_align_fast(logits, k, w.start, num_local, cfg["BLOCK_M"])
+        return moe.align_serial(moe.route_fast(logits, k)[0], w.start, num_local, cfg["BLOCK_M"])
     whole = {
-        "before": lambda: moe.experts_fast(x, *moe.route_fast(F.linear(x, router), k), w),  # align_serial here
         "fused": lambda: moe.moe_decode_fast(x, router, k, w, down_combine=True),
         "split": lambda: moe.moe_decode_fast(x, router, k, w, down_combine=False),
+        "front": lambda: moe.moe_decode_fast(x, router, k, w, front=True),
     }
     parts = {
-        "route_align_was": lambda: route_align_was(logits),
         "route_align": lambda: route_align(logits),
-        "gemm_route_align_was": lambda: route_align_was(F.linear(x, router)),
-        "gemm_route_align": lambda: route_align(F.linear(x, router)),
-        "front": lambda: moe.front_fast(x, router, k, w.start, num_local, cfg["BLOCK_M"], cfg["front"]),
-        "down_before": lambda: moe.combine_fast(moe.down_fast(act, w, f.layout, f.weights, f.shared_gate,
-                                                              cfg["down"]), f.layout, T),
-        "down_combine": lambda: moe.down_combine_fast(act, w, f.layout, f.ids, f.weights, f.shared_gate,
+        "gemm_route_align": lambda: route_align(moe.router_logits(x, router)),
+        "front_only": lambda: moe.front_fast(x, router, k, w.start, num_local, cfg["BLOCK_M"], cfg["front"]),
+        "down_before": lambda: moe.combine_fast(moe.down_fast(act, w, layout, weights, shared_gate, cfg["down"]),
+                                                layout, T),
+        "down_combine": lambda: moe.down_combine_fast(act, w, layout, ids, weights, shared_gate,
                                                       cfg["down_combine"]),
     }
     row = {"batch": T, "moe_fast": "split" if cfg["down_combine"] is None else "fused",
-           "floor_us": layer.bytes(x, f.ids) / rate * 1e6}
+           "floor_us": layer.bytes(x, ids) / rate * 1e6}
     for name, fn in whole.items():
         row[f"{name}_launches"] = count_kernels(fn)  # eager first: compiles, and the front kernel's counters
     for name, fn in {**whole, **parts}.items():
@@ -191,19 +186,16 @@ def main() -> None:
         for T in DECODE:
             decode.append(decode_row(layer, T, gen, rate))
         print(f"\ndecode, us per layer from a CUDA graph (launches per layer, eager); copy rate {rate / 1e9:.0f} GB/s")
-        print(f"{'batch':>5} {'before':>13} {'fused':>13} {'split':>13} {'moe_fast':>8} {'floor':>6}")
+        print(f"{'batch':>5} {'fused':>13} {'split':>13} {'front':>13} {'moe_fast':>8} {'floor':>6}")
         for r in decode:
-            cells = " ".join(f"{r[n + '_us']:7.1f} ({r[n + '_launches']})" for n in ("before", "fused", "split"))
+            cells = " ".join(f"{r[n + '_us']:7.1f} ({r[n + '_launches']})" for n in ("fused", "split", "front"))
             print(f"{r['batch']:>5} {cells} {r['moe_fast']:>8} {r['floor_us']:6.1f}")
-        print("\ndecode parts, us from a CUDA graph: route_fast + align_serial vs route_align_fast (same logits); "
-              "router GEMM + either vs the front kernel; down + combine vs down_combine")
-        print(f"{'batch':>5} {'route+align':>11} {'fused':>6} {'saved':>6} | {'GEMM+r+a':>8} {'GEMM+fused':>10} "
-              f"{'front':>6} | {'down+comb':>9} {'down_comb':>9}")
+        print("\ndecode parts, us from a CUDA graph: route_fast + align_serial; router GEMM + both vs the front kernel; "
+              "down + combine vs down_combine")
+        print(f"{'batch':>5} {'route+align':>11} | {'GEMM+r+a':>8} {'front':>6} | {'down+comb':>9} {'down_comb':>9}")
         for r in decode:
-            print(f"{r['batch']:>5} {r['route_align_was_us']:11.1f} {r['route_align_us']:6.1f} "
-                  f"{r['route_align_was_us'] - r['route_align_us']:6.1f} | {r['gemm_route_align_was_us']:8.1f} "
-                  f"{r['gemm_route_align_us']:10.1f} {r['front_us']:6.1f} | {r['down_before_us']:9.1f} "
-                  f"{r['down_combine_us']:9.1f}")
+            print(f"{r['batch']:>5} {r['route_align_us']:11.1f} | {r['gemm_route_align_us']:8.1f} "
+                  f"{r['front_only_us']:6.1f} | {r['down_before_us']:9.1f} {r['down_combine_us']:9.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp,

@@ -13,7 +13,6 @@ so one GEMM gives the logits [T, E + 1] (column E is the shared gate's). Two imp
     route_torch / route_fast      softmax (fp32) over the logits rounded to the model dtype, top-k, renormalise
     align_torch / align           the sorted layout below
     experts_torch / experts_fast  routed experts + sigmoid(shared gate) * shared expert, in the model dtype
-    route_align_fast              (decode) route + the sorted layout, in one launch (oracle: the two above)
     front_torch / front_fast      (decode) router GEMM + route + the sorted layout, in one launch
     down_combine_torch / _fast    (decode) the down GEMMs, routing weights and the per-token sum, in one launch
 
@@ -30,11 +29,11 @@ with no host sync and buffers sized from T alone, so CUDA graphs capture it:
 
 Prefill (T > FRONT_MAX_T) is the router GEMM, _route_kernel and these: 8 dependent launches per layer, where the
 grouped kernels stream each expert's weights once for all its tokens. At decode sizes the launches, not the bytes,
-are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so moe_decode_fast runs 4 (or 5):
+are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so moe_decode_fast runs 5 (or 6):
 
     router GEMM           cuBLAS: logits [T, E + 1]
-    _route_layout_kernel  one program: routes the tokens a block of FRONT_BLOCK_T at a time, then builds the sorted
-                          layout from the blocks' counts (route_align_fast)
+    _route_kernel         one program per token
+    _align_kernel         one program: the sorted layout
     _gate_up_kernel       as above, on that layout
     _down_combine_kernel  (few tokens) per (token, N tile): the token's routed experts as one tile and the shared
                           expert's, in one software-pipelined K loop (every expert's loads in flight together),
@@ -42,8 +41,10 @@ are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so moe_de
                           _combine_kernel as above. The tuned table says which, per power-of-two bucket of T and
                           rank shape (DOWN_COMBINE_MAX_T without a table)
 
-The front kernel would fold the router GEMM into the first launch too, but measured slower than what it replaces
-(USE_FRONT below: off):
+Fewer launches measured slower (1x H200, 2026-11-24, python -m benchmarks.bench_moe --tp 1 --decode-only, in CUDA
+graphs): routing and layout in one program (one launch less) took 26 us at T = 1..16 and 88 us at T = 64, where
+_route_kernel + _align_kernel take 8-10 us, as one program's reductions over [16, 256] tiles serialise; the front
+kernel, which would fold the router GEMM in too, ~32 us against 11-19 us for the three launches (USE_FRONT: off):
 
     _front_kernel  logits slices by many programs; the last program of each token block routes it; the last of
                    those builds the sorted layout
@@ -348,8 +349,8 @@ def combine_fast(y: torch.Tensor, layout: Layout, T: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------- decode (T <= 64)
 # The front kernel measured slower than the three launches it replaces on 1x H200 (2026-11-23, python -m
 # benchmarks.bench_moe --tp 1 --decode-only: ~32 us per layer at T = 1..64 against 11.7-18.5 us for router GEMM +
-# route + align, all inside CUDA graphs), so decode keeps the router GEMM on cuBLAS, with routing and layout in one
-# launch after it (route_align_fast); down + combine in one kernel did pay at T <= 8 (6.8 against 9.0 us at T = 1).
+# route + align, all inside CUDA graphs), so decode keeps the router GEMM on cuBLAS, then _route_kernel and
+# _align_kernel; down + combine in one kernel did pay at T <= 8 (6.8 against 9.0 us at T = 1).
 USE_FRONT = False
 FRONT_MAX_T = 64         # decode kernels at or below this many tokens; above, the grouped path
 FRONT_BLOCK_T = 16       # tokens per front program (the GEMV tile's M, tl.dot's minimum) and per routing step
@@ -428,30 +429,6 @@ def front_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, start: int, nu
     return f
 
 
-def route_align_fast(logits: torch.Tensor, top_k: int, start: int, num_local: int, block_m: int) -> Front:
-    """route_torch and align_torch's layout (exactly: a group's pairs in pair order) in one launch, for
-    T <= FRONT_MAX_T: one program routes the tokens a block of FRONT_BLOCK_T at a time (_route_block), then lays
-    their pairs out (_front_layout). Replaces _route_kernel + _align_kernel in decode: one launch and one
-    dependent gap less per layer. logits [T, E + 1] (router | shared gate), rows of unit stride; returned as given."""
-    T, E = logits.shape[0], logits.shape[1] - 1
-    if T > FRONT_MAX_T:
-        raise ValueError(f"moe.route_align_fast takes at most {FRONT_MAX_T} tokens; got {T}")
-    if logits.stride(1) != 1:
-        raise ValueError("moe.route_align_fast: the logits' rows must have unit stride")
-    f, counts, rank = _front_outputs(logits, top_k, num_local, block_m)
-    if T:
-        block_e = triton.next_power_of_2(E)
-        _route_layout_kernel[(1,)](logits, f.ids, f.weights, f.shared_gate, f.layout.sorted_pairs,
-                                   f.layout.block_expert, f.layout.inverse, f.layout.total, counts, rank, T, E,
-                                   start, num_local, logits.stride(0), TOP_K=top_k,
-                                   K_POW2=triton.next_power_of_2(top_k), BLOCK_M=block_m, BLOCK_T=FRONT_BLOCK_T,
-                                   NT_POW2=triton.next_power_of_2(triton.cdiv(FRONT_MAX_T, FRONT_BLOCK_T)),
-                                   BLOCK_E=block_e,
-                                   PAIR_CHUNK=min(256, triton.next_power_of_2(FRONT_MAX_T * top_k)),
-                                   NB_CHUNK=triton.cdiv(FRONT_MAX_T, block_m), num_warps=4)
-    return f
-
-
 def _front_outputs(logits: torch.Tensor, top_k: int, num_local: int, block_m: int):
     """The front step's outputs around `logits` (routing, layout) and its scratch: per token block the pairs per
     expert and each block's first rows (counts [2, blocks, BLOCK_E]), each token's place per expert (rank
@@ -521,8 +498,8 @@ def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights
 
 def moe_decode_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
                     down_combine: bool | None = None, front: bool | None = None) -> torch.Tensor:
-    """Routing and layout by the front kernel (front, default USE_FRONT) or by the router GEMM and
-    route_align_fast; then experts_on_layout, down + combine as down_combine forces or the config says
+    """Routing and layout by the front kernel (front, default USE_FRONT) or by the router GEMM, route_fast and
+    align; then experts_on_layout, down + combine as down_combine forces or the config says
     (benchmarks/bench_moe.py times every choice)."""
     if x.shape[0] == 0:
         return torch.empty_like(x)
@@ -531,9 +508,10 @@ def moe_decode_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: Expert
     cfg = _block_config(x, w)
     if (USE_FRONT if front is None else front):
         f = front_fast(x, router, top_k, w.start, num_local, cfg["BLOCK_M"], cfg["front"])
-    else:
-        f = route_align_fast(router_logits(x, router), top_k, w.start, num_local, cfg["BLOCK_M"])
-    return experts_on_layout(x, w, f.layout, f.ids, f.weights, f.shared_gate, cfg, down_combine)
+        return experts_on_layout(x, w, f.layout, f.ids, f.weights, f.shared_gate, cfg, down_combine)
+    ids, weights, shared_gate = route_fast(router_logits(x, router), top_k)
+    layout = align(ids, w.start, num_local, cfg["BLOCK_M"])
+    return experts_on_layout(x, w, layout, ids, weights, shared_gate, cfg, down_combine)
 
 
 # ------------------------------------------------------------------------------------------------- tile configs
@@ -773,22 +751,6 @@ if triton is not None:
         tl.store(all_counter_ptr, 0)
         _front_layout(ids_ptr, sorted_ptr, block_expert_ptr, inv_ptr, total_ptr, counts_ptr, rank_ptr, T, start,
                       num_local, tl.num_programs(1), TOP_K, BLOCK_M, BLOCK_T, NT_POW2, BLOCK_E, PAIR_CHUNK, NB_CHUNK)
-
-    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size (NT_POW2 fixed by the caller)
-    def _route_layout_kernel(logits_ptr, ids_ptr, rw_ptr, sg_ptr, sorted_ptr, block_expert_ptr, inv_ptr, total_ptr,
-                             counts_ptr, rank_ptr, T, E, start, num_local, sl, TOP_K: tl.constexpr,
-                             K_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
-                             NT_POW2: tl.constexpr, BLOCK_E: tl.constexpr, PAIR_CHUNK: tl.constexpr,
-                             NB_CHUNK: tl.constexpr):
-        """One program: the front kernel's phases 2 and 3 in order, every token block routed, then the layout. One
-        program needs no arrival counters: a barrier makes its own stores visible to all its threads."""
-        nt = tl.cdiv(T, BLOCK_T)
-        for b in range(0, nt):
-            _route_block(logits_ptr, ids_ptr, rw_ptr, sg_ptr, counts_ptr, rank_ptr, b, T, E, sl, start, num_local,
-                         TOP_K, K_POW2, BLOCK_T, BLOCK_E)
-        tl.debug_barrier()
-        _front_layout(ids_ptr, sorted_ptr, block_expert_ptr, inv_ptr, total_ptr, counts_ptr, rank_ptr, T, start,
-                      num_local, nt, TOP_K, BLOCK_M, BLOCK_T, NT_POW2, BLOCK_E, PAIR_CHUNK, NB_CHUNK)
 
     @triton.jit
     def _route_block(logits_ptr, ids_ptr, rw_ptr, sg_ptr, counts_ptr, rank_ptr, b, T, E, sl, start, num_local,

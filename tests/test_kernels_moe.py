@@ -11,9 +11,8 @@ part of the experts, a rank with no routed pair, every token on one expert, odd 
 shared expert narrower than the routed ones (its TP=8 shard), and batch sizes 1..130. (The interpreter sorts one
 element at a time, so the chunked layout at prefill sizes is checked on the GPU only.)
 
-Decode kernels (T <= FRONT_MAX_T): route_align_fast (one program: routing + layout) and the front kernel's routing
-equal to route_torch on their logits (ids exactly, weights 1e-6), their layouts equal to align_torch's, ties in the
-logits to the lowest ids, 1 to 4 token blocks (T 1..64); the front kernel's logits within 1e-5 of F.linear (fp32
+Decode kernels (T <= FRONT_MAX_T): the front kernel's routing equal to route_torch on its logits (ids exactly,
+weights 1e-6), its layout equal to align_torch's, ties in the logits to the lowest ids, 1 to 4 token blocks (T 1..64); the front kernel's logits within 1e-5 of F.linear (fp32
 GEMM order), its arrival counters back at zero after each launch; down+combine within 1e-5 of its torch oracle and
 of the two-kernel path; the whole block within 1e-5 of moe_torch on both sides of each threshold.
 
@@ -23,7 +22,7 @@ intermediate 512 at TP=1 and 64 per rank at TP=8 with 32 local experts): routing
 (Frobenius) of the oracle: both round every intermediate to bf16 where the reference does, so the difference is
 fp32 accumulation order flipping some of those roundings (a few 1e-3); a wrong block or weight is > 0.1.
 Front kernel: each logit within one bf16 ulp of cuBLAS's (2^-7 relative, + 1e-4: both round an fp32 sum), routing
-and layout exactly the oracle's on those logits; route_align_fast likewise on cuBLAS's logits. The chunked layout
+and layout exactly the oracle's on those logits. The chunked layout
 at T = 65..16384 (and chunks of 256..4096 pairs) exactly align_torch's. Padded batches (on the front kernel's
 path), repeated runs and CUDA-graph replay (decode and prefill) must give identical bits.
 """
@@ -86,10 +85,9 @@ def test_route_ties_go_to_lowest_id():
     logits = torch.randint(0, 3, (T, E + 1), generator=gen).float()
     ids, w, _ = moe.route_torch(logits, k)
     fids, fw, _ = moe.route_fast(logits, k)
-    fused = moe.route_align_fast(logits, k, 0, E, 16)
     expected = torch.tensor([sorted(range(E), key=lambda e: (-logits[t, e].item(), e))[:k] for t in range(T)])
-    assert torch.equal(ids, expected) and torch.equal(fids.long(), expected) and torch.equal(fused.ids.long(), expected)
-    assert max_diff(fw, w) <= TOL_ROUTE and max_diff(fused.weights, w) <= TOL_ROUTE
+    assert torch.equal(ids, expected) and torch.equal(fids.long(), expected)
+    assert max_diff(fw, w) <= TOL_ROUTE
 
 
 # ------------------------------------------------------------------------------------------------ sorted layout
@@ -255,48 +253,6 @@ def test_front_rejects_too_many_tokens():
         moe.front_fast(torch.zeros(4, 32), torch.zeros(9, 48), 2, 0, 8, 16)
 
 
-ROUTE_ALIGN_CASES = [  # T, E, k, start, num_local, block_m, extra (columns past E + 1: rows further apart)
-    (1, 8, 2, 0, 8, 16, 0),       # TP=1, one token
-    (5, 12, 3, 4, 4, 16, 3),      # a middle rank, E not a power of two, strided rows
-    (16, 16, 4, 12, 4, 16, 0),    # last rank, one full token block
-    (17, 16, 2, 8, 8, 32, 5),     # two token blocks, BLOCK_M 32
-    (37, 8, 2, 2, 4, 16, 0),      # three token blocks
-    (64, 64, 8, 16, 16, 16, 0),   # FRONT_MAX_T: four blocks, top-8, TP=4-like rank
-]
-
-
-@pytest.mark.parametrize("T,E,k,start,num_local,block_m,extra", ROUTE_ALIGN_CASES)
-def test_route_align_fast_equals_torch(T, E, k, start, num_local, block_m, extra):
-    """The fused decode kernel: route_torch's routing and align_torch's layout, the same on every run, and the same
-    routing as route_fast."""
-    gen = torch.Generator().manual_seed(T * 5 + E)
-    logits = (torch.randn(T, E + 1 + extra, generator=gen) * 2)[:, :E + 1]
-    fast = moe.route_align_fast(logits, k, start, num_local, block_m)
-    assert fast.logits is logits
-    check_routed_layout(fast, k, start, num_local, block_m)
-    ids, w, _ = moe.route_fast(logits, k)
-    assert torch.equal(fast.ids, ids) and max_diff(fast.weights, w) <= TOL_ROUTE
-    again = moe.route_align_fast(logits, k, start, num_local, block_m)
-    assert same_layout(again.layout, fast.layout, T) and torch.equal(again.weights, fast.weights)
-
-
-def test_route_align_fast_rank_without_pairs():
-    """Every token routed to the lower half of the experts: the upper rank's layout is the shared rows only."""
-    gen = torch.Generator().manual_seed(2)
-    logits = torch.randn(21, 17, generator=gen)
-    logits[:, :8] += 20
-    fast = moe.route_align_fast(logits, 4, 8, 8, 16)
-    check_routed_layout(fast, 4, 8, 8, 16)
-    assert int(fast.layout.total) == 32 and bool((fast.layout.inverse == -1).all())
-
-
-def test_route_align_fast_rejects():
-    with pytest.raises(ValueError, match="at most"):
-        moe.route_align_fast(torch.zeros(moe.FRONT_MAX_T + 1, 9), 2, 0, 8, 16)
-    with pytest.raises(ValueError, match="unit stride"):
-        moe.route_align_fast(torch.zeros(9, 4).T, 2, 0, 8, 16)
-
-
 # ------------------------------------------------------------------------------------------------------ experts
 EXPERT_CASES = [  # T, E, k, H, I, I_s, start, num_local, routed
     (37, 8, 2, 32, 16, 16, 0, 8, "any"),    # TP=1: shared expert as wide as the routed ones
@@ -374,8 +330,8 @@ BLOCK_CASES = [  # T, E, k, H, I, I_s, start, num_local
 
 @pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local", BLOCK_CASES)
 def test_moe_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, monkeypatch):
-    """The whole block: moe_fast (which picks its kernels by T: route_align_fast up to FRONT_MAX_T, the chunked
-    layout above) and, where it applies, the front kernel's path with the other down+combine choice, against
+    """The whole block: moe_fast (which picks its kernels by T: route_fast + the one-program align up to FRONT_MAX_T,
+    the chunked layout above) and, where it applies, the front kernel's path with the other down+combine choice, against
     moe_torch."""
     monkeypatch.setattr(moe, "ALIGN_CHUNK", 64)  # several chunks at interpreter sizes
     gen = torch.Generator().manual_seed(T + E)
@@ -537,20 +493,6 @@ def test_align_chunked_bf16_real_shapes(tp, T, chunk):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, 8])
-@pytest.mark.parametrize("T", [1, 2, 7, 16, 17, 64])
-def test_route_align_fast_bf16_real_shapes(tp, T):
-    """The fused decode kernel on cuBLAS's logits: route_torch's routing, align_torch's layout."""
-    w, router = real_weights(tp), real_router(tp)
-    gen = torch.Generator().manual_seed(T + 20 * tp)
-    x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
-    num_local = w.gate_up.shape[0]
-    for block_m in (16, moe.moe_config(T, num_local, 2048, 512, 512 // tp, x.device)["BLOCK_M"]):
-        fast = moe.route_align_fast(F.linear(x, router), 8, w.start, num_local, block_m)
-        check_routed_layout(fast, 8, w.start, num_local, block_m)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tp", [1, 8])
 def test_experts_fast_prefill_bits_and_graph_replay(tp):
     """The prefill path (chunked layout, grouped kernels) gives the same bits on every run and from a CUDA graph
     replayed on new inputs."""
@@ -662,7 +604,7 @@ def test_down_combine_fast_bf16(tp, T):
 @pytest.mark.parametrize("tp", [1, 8])
 @pytest.mark.parametrize("T", [1, 2, 8, 16, 64])
 def test_moe_decode_bf16_real_shapes(tp, T):
-    """The decode path, both first steps (cuBLAS + route_align_fast, the front kernel) and both down+combine
+    """The decode path, both first steps (cuBLAS + route_fast + align, the front kernel) and both down+combine
     choices, against experts_torch routed on the same logits."""
     w, router = real_weights(tp), real_router(tp)
     gen = torch.Generator().manual_seed(T * 5 + tp)
@@ -679,7 +621,7 @@ def test_moe_decode_bf16_real_shapes(tp, T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, 8])
 def test_moe_fast_bits_padding_and_graph_replay(tp):
-    """Identical bits on the decode path (router GEMM + route_align_fast), for graph sizes with and without the
+    """Identical bits on the decode path (router GEMM, route_fast, align), for graph sizes with and without the
     one-kernel down+combine and with several token blocks: two eager runs; CUDA-graph replays (new inputs each time)
     vs eager; and, on the front kernel's path (its own GEMV: a row's logits do not depend on the batch, where
     cuBLAS's router GEMM may pick another algorithm for another M), n tokens vs the same padded to the graph size,
