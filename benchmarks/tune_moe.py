@@ -41,8 +41,10 @@ def block_m_candidates(T: int) -> list[int]:
 def tile_candidates(T: int, quick: bool) -> list[dict]:
     if T <= 128:  # few rows per expert: memory-bound, the N tile sets how many programs stream weights
         grid = dict(BLOCK_N=[16, 32, 64, 128], BLOCK_K=[64, 128, 256], num_warps=[4], num_stages=[3, 4, 5])
-    else:
+    elif T < 1024:
         grid = dict(BLOCK_N=[64, 128], BLOCK_K=[64, 128], num_warps=[4, 8], num_stages=[3, 4])
+    else:  # prefill chunks: compute-bound; wide N tiles and a short K step suit the down GEMM's K = 512
+        grid = dict(BLOCK_N=[128, 64, 256], BLOCK_K=[64, 32, 128], num_warps=[8, 4], num_stages=[3, 4, 2])
     if quick:
         grid = {k: v[:2] for k, v in grid.items()}
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
