@@ -443,6 +443,19 @@ class IncrementalDetokenizer:
                 break
         self._decode(tail)
 
+    @property
+    def whole_texts(self) -> list | None:
+        """For a caller that skips add() for a token while nothing is pending: the table add() then takes the token's
+        text from, by token id (a str for a token that decodes whole on its own; False, None or "" otherwise, which
+        add() must see). For such a token add() returns that str and changes nothing. None with keep_text (add()
+        also keeps each piece)."""
+        return self._clean if self._pieces is None else None
+
+    @property
+    def pending(self) -> bool:
+        """Whether the bytes of an unfinished character are held (the next token's text is not its own alone)."""
+        return bool(self._pending)
+
     def _decode(self, data: bytes, final: bool = False) -> str:
         data = self._pending + data
         text, used = codecs.utf_8_decode(data, "replace", final)

@@ -59,6 +59,9 @@ class Request:
     # (the fields a token is taken with come first, and next to each other: fewer cache lines read per token)
     output_ids: list[int] = field(default_factory=list)  # completion tokens received from the device
     finish_reason: str | None = None
+    # take_token's shortest way is open (see _open_short_way): set where the conditions it stands for can change
+    _short: bool = field(default=False, init=False, repr=False)
+    _texts: list = field(init=False, repr=False)  # the detokenizer's whole_texts, or () without one
     # set in __post_init__: the parameters read per token, kept here rather than behind self.params (validated
     # values, not changed later), and the text: what outputs carried already (pieces, joined when read) and what
     # follows it (held back, or not taken yet); stop strings are searched in the latter only, which holds every
@@ -104,6 +107,8 @@ class Request:
         self._sent, self._sent_chars, self._unsent = [], 0, ""
         self._checked = self._sent_tokens = 0
         self._num_prompt = len(self.prompt_ids)  # (the prompt is not changed once here)
+        self._texts = getattr(self.detokenizer, "whole_texts", None) or ()
+        self._open_short_way()
 
     # ---- scheduling views -----------------------------------------------------------------------------------
     # Once its prefill is scheduled, the scheduler moves it on by one token per step together with every other
@@ -181,6 +186,7 @@ class Request:
     def append_token(self, token_id: int) -> None:
         """Add one sampled token; sets finish_reason when the request is done."""
         assert self.finish_reason is None
+        self._short = False  # until take_output: this token's output is not taken yet
         out = self.output_ids
         out.append(token_id)
         n = len(out)
@@ -200,8 +206,21 @@ class Request:
 
     def take_token(self, token_id: int) -> RequestOutput:
         """append_token, then take_output: the engine's postprocess, one call per request and step. A request with
-        no stop strings (nothing held back) that does not stop on this token takes a short way there."""
+        no stop strings (nothing held back) that does not stop on this token takes a short way there; the shortest
+        (most tokens, most steps) when, besides, the token is not its last and decodes whole on its own with
+        nothing pending: its text is read from the detokenizer's table, as add() would, and add() is not called."""
         out = self.output_ids
+        if self._short and token_id not in self._stop_set and len(out) + 1 < self._max_tokens and token_id >= 0:
+            try:
+                text = self._texts[token_id]
+            except IndexError:
+                text = None
+            if text:
+                out.append(token_id)
+                n = len(out)
+                self._sent.append(text)
+                self._sent_tokens = n
+                return RequestOutput(self.request_id, text, [token_id], False, None, self._num_prompt, n, None)
         if self._stops or self.finish_reason is not None or token_id in self._stop_set:
             self.append_token(token_id)
             return self.take_output()
@@ -217,7 +236,17 @@ class Request:
         if text:
             self._sent.append(text)  # (_sent_chars is read with stop strings only)
         new, self._sent_tokens = out[self._sent_tokens:], n
+        self._open_short_way()
         return RequestOutput(self.request_id, text, new, reason is not None, reason, self._num_prompt, n, None)
+
+    def _open_short_way(self) -> None:
+        """take_token's shortest way is open while every output so far is taken and nothing is held back (no stop
+        strings), the request runs, and its detokenizer keeps a table of whole texts with nothing pending; then a
+        token with whole text of its own gives exactly what append_token + take_output would. Called wherever one
+        of these can change: at creation, after every output taken (its detokenizer was called, or its end came)."""
+        d = self.detokenizer
+        self._short = (not self._stops and self.finish_reason is None and not self._unsent and bool(self._texts)
+                       and self._sent_tokens == len(self.output_ids) and not d.pending)
 
     def _cut_at_stop_string(self) -> bool:
         # a new match must end in text added since the last check, so it starts at most _hold chars before it; that
@@ -236,11 +265,13 @@ class Request:
 
     def abort(self) -> None:
         self.finish_reason = "abort"
+        self._short = False
 
     def fail(self, error: Exception) -> None:
         """End the request with an error of its own; the text already sent stands, held-back text is dropped."""
         self._unsent = ""
         self.finish_reason, self.error = "error", f"{type(error).__name__}: {error}"
+        self._short = False
 
     def take_output(self) -> RequestOutput:
         """The delta since the previous call."""
@@ -257,6 +288,7 @@ class Request:
         ids = self.output_ids
         n = len(ids)
         new, self._sent_tokens = ids[self._sent_tokens:], n
+        self._open_short_way()
         return RequestOutput(self.request_id, text, new, reason is not None, reason, len(self.prompt_ids), n,
                              self.error)
 

@@ -172,19 +172,22 @@ def test_sampling_hints_kept_with_the_decode_rows(tiny_dir, monkeypatch):
 
 # ---- the postprocess ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tok(tiny_dir):
-    return load_tokenizer(tiny_dir)
-
-
-def test_take_token_equals_append_then_take(tok):
+@pytest.mark.parametrize("warm", [False, True])
+def test_take_token_equals_append_then_take(tiny_dir, warm):
     """Random completions (plain text, split UTF-8 characters, special and stop tokens), random parameters (stop
-    strings, stop ids, min_tokens, max_tokens, ignore_eos): take_token gives the outputs and the record of
-    append_token followed by take_output."""
+    strings, stop ids, min_tokens, max_tokens, ignore_eos), prompts ending inside a character, aborts and failures
+    between tokens: take_token gives the outputs and the record of append_token followed by take_output. The
+    record that takes tokens has the engine's detokenizer (keep_text=False: its shortest way, text read from the
+    table, is open), the other one that keeps text (every token through add()); the table is filled at start
+    (warm) or as tokens are met."""
+    tok = load_tokenizer(tiny_dir)
+    if warm:
+        tok.warm_detokenizer()
     rng = random.Random(0)
     words = tok.encode("The answer is 42. naïve 日本語 🙂 Q: what next? stop here\n")
     split = [tok.token_to_id(BYTE_TO_CHAR[b]) for b in "語🙂".encode()]
     eos = [248046, 248044]
+    shortest = 0
     for case in range(300):
         ids = [rng.choice(words + split + eos + [248045]) for _ in range(rng.randint(1, 25))]
         params = SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.3,
@@ -192,9 +195,18 @@ def test_take_token_equals_append_then_take(tok):
                                 stop_token_ids=rng.choice([None, None, [words[0]]]))
         params.min_tokens = rng.randint(0, params.max_tokens) if rng.random() < 0.3 else 0
         prompt = [rng.choice(words + split) for _ in range(3)]
-        a = Request("a", list(prompt), params, tuple(eos), IncrementalDetokenizer(tok, prompt))
+        a = Request("a", list(prompt), params, tuple(eos), IncrementalDetokenizer(tok, prompt, keep_text=False))
         b = Request("b", list(prompt), params, tuple(eos), IncrementalDetokenizer(tok, prompt))
         for t in ids:
+            if rng.random() < 0.03:  # ended from outside between two tokens
+                end = rng.choice(["abort", "fail"])
+                for r in (a, b):
+                    r.abort() if end == "abort" else r.fail(ValueError("x"))
+                out_a, out_b = a.take_output(), b.take_output()
+                out_b.request_id = "a"
+                assert out_a == out_b and a.text == b.text, case
+                break
+            shortest += a._short and t not in a._stop_set
             out_a = a.take_token(t)
             b.append_token(t)
             out_b = b.take_output()
@@ -203,6 +215,7 @@ def test_take_token_equals_append_then_take(tok):
             assert (a.text, a.output_ids, a.finish_reason) == (b.text, b.output_ids, b.finish_reason)
             if a.is_finished:
                 break
+    assert shortest > 500  # the shortest way was taken, often
 
 
 def test_detokenizer_table_filled_at_once_equals_filled_as_met(tiny_dir):
