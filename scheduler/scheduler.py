@@ -289,13 +289,15 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         """The next step's plan; every token in it counts as computed from now on."""
         self.step_no += 1
-        step, budget = ScheduledStep(StepPlan()), self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         decode = self._decode
         n = len(decode.reqs)
         if n:  # the decoding requests' rows, as the step before left them, moved on by one
-            self._add_decode_rows(step, decode, shared=not self._prefilling and not self.waiting)
+            step = self._decode_rows(decode, shared=not self._prefilling and not self.waiting)
             budget -= n
-        for req in list(self._prefilling):  # oldest first
+        else:
+            step = ScheduledStep(StepPlan())
+        for req in list(self._prefilling) if self._prefilling else ():  # oldest first
             if budget <= 0:
                 break
             budget -= self._add_chunk(step, req, budget, [])
@@ -311,32 +313,30 @@ class Scheduler:
         if step.joining:
             decode.join(step.joining)
         # requests whose last token this step schedules: the decode rows' only once one of them can be
-        sampled = step.sampled
-        check = sampled if n and decode.steps >= decode.ends_at else sampled[n:]
-        ended = [r for r in check if r.num_scheduled == r.params.max_tokens]
-        if ended:
-            self.free(*ended)
-        if n and decode.steps >= decode.ends_at:
+        sampled, batch_ends = step.sampled, n and decode.steps >= decode.ends_at
+        if batch_ends or len(sampled) > n:
+            ended = [r for r in (sampled if batch_ends else sampled[n:]) if r.num_scheduled == r.params.max_tokens]
+            if ended:
+                self.free(*ended)
+        if batch_ends:
             decode.next_end()
         return step
 
     @staticmethod
-    def _add_decode_rows(step: ScheduledStep, decode: DecodeBatch, shared: bool) -> None:
-        """The rows _add_row would give every member of `decode`: its own lists when no row follows them (`shared`),
-        else copies for the rows to be appended to."""
-        plan, reqs = step.plan, decode.reqs
-        step.decode_rows = reqs
+    def _decode_rows(decode: DecodeBatch, shared: bool) -> ScheduledStep:
+        """A step of the rows _add_row would give every member of `decode`: its own lists when no row follows them
+        (`shared`), else copies for the rows to be appended to."""
+        reqs, k = decode.reqs, decode.steps
+        # (k + p: the positions moved on by the steps taken, in one pass of C, no Python frame per row)
+        start = list(map(k.__add__, decode.start))
         if shared:
-            step.rows = step.sampled = reqs
-            plan.state_slots, plan.token_ids = decode.slots, decode.empty
-            plan.block_tables, plan.want_logits = decode.empty, decode.want
+            plan = StepPlan(decode.slots, decode.empty, start, decode.empty, decode.want)
+            step = ScheduledStep(plan, reqs, reqs, decode_rows=reqs)
         else:
-            step.rows, step.sampled = reqs.copy(), reqs.copy()
-            plan.state_slots, plan.token_ids = decode.slots.copy(), decode.empty.copy()
-            plan.block_tables, plan.want_logits = decode.empty.copy(), decode.want.copy()
-        k = decode.steps
-        plan.start_pos = [p + k for p in decode.start]
+            plan = StepPlan(decode.slots.copy(), decode.empty.copy(), start, decode.empty.copy(), decode.want.copy())
+            step = ScheduledStep(plan, reqs.copy(), reqs.copy(), decode_rows=reqs)
         decode.steps = k + 1  # every member's num_computed and num_scheduled one up
+        return step
 
     def _add_chunk(self, step: ScheduledStep, req: Request, budget: int, table: list[int]) -> int:
         start = req.num_computed
