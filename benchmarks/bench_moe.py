@@ -137,7 +137,7 @@ def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
         "front_only": lambda: moe.front_fast(x, router, k, w.start, num_local, cfg["BLOCK_M"], cfg["front"]),
         "down_before": lambda: moe.combine_fast(moe.down_fast(act, w, layout, weights, shared_gate, cfg["down"]),
                                                 layout, T),
-        "down_combine": lambda: moe.down_combine_fast(act, w, layout, ids, weights, shared_gate,
+        "down_combine": lambda: moe.down_combine_fast(act, w, layout.inverse, ids, weights, shared_gate,
                                                       cfg["down_combine"]),
     }
     row = {"batch": T, "moe_fast": "split" if cfg["down_combine"] is None else "fused",

@@ -101,7 +101,7 @@ def tune_bucket(layer: Layer, T: int, quick: bool, gen: torch.Generator) -> dict
         t_front, entry["front"] = best_tile(
             lambda tile: moe.front_fast(x, layer.router, layer.top_k, w.start, num_local, entry["BLOCK_M"], tile),
             T, quick, gemv_candidates("front", quick))
-        t_dc, dc = best_tile(lambda tile: moe.down_combine_fast(act, w, lay, ids, weights, gate, tile), T, quick,
+        t_dc, dc = best_tile(lambda tile: moe.down_combine_fast(act, w, lay.inverse, ids, weights, gate, tile), T, quick,
                              gemv_candidates("down_combine", quick))
         t_split = time_ms(lambda: moe.combine_fast(moe.down_fast(act, w, lay, weights, gate, entry["down"]), lay, T),
                           graph=True)

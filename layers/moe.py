@@ -14,6 +14,7 @@ so one GEMM gives the logits [T, E + 1] (column E is the shared gate's). Two imp
     align_torch / align           the sorted layout below
     experts_torch / experts_fast  routed experts + sigmoid(shared gate) * shared expert, in the model dtype
     front_torch / front_fast      (decode) router GEMM + route + the sorted layout, in one launch
+    gate_up_gemv_torch / _fast    (decode) route + the gate|up GEMVs of each token's experts, no layout, in one launch
     down_combine_torch / _fast    (decode) the down GEMMs, routing weights and the per-token sum, in one launch
 
 experts_torch is the oracle: one expert at a time, with host syncs (eager only). experts_fast is Triton launches
@@ -29,9 +30,15 @@ with no host sync and buffers sized from T alone, so CUDA graphs capture it:
 
 Prefill (T > FRONT_MAX_T) is the router GEMM, _route_kernel and these: 8 dependent launches per layer, where the
 grouped kernels stream each expert's weights once for all its tokens. At decode sizes the launches, not the bytes,
-are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so moe_decode_fast runs 5 (or 6):
+are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so moe_decode_fast runs 3 on the GEMV path
+(up to GEMV_MAX_T tokens without a table; the tuned table says per bucket), else 5 (or 6):
 
     router GEMM           cuBLAS: logits [T, E + 1]
+    _gate_up_gemv_kernel  (GEMV path) per (token, N tile): the token's routing (_route_kernel's code: the same bits;
+                          every program routes, one stores it), then its local experts' gate|up rows as one tile and
+                          the shared expert's, in one software-pipelined H loop -> act: shared row t, pair p at row
+                          T + p (other ranks' pairs: -1 in the pair -> row index, rows unwritten); then
+                          _down_combine_kernel below, which reads both paths' act through that index
     _route_kernel         one program per token
     _align_kernel         one program: the sorted layout
     _gate_up_kernel       as above, on that layout
@@ -295,7 +302,7 @@ def experts_on_layout(x: torch.Tensor, w: ExpertWeights, layout: Layout, ids: to
     if down_combine is None:
         down_combine = T <= FRONT_MAX_T and cfg["down_combine"] is not None
     if down_combine:
-        return down_combine_fast(act, w, layout, ids, weights, shared_gate, cfg["down_combine"])
+        return down_combine_fast(act, w, layout.inverse, ids, weights, shared_gate, cfg["down_combine"])
     return combine_fast(down_fast(act, w, layout, weights, shared_gate, cfg["down"]), layout, T)
 
 
@@ -362,6 +369,11 @@ DOWN_COMBINE_TILE = dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=4)  # un
 DOWN_COMBINE_MAX_T = 8   # untuned default: down + combine in one kernel at or below. Above, re-reading an expert
                          # two tokens share (and the shared expert, T times) costs more than the launch it saves;
                          # how much depends on the rank's shape, so a tuned table decides per bucket (moe_config)
+GEMV_TILE = dict(BLOCK_N=4, BLOCK_K=128, num_warps=4, num_stages=4)  # untuned default: 128 programs per token at
+                                                                     # I = 512, so one token's experts fill the SMs
+GEMV_MAX_T = 8           # untuned default: the GEMV path at or below (a power of two, as the buckets). Above, each
+                         # token streams its experts' gate_up rows itself, where the grouped kernel reads an expert
+                         # once for all its tokens; a tuned table decides per bucket (moe_config)
 
 
 class Front(NamedTuple):
@@ -445,15 +457,16 @@ def _front_outputs(logits: torch.Tensor, top_k: int, num_local: int, block_m: in
     return Front(logits, ids.view(T, top_k), weights, shared_gate, layout), counts, rank
 
 
-def down_combine_torch(act: torch.Tensor, w: ExpertWeights, layout: Layout, ids: torch.Tensor,
+def down_combine_torch(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor, ids: torch.Tensor,
                        weights: torch.Tensor, shared_gate: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
     """out [T, H]: per token, (act[row] W_down[e]^T) rounded to the model dtype times its routing weight (rounded),
-    for its routed rows in top-k order, then the shared row times sigmoid(shared gate), summed in fp32. act and
-    layout as gate_up_fast gives them; tile is the fast kernel's and unused here."""
+    for its routed rows in top-k order, then the shared row times sigmoid(shared gate), summed in fp32. act [rows,
+    max(I, I_s)]: token t's shared row is row t, pair p's row inverse[p] (-1: another rank's expert), as both
+    gate_up_fast's layout and the GEMV path's give them; tile is the fast kernel's and unused here."""
     T, k = ids.shape
     inter, shared_inter = w.down.shape[2], w.shared_down.shape[1]
     out = torch.zeros(T, w.down.shape[1], dtype=torch.float32, device=act.device)
-    pos = layout.inverse.long().view(T, k)
+    pos = inverse.long().view(T, k)
     for j in range(k):
         mine = (pos[:, j] >= 0).nonzero().squeeze(1)
         expert = ids[mine, j].long() - w.start
@@ -463,7 +476,7 @@ def down_combine_torch(act: torch.Tensor, w: ExpertWeights, layout: Layout, ids:
     return out.to(act.dtype)
 
 
-def down_combine_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, ids: torch.Tensor,
+def down_combine_fast(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor, ids: torch.Tensor,
                       weights: torch.Tensor, shared_gate: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
     """down_combine_torch in one launch: a program per (token, N tile) reads the k + 1 expert tiles it needs, all
     at once. For few tokens only: an expert two tokens share, and the shared expert, are read once per token."""
@@ -475,11 +488,70 @@ def down_combine_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, ids: 
     width = triton.next_power_of_2(max(inter, w.shared_down.shape[1]))
     tile = _cap(tile or DOWN_COMBINE_TILE, triton.next_power_of_2(H), width, least=4)
     _down_combine_kernel[(T, triton.cdiv(H, tile["BLOCK_N"]))](
-        act, w.down, w.shared_down, out, ids, layout.inverse, weights, shared_gate, H, inter, w.shared_down.shape[1],
+        act, w.down, w.shared_down, out, ids, inverse, weights, shared_gate, H, inter, w.shared_down.shape[1],
         w.start, act.stride(0), w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), out.stride(0),
         ids.stride(0), weights.stride(0), shared_gate.stride(0), TOP_K=k, K_POW2=triton.next_power_of_2(k),
         BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"])
     return out
+
+
+class GemvAct(NamedTuple):
+    """What the GEMV path's gate_up step gives: the routing and act, laid out per token (no sorted layout)."""
+    act: torch.Tensor          # [T * (k + 1), max(I, I_s)]: shared rows [0, T), pair p = t * k + slot at row T + p
+    ids: torch.Tensor          # [T, k] global expert ids (int32 from the kernel, int64 from torch)
+    weights: torch.Tensor      # [T, k] model dtype
+    shared_gate: torch.Tensor  # [T, 1] model dtype
+    inverse: torch.Tensor      # [T * k] int32: row of each pair, -1 if another rank's expert (its row unwritten)
+
+
+def _silu_mul_torch(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate half) * up half, rounded as mlp_torch rounds (after silu, after the product)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gate_up_gemv_torch(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights,
+                       tile: dict | None = None) -> GemvAct:
+    """route_torch, then silu(x W_gate^T) * (x W_up^T) in the model dtype for every local pair and the shared
+    expert, in GemvAct's rows (other ranks' rows 0 here). tile is the fast kernel's and unused here."""
+    T = x.shape[0]
+    ids, weights, shared_gate = route_torch(logits, top_k)
+    num_local, two_i, _ = w.gate_up.shape
+    inter, shared_inter = two_i // 2, w.shared_gate_up.shape[0] // 2
+    local = ids - w.start
+    mine = (local >= 0) & (local < num_local)
+    rows = T + torch.arange(T * top_k, device=x.device).view(T, top_k)
+    act = torch.zeros(T * (top_k + 1), max(inter, shared_inter), dtype=x.dtype, device=x.device)
+    act[:T, :shared_inter] = _silu_mul_torch(F.linear(x, w.shared_gate_up))
+    tok, slot = mine.nonzero(as_tuple=True)
+    h = torch.bmm(w.gate_up[local[tok, slot]], x[tok].unsqueeze(2)).squeeze(2)
+    act[rows[tok, slot], :inter] = _silu_mul_torch(h)
+    return GemvAct(act, ids, weights, shared_gate, torch.where(mine, rows, -1).flatten().int())
+
+
+def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights,
+                      tile: dict | None = None) -> GemvAct:
+    """gate_up_gemv_torch in one launch, a program per (token, N tile of max(I, I_s)): each routes its token
+    (route_fast's kernel code, so the same bits) and streams that token's local experts' and the shared expert's
+    gate|up rows. x [T, H] and logits [T, E + 1] with unit column stride."""
+    T, H = x.shape
+    E = logits.shape[1] - 1
+    num_local, two_i, _ = w.gate_up.shape
+    inter, shared_inter = two_i // 2, w.shared_gate_up.shape[0] // 2
+    width = max(inter, shared_inter)
+    ids, inverse = torch.empty(2, T, top_k, dtype=torch.int32, device=x.device)  # one allocation
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=x.device)
+    shared_gate = torch.empty(T, 1, dtype=logits.dtype, device=x.device)
+    act = torch.empty(T * (top_k + 1), width, dtype=x.dtype, device=x.device)
+    if T:
+        tile = _cap(tile or GEMV_TILE, triton.next_power_of_2(width), triton.next_power_of_2(H), least=2)
+        _gate_up_gemv_kernel[(T, triton.cdiv(width, tile["BLOCK_N"]))](
+            x, logits, w.gate_up, w.shared_gate_up, act, ids, inverse, weights, shared_gate, T, H, E, inter,
+            shared_inter, w.start, num_local, x.stride(0), logits.stride(0), w.gate_up.stride(0),
+            w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0), TOP_K=top_k,
+            K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), BLOCK_N=tile["BLOCK_N"],
+            BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"])
+    return GemvAct(act, ids, weights, shared_gate, inverse.view(-1))
 
 
 # -------------------------------------------------------------------------------------------------- the block
@@ -497,15 +569,20 @@ def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights
 
 
 def moe_decode_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
-                    down_combine: bool | None = None, front: bool | None = None) -> torch.Tensor:
-    """Routing and layout by the front kernel (front, default USE_FRONT) or by the router GEMM, route_fast and
-    align; then experts_on_layout, down + combine as down_combine forces or the config says
+                    down_combine: bool | None = None, front: bool | None = None,
+                    gemv: bool | None = None) -> torch.Tensor:
+    """The GEMV path (gemv; by default where the config has a gemv tile): router GEMM, gate_up_gemv_fast,
+    down_combine_fast. Else routing and layout by the front kernel (front, default USE_FRONT) or by the router GEMM,
+    route_fast and align; then experts_on_layout, down + combine as down_combine forces or the config says
     (benchmarks/bench_moe.py times every choice)."""
     if x.shape[0] == 0:
         return torch.empty_like(x)
     x = x.contiguous()
     num_local = w.gate_up.shape[0]
     cfg = _block_config(x, w)
+    if cfg["gemv"] is not None if gemv is None else gemv:
+        g = gate_up_gemv_fast(x, router_logits(x, router), top_k, w, cfg["gemv"])
+        return down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, cfg["down_combine"])
     if (USE_FRONT if front is None else front):
         f = front_fast(x, router, top_k, w.start, num_local, cfg["BLOCK_M"], cfg["front"])
         return experts_on_layout(x, w, f.layout, f.ids, f.weights, f.shared_gate, cfg, down_combine)
@@ -539,11 +616,12 @@ def _table(device_index: int) -> dict:
 def default_config(T: int) -> dict:
     """Tiles when the table has no entry. Decode (few rows per expert): BLOCK_M 16, one row block per expert, so
     each weight tile is read once; narrow N tiles so that the few active experts still spread over all SMs.
-    Prefill: larger tiles that reuse each weight tile over many rows. front (router columns per program, H step)
-    and down_combine (its tile, or None: down and combine in two kernels) serve T <= FRONT_MAX_T only; tables
-    tuned before them lack the keys."""
+    Prefill: larger tiles that reuse each weight tile over many rows. front (router columns per program, H step),
+    down_combine (its tile, or None: down and combine in two kernels) and gemv (gate_up_gemv_fast's tile, or None:
+    the sorted layout's path) serve T <= FRONT_MAX_T only; tables tuned before them lack the keys."""
     small = {"front": dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
-             "down_combine": DOWN_COMBINE_TILE if T <= DOWN_COMBINE_MAX_T else None}
+             "down_combine": DOWN_COMBINE_TILE if T <= DOWN_COMBINE_MAX_T else None,
+             "gemv": GEMV_TILE if T <= GEMV_MAX_T else None}
     if T <= 128:
         return {"BLOCK_M": 16, "gate_up": dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
                 "down": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4), **small}
@@ -555,7 +633,7 @@ def default_config(T: int) -> dict:
 def moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: int, device: torch.device) -> dict:
     """Tiles for T tokens: the table's entry for the smallest tuned bucket >= T's bucket (else the largest), else
     default_config; N/K tiles capped at the (power-of-two rounded) matrix sizes so that tiny models work too
-    (front_fast and down_combine_fast cap their own tiles: they know the router's and the GEMV's sizes)."""
+    (front_fast, down_combine_fast and gate_up_gemv_fast cap their own tiles: they know their GEMVs' sizes)."""
     cfg = default_config(T)
     if device.type == "cuda":
         entries = _table(device.index if device.index is not None else torch.cuda.current_device()).get(
@@ -568,7 +646,7 @@ def moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: in
     return {"BLOCK_M": cfg["BLOCK_M"],
             "gate_up": _cap(cfg["gate_up"], width, triton.next_power_of_2(hidden)),
             "down": _cap(cfg["down"], triton.next_power_of_2(hidden), width),
-            "front": cfg["front"], "down_combine": cfg["down_combine"]}
+            "front": cfg["front"], "down_combine": cfg["down_combine"], "gemv": cfg["gemv"]}
 
 
 def _cap(tile: dict, n: int, k: int, least: int = 16) -> dict:
@@ -581,29 +659,39 @@ if triton is not None:
     @triton.jit
     def _route_kernel(logits_ptr, ids_ptr, w_ptr, sg_ptr, E, sl, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
                       BLOCK_E: tl.constexpr):
-        """One token: softmax in fp32, top-k by repeated argmax (ties -> lowest id), renormalise; sigmoid of the
-        shared gate's logit (column E)."""
-        t = tl.program_id(0).to(tl.int64)
+        """One token's routing (_route_token)."""
+        _route_token(logits_ptr, ids_ptr, w_ptr, sg_ptr, tl.program_id(0).to(tl.int64), E, sl, True, TOP_K, K_POW2,
+                     BLOCK_E)
+
+    @triton.jit
+    def _route_token(logits_ptr, ids_ptr, w_ptr, sg_ptr, t, E, sl, store, TOP_K: tl.constexpr,
+                     K_POW2: tl.constexpr, BLOCK_E: tl.constexpr):
+        """route_torch for token t (its logits row sl apart), the one implementation of route_fast's and of the GEMV
+        path's routing: softmax in fp32, top-k on int64 keys (the probability's bits, then the column reversed: one
+        max per slot takes the largest probability, among ties the lowest id), renormalised, rounded to the model
+        dtype; sigmoid of the shared gate's logit (column E). Stored where `store`; returns the ids [K_POW2] (slots
+        past TOP_K: 0)."""
         cols = tl.arange(0, BLOCK_E)
         row = logits_ptr + t * sl
         logit = tl.load(row + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
         num = tl.exp(logit - tl.max(logit, 0))
         p = num / tl.sum(num, 0)
-        p = tl.where(cols < E, p, -1.0)
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)
+        key = tl.where(cols < E, key, -1)  # below every probability's key
         slot = tl.arange(0, K_POW2)
         ids = tl.zeros([K_POW2], dtype=tl.int32)
         vals = tl.zeros([K_POW2], dtype=tl.float32)
         for j in tl.static_range(TOP_K):
-            best = tl.max(p, 0)
-            i = tl.min(tl.where(p == best, cols, BLOCK_E), 0)
-            ids = tl.where(slot == j, i, ids)
-            vals = tl.where(slot == j, best, vals)
-            p = tl.where(cols == i, -1.0, p)
-        w = vals / tl.sum(vals, 0)
-        tl.store(ids_ptr + t * TOP_K + slot, ids, mask=slot < TOP_K)
-        tl.store(w_ptr + t * TOP_K + slot, w.to(w_ptr.dtype.element_ty), mask=slot < TOP_K)
+            best = tl.max(key, 0)
+            key = tl.where(key == best, -1, key)
+            ids = tl.where(slot == j, (BLOCK_E - 1 - (best & (BLOCK_E - 1))).to(tl.int32), ids)
+            vals = tl.where(slot == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), vals)
+        smask = slot < tl.where(store, TOP_K, 0)
+        tl.store(ids_ptr + t * TOP_K + slot, ids, mask=smask)
+        tl.store(w_ptr + t * TOP_K + slot, (vals / tl.sum(vals, 0)).to(w_ptr.dtype.element_ty), mask=smask)
         g = tl.load(row + E).to(tl.float32)
-        tl.store(sg_ptr + t, tl.sigmoid(g).to(sg_ptr.dtype.element_ty))
+        tl.store(sg_ptr + t, tl.sigmoid(g).to(sg_ptr.dtype.element_ty), mask=store)
+        return ids
 
     @triton.jit
     def _local_expert(ids_ptr, p, n, start, num_local):
@@ -866,11 +954,64 @@ if triton is not None:
             wmask = kmask[:, None] & cmask[None, :]
             acc_g = tl.dot(a, tl.load(gp + k0, mask=wmask, other=0.0), acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, tl.load(up + k0, mask=wmask, other=0.0), acc_u, input_precision=PRECISION)
-        dt = act_ptr.dtype.element_ty
-        g = round_to(acc_g, dt)
-        s = round_to(g * tl.sigmoid(g), dt)
-        out = (s * round_to(acc_u, dt)).to(dt)  # pad rows: silu(0) * 0 = 0
+        out = _silu_mul(acc_g, acc_u, act_ptr.dtype.element_ty)  # pad rows: silu(0) * 0 = 0
         tl.store(act_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], out, mask=cmask[None, :])
+
+    @triton.jit
+    def _silu_mul(acc_g, acc_u, DTYPE: tl.constexpr):
+        """silu(gate) * up in DTYPE from fp32 sums, rounded where the oracle rounds: the GEMM outputs, silu, the
+        product."""
+        g = round_to(acc_g, DTYPE)
+        s = round_to(g * tl.sigmoid(g), DTYPE)
+        return (s * round_to(acc_u, DTYPE)).to(DTYPE)
+
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
+    def _gate_up_gemv_kernel(x_ptr, logits_ptr, w_ptr, sw_ptr, act_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, T, H, E, I,
+                             I_s, start, num_local, sx, sl, swe, swn, sswn, sa, TOP_K: tl.constexpr,
+                             K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """Program (token t, N tile): t's routing (_route_token; every program routes, the pid_n == 0 one stores it
+        and each pair's act row for the down step), then columns [n, n + BLOCK_N) of silu(x W_gate^T) * (x W_up^T)
+        of its local slots as one [K_POW2, BLOCK_N, BLOCK_K] tile per H step (gate and up halves) and of the shared
+        expert as another, in one loop that Triton software-pipelines (as _down_combine_kernel). Other ranks'
+        slots are masked: they read and write nothing. Rows: shared t, pair p = t * TOP_K + slot at T + p."""
+        t = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+        ids = _route_token(logits_ptr, ids_ptr, rw_ptr, sg_ptr, t, E, sl, pid_n == 0, TOP_K, K_POW2, BLOCK_E)
+        s = tl.arange(0, K_POW2)
+        e = ids - start
+        local = (s < TOP_K) & (e >= 0) & (e < num_local)
+        row = T + t * TOP_K + s
+        first = s < tl.where(pid_n == 0, TOP_K, 0)  # one program per token stores the rows, as the routing
+        tl.store(inv_ptr + t * TOP_K + s, tl.where(local, row, -1).to(tl.int32), mask=first)
+        if (tl.max(local.to(tl.int32), 0) == 0) & (pid_n * BLOCK_N >= I_s):
+            return  # no weight of this rank in these columns
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = local[:, None] & (cols < I)[None, :]
+        smask = cols < I_s
+        ks = tl.arange(0, BLOCK_K)
+        wp = w_ptr + tl.where(local, e, 0).to(tl.int64)[:, None, None] * swe + ks[None, None, :]
+        gp = wp + cols.to(tl.int64)[None, :, None] * swn
+        up = wp + (cols + I).to(tl.int64)[None, :, None] * swn
+        sgp = sw_ptr + cols.to(tl.int64)[:, None] * sswn + ks[None, :]
+        sup = sw_ptr + (cols + I_s).to(tl.int64)[:, None] * sswn + ks[None, :]
+        xp = x_ptr + t * sx + ks
+        acc_g = tl.zeros([K_POW2, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([K_POW2, BLOCK_N], dtype=tl.float32)
+        acc_sg = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_su = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+            kmask = k0 + ks < H
+            a = tl.load(xp + k0, mask=kmask, other=0.0).to(tl.float32)
+            m = rmask[:, :, None] & kmask[None, None, :]
+            acc_g += tl.sum(tl.load(gp + k0, mask=m, other=0.0).to(tl.float32) * a[None, None, :], 2)
+            acc_u += tl.sum(tl.load(up + k0, mask=m, other=0.0).to(tl.float32) * a[None, None, :], 2)
+            m = smask[:, None] & kmask[None, :]
+            acc_sg += tl.sum(tl.load(sgp + k0, mask=m, other=0.0).to(tl.float32) * a[None, :], 1)
+            acc_su += tl.sum(tl.load(sup + k0, mask=m, other=0.0).to(tl.float32) * a[None, :], 1)
+        dt = act_ptr.dtype.element_ty
+        tl.store(act_ptr + row.to(tl.int64)[:, None] * sa + cols[None, :], _silu_mul(acc_g, acc_u, dt), mask=rmask)
+        tl.store(act_ptr + t * sa + cols, _silu_mul(acc_sg, acc_su, dt), mask=smask)
 
     @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
     def _down_kernel(act_ptr, w_ptr, sw_ptr, y_ptr, sorted_ptr, block_expert_ptr, total_ptr, rw_ptr, sg_ptr,

@@ -14,7 +14,10 @@ element at a time, so the chunked layout at prefill sizes is checked on the GPU 
 Decode kernels (T <= FRONT_MAX_T): the front kernel's routing equal to route_torch on its logits (ids exactly,
 weights 1e-6), its layout equal to align_torch's, ties in the logits to the lowest ids, 1 to 4 token blocks (T 1..64); the front kernel's logits within 1e-5 of F.linear (fp32
 GEMM order), its arrival counters back at zero after each launch; down+combine within 1e-5 of its torch oracle and
-of the two-kernel path; the whole block within 1e-5 of moe_torch on both sides of each threshold.
+of the two-kernel path; the whole block within 1e-5 of moe_torch on both sides of each threshold. The GEMV path
+(T <= GEMV_MAX_T: routing in the gate_up kernel, no sorted layout): its routing bit for bit route_fast's (ids
+route_torch's exactly, ties to the lowest ids), each pair's act row as gate_up_gemv_torch's and the act within
+1e-5; T 1..8, E not a power of two, ranks with start > 0, one with no local pair, a narrower shared expert.
 
 GPU (`-m gpu`, bf16, Qwen3.5-35B-A3B shapes: 256 experts, top-8, hidden 2048, expert intermediate 512; shared
 intermediate 512 at TP=1 and 64 per rank at TP=8 with 32 local experts): routing ids equal except at exact ties
@@ -24,7 +27,8 @@ fp32 accumulation order flipping some of those roundings (a few 1e-3); a wrong b
 Front kernel: each logit within one bf16 ulp of cuBLAS's (2^-7 relative, + 1e-4: both round an fp32 sum), routing
 and layout exactly the oracle's on those logits. The chunked layout
 at T = 65..16384 (and chunks of 256..4096 pairs) exactly align_torch's. Padded batches (on the front kernel's
-path), repeated runs and CUDA-graph replay (decode and prefill) must give identical bits.
+path), repeated runs and CUDA-graph replay (decode, the GEMV path at T = 1..8 included, and prefill) must give
+identical bits.
 """
 import functools
 from types import SimpleNamespace
@@ -305,14 +309,95 @@ def test_down_combine_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, ro
     lay = moe.align_torch(ids, start, num_local, 16)
     act = moe.gate_up_fast(x, w, lay, moe.moe_config(T, num_local, H, I, I_s, x.device)["gate_up"])
     tile = dict(BLOCK_N=8, BLOCK_K=16, num_warps=2, num_stages=3)  # several N tiles and K steps here
-    fast = moe.down_combine_fast(act, w, lay, ids.int(), wts, gate, tile)
-    want = moe.down_combine_torch(act, w, lay, ids, wts, gate)
+    fast = moe.down_combine_fast(act, w, lay.inverse, ids.int(), wts, gate, tile)
+    want = moe.down_combine_torch(act, w, lay.inverse, ids, wts, gate)
     assert want.abs().max() > 0.3 and max_diff(fast, want) <= TOL
     two = moe.combine_fast(moe.down_fast(act, w, lay, wts, gate, dict(BLOCK_N=16, BLOCK_K=16, num_warps=4,
                                                                       num_stages=2)), lay, T)
     assert max_diff(fast, two) <= TOL
-    assert max_diff(moe.down_combine_fast(act, w, lay, ids.int(), wts, gate), want) <= TOL  # default tile
+    assert max_diff(moe.down_combine_fast(act, w, lay.inverse, ids.int(), wts, gate), want) <= TOL  # default tile
     assert max_diff(fast, moe.experts_torch(x, ids, wts, gate, w)) <= TOL
+
+
+# ------------------------------------------------------------------------------------------- decode GEMV path
+GEMV_CASES = [  # T, E, k, H, I, I_s, start, num_local, routed
+    (1, 8, 2, 32, 16, 8, 0, 8, "any"),       # one token, TP=1, shared expert narrower (its TP shard)
+    (2, 12, 3, 40, 24, 24, 4, 4, "any"),     # E not a power of two, a middle rank, odd sizes
+    (3, 16, 4, 32, 16, 8, 8, 8, "any"),      # last rank, k = 4
+    (8, 10, 2, 48, 16, 16, 5, 5, "any"),     # GEMV_MAX_T; E = 10, last rank
+    (3, 8, 2, 32, 16, 8, 4, 4, "low"),       # no local pair: shared expert only
+]
+
+
+def gemv_inputs(T, E, H, gen, routed):
+    """x [T, H] and router [E + 1, H]; routed "low": x's column 0 is 10 and the router's is +3 for the first half of
+    the experts, -3 for the rest, so every token's top k (k <= E / 2) lies in the first half."""
+    x = torch.randn(T, H, generator=gen)
+    router = torch.randn(E + 1, H, generator=gen) * 0.3
+    if routed == "low":
+        x[:, 0] = 10.0
+        router[:E, 0] = torch.where(torch.arange(E) < E // 2, 3.0, -3.0)
+    return x, router
+
+
+@pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local,routed", GEMV_CASES)
+def test_gate_up_gemv_equals_torch(T, E, k, H, I, I_s, start, num_local, routed):
+    """The GEMV path's gate_up (default tile; several N tiles and H steps): routing bit for bit route_fast's (ids
+    exactly route_torch's, weights and gate within TOL_ROUTE), each pair's row as the oracle's, act rows of local
+    pairs and the shared rows within TOL; down_combine on it, and the whole path, against the oracles."""
+    gen = torch.Generator().manual_seed(T * 17 + start)
+    w = make_weights(num_local, H, I, I_s, start, gen)
+    x, router = gemv_inputs(T, E, H, gen, routed)
+    logits = F.linear(x, router)
+    ref = moe.gate_up_gemv_torch(x, logits, k, w)
+    for tile in (None, dict(BLOCK_N=4, BLOCK_K=16, num_warps=2, num_stages=3)):
+        fast = moe.gate_up_gemv_fast(x, logits, k, w, tile)
+        assert fast.ids.dtype == torch.int32 and torch.equal(fast.ids.long(), ref.ids)
+        assert all(torch.equal(a, b) for a, b in zip(fast[1:4], moe.route_fast(logits, k)))
+        assert max_diff(fast.weights, ref.weights) <= TOL_ROUTE
+        assert max_diff(fast.shared_gate, ref.shared_gate) <= TOL_ROUTE
+        assert torch.equal(fast.inverse, ref.inverse)
+        mine = fast.inverse[fast.inverse >= 0].long()
+        assert (len(mine) > 0) == (routed == "any")
+        assert max_diff(fast.act[:T, :I_s], ref.act[:T, :I_s]) <= TOL
+        assert not len(mine) or max_diff(fast.act[mine, :I], ref.act[mine, :I]) <= TOL
+    out = moe.down_combine_fast(fast.act, w, fast.inverse, fast.ids, fast.weights, fast.shared_gate)
+    oracle = moe.down_combine_torch(ref.act, w, ref.inverse, ref.ids, ref.weights, ref.shared_gate)
+    assert max_diff(out, oracle) <= TOL
+    want = moe.moe_torch(x, router, k, w)
+    assert want.abs().max() > 0.1 and max_diff(moe.moe_decode_fast(x, router, k, w, gemv=True), want) <= TOL
+
+
+def test_gate_up_gemv_ties_go_to_lowest_id():
+    """Integer logits with many exact ties: the lowest ids among equal values, as route_fast and route_torch."""
+    gen = torch.Generator().manual_seed(7)
+    T, E, k, H = 5, 16, 4, 32
+    logits = torch.randint(0, 3, (T, E + 1), generator=gen).float()
+    w = make_weights(8, H, 16, 8, 4, gen)
+    x = torch.randn(T, H, generator=gen)
+    fast = moe.gate_up_gemv_fast(x, logits, k, w)
+    expected = torch.tensor([sorted(range(E), key=lambda e: (-logits[t, e].item(), e))[:k] for t in range(T)])
+    assert any(len(set(logits[t, :E].tolist())) < E for t in range(T))
+    assert torch.equal(fast.ids.long(), expected) and torch.equal(fast.ids, moe.route_fast(logits, k)[0])
+    assert torch.equal(fast.inverse, moe.gate_up_gemv_torch(x, logits, k, w).inverse)
+
+
+def test_moe_fast_takes_gemv_up_to_threshold(monkeypatch):
+    """Without a tuned table, moe_fast takes the GEMV path exactly up to GEMV_MAX_T tokens; both sides match
+    moe_torch."""
+    calls, real = [], moe.gate_up_gemv_fast
+
+    def spy(x, *args):
+        calls.append(x.shape[0])
+        return real(x, *args)
+    monkeypatch.setattr(moe, "gate_up_gemv_fast", spy)
+    gen = torch.Generator().manual_seed(2)
+    w = make_weights(4, 32, 16, 8, 4, gen)
+    router = torch.randn(13, 32, generator=gen) * 0.3
+    for T in (moe.GEMV_MAX_T, moe.GEMV_MAX_T + 1):
+        x = torch.randn(T, 32, generator=gen)
+        assert max_diff(moe.moe_fast(x, router, 3, w), moe.moe_torch(x, router, 3, w)) <= TOL
+    assert calls == [moe.GEMV_MAX_T]
 
 
 # ------------------------------------------------------------------------------------------------- the block
@@ -330,9 +415,9 @@ BLOCK_CASES = [  # T, E, k, H, I, I_s, start, num_local
 
 @pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local", BLOCK_CASES)
 def test_moe_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, monkeypatch):
-    """The whole block: moe_fast (which picks its kernels by T: route_fast + the one-program align up to FRONT_MAX_T,
-    the chunked layout above) and, where it applies, the front kernel's path with the other down+combine choice, against
-    moe_torch."""
+    """The whole block: moe_fast (which picks its kernels by T: the GEMV path up to GEMV_MAX_T, route_fast + the
+    one-program align up to FRONT_MAX_T, the chunked layout above) and, where they apply, the decode paths it did not
+    take (the front kernel's with the other down+combine choice; the layout's or the GEMV one), against moe_torch."""
     monkeypatch.setattr(moe, "ALIGN_CHUNK", 64)  # several chunks at interpreter sizes
     gen = torch.Generator().manual_seed(T + E)
     w = make_weights(num_local, H, I, I_s, start, gen)
@@ -343,7 +428,9 @@ def test_moe_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, monkeypatch
     assert max_diff(moe.moe_fast(x, router, k, w), want) <= TOL
     if T <= moe.FRONT_MAX_T:
         other = T > moe.DOWN_COMBINE_MAX_T
-        assert max_diff(moe.moe_decode_fast(x, router, k, w, down_combine=other, front=True), want) <= TOL
+        front = moe.moe_decode_fast(x, router, k, w, down_combine=other, front=True, gemv=False)
+        assert max_diff(front, want) <= TOL
+        assert max_diff(moe.moe_decode_fast(x, router, k, w, gemv=T > moe.GEMV_MAX_T), want) <= TOL
 
 
 def test_moe_fast_padding_and_repeat():
@@ -432,6 +519,8 @@ def test_padded_graph_batches_share_tiles():
     cpu = torch.device("cpu")  # no table: down + combine in one kernel exactly up to DOWN_COMBINE_MAX_T
     assert moe.moe_config(moe.DOWN_COMBINE_MAX_T, 32, 2048, 512, 64, cpu)["down_combine"] is not None
     assert moe.moe_config(moe.DOWN_COMBINE_MAX_T + 1, 32, 2048, 512, 64, cpu)["down_combine"] is None
+    assert moe.moe_config(moe.GEMV_MAX_T, 32, 2048, 512, 64, cpu)["gemv"] is not None  # the GEMV path likewise
+    assert moe.moe_config(moe.GEMV_MAX_T + 1, 32, 2048, 512, 64, cpu)["gemv"] is None
     tiny = moe.moe_config(3000, 4, 40, 24, 8, torch.device("cpu"))
     assert tiny["gate_up"]["BLOCK_N"] <= 32 and tiny["down"]["BLOCK_K"] <= 32 and tiny["gate_up"]["BLOCK_K"] <= 64
 
@@ -593,9 +682,9 @@ def test_down_combine_fast_bf16(tp, T):
     cfg = moe.moe_config(T, num_local, 2048, 512, 512 // tp, x.device)
     lay = moe.align_torch(ids, w.start, num_local, cfg["BLOCK_M"])
     act = moe.gate_up_fast(x, w, lay, cfg["gate_up"])
-    fast = moe.down_combine_fast(act, w, lay, ids.int(), wts, gate, cfg["down_combine"])
+    fast = moe.down_combine_fast(act, w, lay.inverse, ids.int(), wts, gate, cfg["down_combine"])
     assert torch.isfinite(fast).all()
-    assert rel(fast, moe.down_combine_torch(act, w, lay, ids, wts, gate)) <= 1e-2
+    assert rel(fast, moe.down_combine_torch(act, w, lay.inverse, ids, wts, gate)) <= 1e-2
     two = moe.combine_fast(moe.down_fast(act, w, lay, wts, gate, cfg["down"]), lay, T)
     assert rel(fast, two) <= 1e-2
 
@@ -614,8 +703,36 @@ def test_moe_decode_bf16_real_shapes(tp, T):
             F.linear(x, router)
         ref = moe.experts_torch(x, *moe.route_torch(logits, 8), w)
         for down_combine in (True, False):
-            out = moe.moe_decode_fast(x, router, 8, w, down_combine, front)
+            out = moe.moe_decode_fast(x, router, 8, w, down_combine, front, gemv=False)
             assert torch.isfinite(out).all() and rel(out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("T", [1, 2, 4, 8])
+def test_moe_decode_gemv_bf16_real_shapes(tp, T):
+    """The GEMV path against experts_torch routed on the same logits, its routing bit for bit route_fast's; the
+    same bits on a second eager run and from a CUDA graph replayed on new inputs."""
+    w, router = real_weights(tp), real_router(tp)
+    gen = torch.Generator().manual_seed(T * 7 + tp)
+    x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
+    logits = moe.router_logits(x, router)
+    tile = moe.moe_config(T, w.gate_up.shape[0], 2048, 512, 512 // tp, x.device)["gemv"]
+    g = moe.gate_up_gemv_fast(x, logits, 8, w, tile)
+    assert all(torch.equal(a, b) for a, b in zip(g[1:4], moe.route_fast(logits, 8)))
+    ref = moe.experts_torch(x, *moe.route_torch(logits, 8), w)
+    out = moe.moe_decode_fast(x, router, 8, w, gemv=True)
+    assert torch.isfinite(out).all() and rel(out, ref) <= 1e-2
+    assert torch.equal(moe.moe_decode_fast(x, router, 8, w, gemv=True), out)
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe.moe_decode_fast(static, router, 8, w, gemv=True)
+    for _ in range(2):
+        x2 = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
+        static.copy_(x2)
+        graph.replay()
+        assert torch.equal(replayed, moe.moe_decode_fast(x2, router, 8, w, gemv=True))
 
 
 @pytest.mark.gpu
@@ -632,8 +749,8 @@ def test_moe_fast_bits_padding_and_graph_replay(tp):
         x = torch.randn(b, 2048, generator=gen).to("cuda", torch.bfloat16)
         eager = moe.moe_fast(x, router, 8, w)
         assert torch.equal(moe.moe_fast(x, router, 8, w), eager)
-        front = moe.moe_decode_fast(x, router, 8, w, front=True)
-        assert torch.equal(moe.moe_decode_fast(x[:n], router, 8, w, front=True), front[:n])
+        front = moe.moe_decode_fast(x, router, 8, w, front=True, gemv=False)
+        assert torch.equal(moe.moe_decode_fast(x[:n], router, 8, w, front=True, gemv=False), front[:n])
         static = x.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
