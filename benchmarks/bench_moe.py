@@ -19,10 +19,11 @@ default).
 Then the decode tables (batches 1..64, us per layer from a CUDA graph; launches per layer counted eagerly with
 torch.profiler, memcpy/memset excluded):
 - fused / split: moe_decode_fast (router GEMM, route_fast, align_serial, gate_up, then down + combine in one kernel
-  / in two: 5 or 6); "moe_fast" says which one moe_fast takes here (the tuned table's choice, else
-  moe.DOWN_COMBINE_MAX_T); front: the front kernel in place of the first three (moe.USE_FRONT);
+  / in two: 5 or 6); front: the front kernel in place of the first three (moe.USE_FRONT); gemv: the GEMV path
+  (router GEMM, gate_up_gemv_fast with the routing in its prologue, down_combine: 3); "moe_fast" says which one
+  moe_fast takes here (the tuned table's choice, else moe.GEMV_MAX_T and moe.DOWN_COMBINE_MAX_T);
 - the parts alone: route_fast + align_serial; router GEMM + both vs the front kernel (which folds the GEMM in);
-  down_combine vs down + combine;
+  down_combine vs down + combine; route + align + gate_up vs the GEMV path's gate_up (routing included);
 - floor: the layer's bytes at the copy rate measured in the same run.
 """
 from __future__ import annotations
@@ -114,7 +115,7 @@ def layout_row(layer: Layer, T: int, gen: torch.Generator) -> dict:
 
 
 def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
-    """One decode batch: the whole layer fused / split / front, and its parts alone (see the docstring)."""
+    """One decode batch: the whole layer fused / split / front / gemv, and its parts alone (see the docstring)."""
     x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     k, w, router = layer.top_k, layer.w, layer.router
     num_local, inter = w.gate_up.shape[0], w.down.shape[2]
@@ -127,9 +128,10 @@ def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
     def route_align(logits):
         return moe.align_serial(moe.route_fast(logits, k)[0], w.start, num_local, cfg["BLOCK_M"])
     whole = {
-        "fused": lambda: moe.moe_decode_fast(x, router, k, w, down_combine=True),
-        "split": lambda: moe.moe_decode_fast(x, router, k, w, down_combine=False),
-        "front": lambda: moe.moe_decode_fast(x, router, k, w, front=True),
+        "fused": lambda: moe.moe_decode_fast(x, router, k, w, down_combine=True, gemv=False),
+        "split": lambda: moe.moe_decode_fast(x, router, k, w, down_combine=False, gemv=False),
+        "front": lambda: moe.moe_decode_fast(x, router, k, w, front=True, gemv=False),
+        "gemv": lambda: moe.moe_decode_fast(x, router, k, w, gemv=True),
     }
     parts = {
         "route_align": lambda: route_align(logits),
@@ -139,9 +141,11 @@ def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
                                                 layout, T),
         "down_combine": lambda: moe.down_combine_fast(act, w, layout.inverse, ids, weights, shared_gate,
                                                       cfg["down_combine"]),
+        "layout_gate_up": lambda: moe.gate_up_fast(x, w, route_align(logits), cfg["gate_up"]),
+        "gemv_gate_up": lambda: moe.gate_up_gemv_fast(x, logits, k, w, cfg["gemv"]),
     }
-    row = {"batch": T, "moe_fast": "split" if cfg["down_combine"] is None else "fused",
-           "floor_us": layer.bytes(x, ids) / rate * 1e6}
+    taken = "gemv" if cfg["gemv"] is not None else "split" if cfg["down_combine"] is None else "fused"
+    row = {"batch": T, "moe_fast": taken, "floor_us": layer.bytes(x, ids) / rate * 1e6}
     for name, fn in whole.items():
         row[f"{name}_launches"] = count_kernels(fn)  # eager first: compiles, and the front kernel's counters
     for name, fn in {**whole, **parts}.items():
@@ -186,16 +190,18 @@ def main() -> None:
         for T in DECODE:
             decode.append(decode_row(layer, T, gen, rate))
         print(f"\ndecode, us per layer from a CUDA graph (launches per layer, eager); copy rate {rate / 1e9:.0f} GB/s")
-        print(f"{'batch':>5} {'fused':>13} {'split':>13} {'front':>13} {'moe_fast':>8} {'floor':>6}")
+        print(f"{'batch':>5} {'fused':>13} {'split':>13} {'front':>13} {'gemv':>13} {'moe_fast':>8} {'floor':>6}")
         for r in decode:
-            cells = " ".join(f"{r[n + '_us']:7.1f} ({r[n + '_launches']})" for n in ("fused", "split", "front"))
+            cells = " ".join(f"{r[n + '_us']:7.1f} ({r[n + '_launches']})" for n in ("fused", "split", "front", "gemv"))
             print(f"{r['batch']:>5} {cells} {r['moe_fast']:>8} {r['floor_us']:6.1f}")
-        print("\ndecode parts, us from a CUDA graph: route_fast + align_serial; router GEMM + both vs the front kernel; "
-              "down + combine vs down_combine")
-        print(f"{'batch':>5} {'route+align':>11} | {'GEMM+r+a':>8} {'front':>6} | {'down+comb':>9} {'down_comb':>9}")
+        print("\ndecode parts, us from a CUDA graph: route_fast + align_serial; router GEMM + both vs the front "
+              "kernel; down + combine vs down_combine; route + align + gate_up vs the GEMV gate_up")
+        print(f"{'batch':>5} {'route+align':>11} | {'GEMM+r+a':>8} {'front':>6} | {'down+comb':>9} {'down_comb':>9} | "
+              f"{'r+a+up':>7} {'gemv up':>7}")
         for r in decode:
             print(f"{r['batch']:>5} {r['route_align_us']:11.1f} | {r['gemm_route_align_us']:8.1f} "
-                  f"{r['front_only_us']:6.1f} | {r['down_before_us']:9.1f} {r['down_combine_us']:9.1f}")
+                  f"{r['front_only_us']:6.1f} | {r['down_before_us']:9.1f} {r['down_combine_us']:9.1f} | "
+                  f"{r['layout_gate_up_us']:7.1f} {r['gemv_gate_up_us']:7.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp,

@@ -7,7 +7,9 @@ degree) and each token-count bucket (powers of two: layers/moe.py keys its table
 of random inputs is laid out once per BLOCK_M candidate, then the gate_up and down kernels are timed separately
 over their tile candidates; the entry kept is the BLOCK_M whose best gate_up + best down is fastest. Decode
 buckets (T <= moe.FRONT_MAX_T) also get the front kernel's tile (router columns per program, H step, warps) and
-the one-kernel down+combine's, or null where down + combine in two kernels (with the chosen down tile) is faster:
+the one-kernel down+combine's, or null where down + combine in two kernels (with the chosen down tile) is faster,
+and the GEMV path's gate_up tile, or null where route + align + gate_up and the down step chosen above beat its
+gate_up + down_combine (where it wins, the bucket keeps the down_combine tile: the GEMV path always ends in it):
 that decides moe_fast's path for the bucket. Decode buckets are timed from a CUDA graph, as decode steps run (eager
 timing of a few-us kernel mostly measures the host's launch). The file keeps other GPUs' tables and other shapes' entries; this GPU's
 entries for the swept shapes are replaced. Triton caches compiled kernels, so a second run is mostly timing (a full
@@ -52,9 +54,13 @@ def tile_candidates(T: int, quick: bool) -> list[dict]:
 
 def gemv_candidates(op: str, quick: bool) -> list[dict]:
     """front: logit columns per program (BLOCK_N) and H step; down_combine: output columns per (token, tile)
-    program and I step of its [k + 1 slots, BLOCK_N, BLOCK_K] tile. The default first (--quick keeps two)."""
+    program and I step of its [k + 1 slots, BLOCK_N, BLOCK_K] tile; gate_up_gemv: act columns per (token, tile)
+    program and H step of its [k slots, BLOCK_N, BLOCK_K] tiles (narrow: T * max(I, I_s) / BLOCK_N programs
+    stream the weights). The default first (--quick keeps two)."""
     if op == "front":
         grid = dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 64, 256], num_warps=[4, 8], num_stages=[3, 4])
+    elif op == "gate_up_gemv":
+        grid = dict(BLOCK_N=[4, 8, 2, 16], BLOCK_K=[128, 64, 256], num_warps=[4, 8], num_stages=[4, 3])
     else:
         grid = dict(BLOCK_N=[8, 16, 4], BLOCK_K=[64, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
     if quick:
@@ -84,7 +90,8 @@ def best_tile(fn, T: int, quick: bool, candidates: list[dict] | None = None) -> 
 
 def tune_bucket(layer: Layer, T: int, quick: bool, gen: torch.Generator) -> dict:
     x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    ids, weights, gate = moe.route_fast(F.linear(x, layer.router), layer.top_k)
+    logits = F.linear(x, layer.router)
+    ids, weights, gate = moe.route_fast(logits, layer.top_k)
     w, num_local = layer.w, layer.w.gate_up.shape[0]
     best = None
     for block_m in block_m_candidates(T):
@@ -101,14 +108,36 @@ def tune_bucket(layer: Layer, T: int, quick: bool, gen: torch.Generator) -> dict
         t_front, entry["front"] = best_tile(
             lambda tile: moe.front_fast(x, layer.router, layer.top_k, w.start, num_local, entry["BLOCK_M"], tile),
             T, quick, gemv_candidates("front", quick))
-        t_dc, dc = best_tile(lambda tile: moe.down_combine_fast(act, w, lay.inverse, ids, weights, gate, tile), T, quick,
-                             gemv_candidates("down_combine", quick))
+        t_dc, dc = best_tile(lambda tile: moe.down_combine_fast(act, w, lay.inverse, ids, weights, gate, tile), T,
+                             quick, gemv_candidates("down_combine", quick))
         t_split = time_ms(lambda: moe.combine_fast(moe.down_fast(act, w, lay, weights, gate, entry["down"]), lay, T),
                           graph=True)
         entry["down_combine"] = dc if t_dc < t_split else None  # None: down and combine stay two kernels
         print(f"  T={T:<5} front {t_front * 1e3:8.1f} us {entry['front']}  down_combine {t_dc * 1e3:8.1f} us {dc} "
               f"vs down + combine {t_split * 1e3:8.1f} us", flush=True)
+        tune_gemv(layer, x, logits, entry, min(t_dc, t_split), dc, quick)
     return entry
+
+
+def tune_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, entry: dict, t_down: float, dc: dict,
+              quick: bool) -> None:
+    """entry["gemv"]: the GEMV path's best gate_up tile where its gate_up + down_combine (tile dc) beat route +
+    align + gate_up + the down step (t_down ms), else None. The router GEMM, common to both, is left out."""
+    T, k, w = x.shape[0], layer.top_k, layer.w
+    num_local = w.gate_up.shape[0]
+    t_layout = t_down + time_ms(lambda: moe.gate_up_fast(
+        x, w, moe.align(moe.route_fast(logits, k)[0], w.start, num_local, entry["BLOCK_M"]), entry["gate_up"]),
+        graph=True)
+    t_up, gemv = best_tile(lambda tile: moe.gate_up_gemv_fast(x, logits, k, w, tile), T, quick,
+                           gemv_candidates("gate_up_gemv", quick))
+    g = moe.gate_up_gemv_fast(x, logits, k, w, gemv)
+    t_gemv = t_up + time_ms(lambda: moe.down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, dc),
+                            graph=True)
+    entry["gemv"] = gemv if t_gemv < t_layout else None
+    if entry["gemv"] is not None:
+        entry["down_combine"] = dc  # the GEMV path always ends in down_combine
+    print(f"  T={T:<5} gemv {t_gemv * 1e3:8.1f} us {gemv} (gate_up {t_up * 1e3:.1f}) vs route + align + gate_up + "
+          f"down {t_layout * 1e3:8.1f} us", flush=True)
 
 
 def main() -> None:
