@@ -669,13 +669,14 @@ if triton is not None:
         """route_torch for token t (its logits row sl apart), the one implementation of route_fast's and of the GEMV
         path's routing: softmax in fp32, top-k on int64 keys (the probability's bits, then the column reversed: one
         max per slot takes the largest probability, among ties the lowest id), renormalised, rounded to the model
-        dtype; sigmoid of the shared gate's logit (column E). Stored where `store`; returns the ids [K_POW2] (slots
-        past TOP_K: 0)."""
+        dtype; sigmoid of the shared gate's logit (column E). Sums by _exact_sum, so every kernel that calls this
+        gives the same bits whatever its warps. Stored where `store`; returns the ids [K_POW2] (slots past TOP_K:
+        0)."""
         cols = tl.arange(0, BLOCK_E)
         row = logits_ptr + t * sl
         logit = tl.load(row + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
         num = tl.exp(logit - tl.max(logit, 0))
-        p = num / tl.sum(num, 0)
+        p = num / _exact_sum(num)
         key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)
         key = tl.where(cols < E, key, -1)  # below every probability's key
         slot = tl.arange(0, K_POW2)
@@ -688,10 +689,18 @@ if triton is not None:
             vals = tl.where(slot == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), vals)
         smask = slot < tl.where(store, TOP_K, 0)
         tl.store(ids_ptr + t * TOP_K + slot, ids, mask=smask)
-        tl.store(w_ptr + t * TOP_K + slot, (vals / tl.sum(vals, 0)).to(w_ptr.dtype.element_ty), mask=smask)
+        tl.store(w_ptr + t * TOP_K + slot, (vals / _exact_sum(vals)).to(w_ptr.dtype.element_ty), mask=smask)
         g = tl.load(row + E).to(tl.float32)
         tl.store(sg_ptr + t, tl.sigmoid(g).to(sg_ptr.dtype.element_ty), mask=store)
         return ids
+
+    @triton.jit
+    def _exact_sum(v):
+        """Sum of a vector of values in [0, 1], in 2^-48 fixed point: integer adds give the same bits in any reduction
+        order (a float tl.sum's tree follows the layout, so the kernel's num_warps). The sum stays below 2^63 for
+        fewer than 2^15 values; dropping what lies below 2^-48 moves a sum >= 2^-8 by < 2^-24 relative while it
+        holds fewer than 2^16 values (softmax denominators are >= 1, top-k sums >= k / E)."""
+        return tl.sum((v * 281474976710656.0).to(tl.int64), 0).to(tl.float32) * (1.0 / 281474976710656.0)
 
     @triton.jit
     def _local_expert(ids_ptr, p, n, start, num_local):
