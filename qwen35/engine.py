@@ -284,7 +284,7 @@ class LLMEngine:
         if self._pin:
             start, ready = self._events[k % 3]
             start.record()
-        sampling = self._sampling_step(step, self._bind(step.admitted) if step.admitted else [])
+        sampling = self._sampling_step(step, self._bind(step) if step.admitted else [])
         _send(plan, sampling)
         t0 = time.perf_counter()
         tokens = self._run_step(plan, sampling)
@@ -306,15 +306,18 @@ class LLMEngine:
         self._last_end = ready
         return launched
 
-    def _bind(self, admitted: list[Request]) -> list[tuple[int, tuple[float, float, float], int]]:
-        """The sampling state of newly admitted requests, for every rank's sampler: (slot, (temperature, top_k,
-        top_p), noise key). A request whose parameters make this raise fails alone."""
-        rows = []
-        for req in admitted:
+    def _bind(self, step: ScheduledStep) -> list[tuple[int, tuple[float, float, float], int]]:
+        """The sampling state of the requests admitted in `step`, for every rank's sampler: (slot, (temperature,
+        top_k, top_p), noise key). A request whose parameters make this raise fails alone. The slots come from the
+        plan (the admitted requests' rows are its last ones): one whose only token this step samples (max_tokens 1)
+        has already been freed by the scheduler, its slot still the row's."""
+        rows, admitted = [], step.admitted
+        slots = step.plan.state_slots[len(step.plan.state_slots) - len(admitted):]
+        for req, slot in zip(admitted, slots):
             try:
                 # the values as the sampler's float32 tensors hold them (what is not a number fails here, alone)
                 row = tuple(torch.tensor(req.params.sampler_row(), dtype=torch.float32).tolist())
-                rows.append((req.state_slot, row, stream_key(req.params.seed, self.args.seed, self._admissions)))
+                rows.append((slot, row, stream_key(req.params.seed, self.args.seed, self._admissions)))
                 self._admissions += 1
             except Exception as e:
                 self._fail(req, e)

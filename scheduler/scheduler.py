@@ -44,7 +44,7 @@ class ScheduledStep:
     plan: StepPlan
     rows: list[Request] = field(default_factory=list)      # the request of each row of the plan
     sampled: list[Request] = field(default_factory=list)   # the requests of the logits rows, in row order
-    admitted: list[Request] = field(default_factory=list)  # admitted in this step
+    admitted: list[Request] = field(default_factory=list)  # admitted in this step: the plan's last rows, one each
     num_prompt_tokens: int = 0                              # prompt tokens fed (prefill chunks)
     # the step's first rows when they are the decode batch's: its list of requests at this step, never changed
     # (DecodeBatch); one list object for as long as the batch keeps its members, so that what is worked out once

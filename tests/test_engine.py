@@ -245,6 +245,22 @@ def test_batched_greedy_matches_alone_and_transformers(engine, hf_tokens, monkey
     assert s["total_completion_tokens"] - before["total_completion_tokens"] == 2 * len(PROMPTS) * N_NEW
 
 
+def test_one_token_requests_admitted_and_ended_in_one_step(engine):
+    """A request whose prompt is fed whole in its admission step and whose max_tokens is 1 ends in that same step:
+    the scheduler frees it while scheduling, so its sampler settings must come from the plan's row (it used to read
+    the freed slot, None, and take the engine down). The second round hits the prefix cache: one row at admission."""
+    prompt = list(range(5, 40))
+    for r in range(3):
+        final, _ = run(engine, [(f"one{r}", prompt, SamplingParams(max_tokens=1, seed=3)),
+                                (f"three{r}", prompt, SamplingParams(max_tokens=3))])
+        assert final[f"one{r}"][2:] == ("length", 1), final
+        assert final[f"three{r}"][2:] == ("length", 3), final
+        if r:  # seeded: the same token each round
+            assert final[f"one{r}"][0] == first
+        first = final[f"one{r}"][0]
+    assert_pools_empty(engine)
+
+
 def test_more_requests_than_slots_and_blocks(small_engine, hf_tokens):
     eng = small_engine
     assert eng.stats()["state_slots_total"] == 2 and eng.stats()["kv_blocks_total"] == 10
