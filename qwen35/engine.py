@@ -68,6 +68,7 @@ class EngineArgs:
     prefix_cache_interval: int = 256          # a snapshot every this many prompt tokens (0: none)
     kernels: str | None = None                # "torch" | "fast"; None: $QWEN35_KERNELS, else fast on CUDA, torch on CPU
     overlap: bool = True                      # prepare step N+1 on the host while the device runs step N
+    warm_up: bool = True                      # compile the prefill / mixed-step kernels at start (fast kernels on CUDA)
 
     @property
     def device_type(self) -> str:
@@ -108,6 +109,9 @@ class EngineArgs:
                             "on CUDA, torch on the CPU)")
         g.add_argument("--no-overlap", dest="overlap", action="store_false",
                        help="run each step to its end before preparing the next (same tokens, host time exposed)")
+        g.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                       help="skip the start-up steps that compile every prefill and mixed-step kernel variant (they "
+                            "are then compiled, ~1 s each, by the first requests that need them)")
         return parser
 
     @classmethod
@@ -183,6 +187,15 @@ class LLMEngine:
             num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager, seed=args.seed,
             num_snapshot_slots=args.prefix_cache_snapshots if args.prefix_cache else 0, kernels=args.kernels)
         self.device, self.max_model_len = self.runner.device, self.runner.max_model_len
+        if args.warm_up and self.device.type == "cuda" and self.runner.kernels == "fast":
+            if parallel.is_driver():
+                log.info("warm-up: compiling the prefill and mixed-step kernels (first start: a minute or two; "
+                         "Triton's disk cache makes later starts quick)")
+            t0 = time.perf_counter()
+            n = self.runner.warm_up(args.max_num_batched_tokens)  # every rank: the same plans
+            if parallel.is_driver():
+                log.info("warm-up: %d prefill and mixed steps (up to %d tokens) in %.1f s", n,
+                         args.max_num_batched_tokens, time.perf_counter() - t0)
         self._shut_down = False
         num_real = None
         if parallel.is_driver():

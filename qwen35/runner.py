@@ -269,6 +269,62 @@ class ModelRunner:
             hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices], gather=gather)
 
+    # ---------------------------------------------------------------- warm-up
+    def warm_up_plans(self, max_tokens: int) -> list[StepPlan]:
+        """Steps that meet, before any request does, the kernel variants a prefill or mixed step can meet: Triton
+        compiles a kernel the first time it sees a new tile (the MoE tiles go by power-of-two token bucket) or a new
+        specialisation of an integer argument (equal to 1, divisible by 16), ~1 s each, which a cold trace level
+        paid in the middle of serving (2026-11-25, 1x H200: 7 compiles, ~4 s, in a level of ~11 s of work). Per
+        power-of-two token count T up to max_tokens: a fresh prompt of T tokens; one of T - 1 with a checkpoint at
+        its end; a mixed step of one decode row (fed from the device) and a chunk resuming at CHUNK; and one of as
+        many decode rows as fit the state slots with it. Rows take slots and blocks from 0; what they leave behind
+        is written again before any request reads it (a fresh row ignores its slot's state). Buckets whose rows do
+        not fit the KV cache or max_model_len are left out."""
+        gen = torch.Generator().manual_seed(0)
+        vocab, bs = self.config.vocab_size, self.block_size
+        snap = self.snapshot_slots[:1]
+
+        def ids(n: int) -> list[int]:
+            return torch.randint(0, max(1, vocab - 300), (n,), generator=gen).tolist()
+
+        def plan(rows: list[tuple[int, int]], checkpoint: bool = False) -> StepPlan | None:
+            """rows: (start, tokens; 0 = a decode row fed from the device), on slots and blocks from 0."""
+            p, block = StepPlan(), 0
+            for slot, (start, n) in enumerate(rows):
+                nblk = -(-(start + max(n, 1)) // bs)
+                if start + max(n, 1) > self.max_model_len or block + nblk > self.num_kv_blocks:
+                    return None
+                p.state_slots.append(slot)
+                p.token_ids.append(ids(n) if n else [])
+                p.start_pos.append(start)
+                p.block_tables.append(list(range(block, block + nblk)))
+                p.want_logits.append(True)
+                block += nblk
+            if checkpoint and snap:
+                p.checkpoints.append((len(rows) - 1, rows[-1][0] + rows[-1][1], snap[0]))
+            return p
+
+        plans, t = [], 1
+        while t <= max_tokens:
+            decodes = min(self.max_num_seqs - 1, max(t - CHUNK, 0))  # rows left beside a chunk of >= CHUNK tokens
+            candidates = [plan([(0, t)]), plan([(0, t - 1)], checkpoint=True) if t > 1 else None]
+            if t > CHUNK + 1:
+                candidates += [plan([(CHUNK, 0), (CHUNK, t - 1)], checkpoint=True),
+                               plan([(CHUNK, 0)] * decodes + [(CHUNK, t - decodes)]) if decodes > 1 else None]
+            plans += [p for p in candidates if p is not None]
+            t *= 2
+        return plans
+
+    @torch.inference_mode()
+    def warm_up(self, max_tokens: int) -> int:
+        """Run warm_up_plans (every rank, the same plans); returns how many ran."""
+        plans = self.warm_up_plans(max_tokens)
+        for plan in plans:
+            self.execute(plan, gather="none")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return len(plans)
+
     @torch.inference_mode()
     def accept_tokens(self, tokens: torch.Tensor) -> None:
         """Every rank, after execute(): the tokens sampled for the last step's logits rows ([n] int64 on the device,

@@ -261,6 +261,29 @@ def test_one_token_requests_admitted_and_ended_in_one_step(engine):
     assert_pools_empty(engine)
 
 
+def test_warm_up_covers_the_step_shapes_and_leaves_no_trace(tiny_dir):
+    """The start-up steps (ModelRunner.warm_up) meet every power-of-two token bucket as T and T - 1 tokens, mixed
+    steps (decode rows first, then a chunk resuming at CHUNK) and a checkpoint; and an engine that ran them gives
+    the same greedy tokens as one that did not (what they leave in slots and blocks is never read)."""
+    from layers.deltanet_prefill import CHUNK
+    kw = dict(max_model_len=512, max_num_batched_tokens=256)
+    warm, fresh = make_engine(tiny_dir, **kw), make_engine(tiny_dir, **kw)
+    plans = warm.runner.warm_up_plans(256)
+    counts = {p.num_tokens for p in plans}
+    assert {t for k in range(9) for t in (2 ** k, 2 ** k - 1)} - {0} <= counts
+    mixed = [p for p in plans if p.num_seqs > 1]
+    assert {p.num_tokens for p in mixed} == {128, 256} and max(p.num_seqs for p in mixed) == 8
+    for p in mixed:
+        assert all(t == [] and s == CHUNK for t, s in zip(p.token_ids[:-1], p.start_pos[:-1]))
+        assert p.start_pos[-1] == CHUNK and len(p.token_ids[-1]) >= CHUNK
+    assert any(p.checkpoints for p in plans)
+    assert warm.runner.warm_up(256) == len(plans)
+    requests = [(f"r{i}", list(range(3 + i, 90 + 7 * i)), SamplingParams(max_tokens=6, temperature=0.0))
+                for i in range(3)]
+    got, want = run(warm, requests)[0], run(fresh, requests)[0]
+    assert got == want
+
+
 def test_more_requests_than_slots_and_blocks(small_engine, hf_tokens):
     eng = small_engine
     assert eng.stats()["state_slots_total"] == 2 and eng.stats()["kv_blocks_total"] == 10
