@@ -271,15 +271,16 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- warm-up
     def warm_up_plans(self, max_tokens: int) -> list[StepPlan]:
-        """Steps that meet, before any request does, the kernel variants a prefill or mixed step can meet: Triton
+        """Steps that meet, before any request does, the kernel variants a prefill or mixed step can meet. Triton
         compiles a kernel the first time it sees a new tile (the MoE tiles go by power-of-two token bucket) or a new
-        specialisation of an integer argument (equal to 1, divisible by 16), ~1 s each, which a cold trace level
-        paid in the middle of serving (2026-11-25, 1x H200: 7 compiles, ~4 s, in a level of ~11 s of work). Per
-        power-of-two token count T up to max_tokens: a fresh prompt of T tokens; one of T - 1 with a checkpoint at
-        its end; a mixed step of one decode row (fed from the device) and a chunk resuming at CHUNK; and one of as
-        many decode rows as fit the state slots with it. Rows take slots and blocks from 0; what they leave behind
-        is written again before any request reads it (a fresh row ignores its slot's state). Buckets whose rows do
-        not fit the KV cache or max_model_len are left out."""
+        specialisation: an integer argument equal to 1 or divisible by 16, a pointer aligned to 16 bytes or not (a
+        slice of int32/int64 rows after an odd number of decode rows is not). Each compile costs ~1 s, which a cold
+        trace level paid in the middle of serving (2026-11-25, 1x H200: 31 compiles, 46 s for ~11 s of work).
+        Per power-of-two bucket t up to max_tokens and n in (t, t - 1): one fresh prompt of n tokens (a checkpoint
+        at its end when n is t - 1), n tokens as 2 and as 16 fresh prompts, and mixed steps of 1, 2, 4 and 16 decode
+        rows (fed from the device) then a chunk resuming at CHUNK. Rows take slots and blocks from 0; what they
+        leave behind is written again before any request reads it (a fresh row ignores its slot's state). Steps
+        whose rows do not fit the state slots, the KV cache or max_model_len are left out."""
         gen = torch.Generator().manual_seed(0)
         vocab, bs = self.config.vocab_size, self.block_size
         snap = self.snapshot_slots[:1]
@@ -290,6 +291,8 @@ class ModelRunner:
         def plan(rows: list[tuple[int, int]], checkpoint: bool = False) -> StepPlan | None:
             """rows: (start, tokens; 0 = a decode row fed from the device), on slots and blocks from 0."""
             p, block = StepPlan(), 0
+            if len(rows) > self.max_num_seqs:
+                return None
             for slot, (start, n) in enumerate(rows):
                 nblk = -(-(start + max(n, 1)) // bs)
                 if start + max(n, 1) > self.max_model_len or block + nblk > self.num_kv_blocks:
@@ -306,12 +309,15 @@ class ModelRunner:
 
         plans, t = [], 1
         while t <= max_tokens:
-            decodes = min(self.max_num_seqs - 1, max(t - CHUNK, 0))  # rows left beside a chunk of >= CHUNK tokens
-            candidates = [plan([(0, t)]), plan([(0, t - 1)], checkpoint=True) if t > 1 else None]
-            if t > CHUNK + 1:
-                candidates += [plan([(CHUNK, 0), (CHUNK, t - 1)], checkpoint=True),
-                               plan([(CHUNK, 0)] * decodes + [(CHUNK, t - decodes)]) if decodes > 1 else None]
-            plans += [p for p in candidates if p is not None]
+            for n in sorted({t, t - 1} - {0}):
+                candidates = [plan([(0, n)], checkpoint=n < t)]
+                for r in (2, 16):
+                    if n >= 2 * r:
+                        candidates.append(plan([(0, n // r)] * (r - 1) + [(0, n - (r - 1) * (n // r))]))
+                for d in (1, 2, 4, 16):
+                    if n - d >= 2:
+                        candidates.append(plan([(CHUNK, 0)] * d + [(CHUNK, n - d)], checkpoint=d == 1))
+                plans += [p for p in candidates if p is not None]
             t *= 2
         return plans
 
