@@ -287,6 +287,44 @@ def test_warm_up_covers_the_step_shapes_and_leaves_no_trace(tiny_dir):
     assert got == want
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_random_request_mix_never_takes_the_engine_down(tiny_dir, overlap):
+    """Seeded random traffic on a small engine (4 slots, 40 blocks, 6 snapshots): prompts of 1..150 tokens around
+    the block and chunk sizes, most sharing a prefix (cache hits), max_tokens 1..40 (one-token requests end in
+    their admission step), greedy and sampled, seeded and not, aborts. Every request ends with its own reason, and
+    the pools are empty at the end."""
+    eng = make_engine(tiny_dir, max_num_seqs=4, num_kv_blocks=40, prefix_cache_snapshots=6,
+                      prefix_cache_interval=64, overlap=overlap)
+    for seed in range(4):
+        rng = random.Random(seed)
+        base = [rng.randrange(1000, 5000) for _ in range(200)]
+        live, ended, k = set(), {}, 0
+        for _ in range(80):
+            if rng.random() < 0.4:
+                n = rng.choice([1, 2, 15, 16, 17, 63, 64, 65, 100, 150])
+                ids = base[:n] if rng.random() < 0.6 else [rng.randrange(1000, 5000) for _ in range(n)]
+                params = SamplingParams(max_tokens=rng.choice([1, 1, 2, 3, 8, 40]), ignore_eos=True,
+                                        temperature=rng.choice([0.0, 1.0]), seed=rng.choice([None, 7]))
+                rid, k = f"{seed}-{k}", k + 1
+                eng.add_request(rid, ids, params)
+                live.add(rid)
+            if live and rng.random() < 0.05:
+                rid = rng.choice(sorted(live))
+                eng.abort_request(rid)
+                live.discard(rid)
+                ended[rid] = "abort"
+            for o in eng.step():
+                if o.finished:
+                    live.discard(o.request_id)
+                    ended.setdefault(o.request_id, o.finish_reason)
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    ended.setdefault(o.request_id, o.finish_reason)
+        assert len(ended) == k and set(ended.values()) <= {"length", "abort"}, ended
+        assert_pools_empty(eng)
+
+
 def test_more_requests_than_slots_and_blocks(small_engine, hf_tokens):
     eng = small_engine
     assert eng.stats()["state_slots_total"] == 2 and eng.stats()["kv_blocks_total"] == 10
