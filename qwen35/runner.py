@@ -277,9 +277,10 @@ class ModelRunner:
         slice of int32/int64 rows after an odd number of decode rows is not). Each compile costs ~1 s, which a cold
         trace level paid in the middle of serving (2026-11-25, 1x H200: 31 compiles, 46 s for ~11 s of work).
         Per power-of-two bucket t up to max_tokens and n in (t, t - 1): one fresh prompt of n tokens (a checkpoint
-        at its end when n is t - 1), n tokens as 2 and as 16 fresh prompts, and mixed steps of 1, 2, 4 and 16 decode
-        rows (fed from the device) then a chunk resuming at CHUNK. Rows take slots and blocks from 0; what they
-        leave behind is written again before any request reads it (a fresh row ignores its slot's state). Steps
+        at its end when n is t - 1), n tokens as 2 and as 16 fresh prompts, and mixed steps of 1, 2, 4, 15 and 16
+        decode rows (fed from the device) then a chunk resuming at CHUNK (row counts: 1, other and divisible by 16,
+        for the decode rows and for all rows). Rows take slots and blocks from 0; what they leave behind is written
+        again before any request reads it (a fresh row ignores its slot's state). Steps
         whose rows do not fit the state slots, the KV cache or max_model_len are left out."""
         gen = torch.Generator().manual_seed(0)
         vocab, bs = self.config.vocab_size, self.block_size
@@ -314,7 +315,7 @@ class ModelRunner:
                 for r in (2, 16):
                     if n >= 2 * r:
                         candidates.append(plan([(0, n // r)] * (r - 1) + [(0, n - (r - 1) * (n // r))]))
-                for d in (1, 2, 4, 16):
+                for d in (1, 2, 4, 15, 16):
                     if n - d >= 2:
                         candidates.append(plan([(CHUNK, 0)] * d + [(CHUNK, n - d)], checkpoint=d == 1))
                 plans += [p for p in candidates if p is not None]

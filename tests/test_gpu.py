@@ -39,3 +39,56 @@ def test_cuda_graph_decode_equals_eager(tiny_dir):
                 pos = [p + 1 for p in pos]
             outs.append(torch.stack(steps))
         assert (outs[0] - outs[1]).abs().max().item() <= 1e-2
+
+
+def test_warm_up_leaves_no_kernel_to_compile(tiny_dir, tmp_path):
+    """After ModelRunner.warm_up, random prefill and mixed steps (0-15 decode rows, then 1-3 chunks, fresh or
+    resumed, any token count up to the budget, checkpoints) compile no Triton kernel: no request pays a compile
+    (~1 s) in the middle of serving. Counted as new entries of a fresh TRITON_CACHE_DIR, in a subprocess (Triton
+    reads the variable at import)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    cache = str(tmp_path / "triton")
+    script = textwrap.dedent(f"""
+        import glob, random, torch
+        from layers.deltanet_prefill import CHUNK
+        from qwen35.config import ModelConfig
+        from qwen35.runner import ModelRunner
+        from scheduler.plan import StepPlan
+        budget = 512
+        r = ModelRunner(ModelConfig.from_dir({tiny_dir!r}), model_dir={tiny_dir!r}, device="cuda", dtype="bfloat16",
+                        max_num_seqs=16, max_model_len=1024, num_snapshot_slots=2)
+        print("warm-up steps", r.warm_up(budget))
+        entries = lambda: len(glob.glob({cache!r} + "/*"))
+        before, rng = entries(), random.Random(0)
+        for i in range(60):
+            d = rng.randrange(0, 16)
+            chunks = rng.randrange(1, min(3, 16 - d) + 1)
+            n = rng.randrange(2 * chunks, budget - d + 1)
+            sizes = [n // chunks] * (chunks - 1) + [n - (chunks - 1) * (n // chunks)]
+            rows = [(CHUNK, 0)] * d + [(rng.choice([0, CHUNK]), k) for k in sizes]
+            p, block = StepPlan(), 0
+            for slot, (start, k) in enumerate(rows):
+                nblk = -(-(start + max(k, 1)) // r.block_size)
+                p.state_slots.append(slot)
+                p.token_ids.append(torch.randint(0, 1000, (k,)).tolist() if k else [])
+                p.start_pos.append(start)
+                p.block_tables.append(list(range(block, block + nblk)))
+                p.want_logits.append(True)
+                block += nblk
+            if rng.random() < 0.3:
+                p.checkpoints.append((len(rows) - 1, rows[-1][0] + rows[-1][1], r.snapshot_slots[0]))
+            r.execute(p, gather="none")
+            torch.cuda.synchronize()
+            if entries() != before:
+                print("COMPILED at step", i, "rows", rows[:1], len(rows), "tokens", p.num_tokens)
+                before = entries()
+        print("done")
+    """)
+    env = {**os.environ, "TRITON_CACHE_DIR": cache}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0 and "done" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "COMPILED" not in out.stdout, out.stdout
