@@ -2,6 +2,7 @@
 record` (profile_steps: the engine's own timers, LLMEngine.times) without a GPU, for a model that runs anywhere.
 
     python -m qwen35.host_time [--model tiny] [--batch-sizes 1,8,64] [--steps 200] [--reps 3] [--forward real|none|sleep]
+    python -m qwen35.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy --cprofile 30
 
 Per batch size: `batch` requests of 16 random prompt tokens, greedy, ignore_eos, max_tokens steps + 1; the prefill
 steps are not timed, then every decode step until all have finished is (as the record mode does it). The best of
@@ -48,11 +49,17 @@ def main(argv=None) -> None:
     ap.add_argument("--forward", choices=["real", "none", "sleep"], default="real")
     ap.add_argument("--sleep-ms", type=float, default=10.0, help="--forward sleep: the forward's stand-in")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the host time around a GPU's forward")
+    ap.add_argument("--load-format", default=None, help="dummy: random weights (a full-size preset on a GPU)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="then one more run at the largest batch under cProfile: the N functions of most own time")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     parallel.init_distributed("cpu")
     sizes = _ints(args.batch_sizes)
-    engine = LLMEngine(EngineArgs(model=args.model, device="cpu", max_num_seqs=max(sizes), max_model_len=1024))
+    extra = {"load_format": args.load_format} if args.load_format else {}
+    engine = LLMEngine(EngineArgs(model=args.model, device=args.device, max_num_seqs=max(sizes), max_model_len=1024,
+                                  **extra))
     if args.forward != "real":
         stub_forward(engine, args.sleep_ms / 1e3 if args.forward == "sleep" else 0.0)
     rng = random.Random(0)
@@ -64,6 +71,14 @@ def main(argv=None) -> None:
         rows.append({"batch": b, "cpu_ms": round(best["cpu_ms"], 4), "steps": best["steps"],
                      "runs_cpu_ms": [round(r["cpu_ms"], 4) for r in runs]})
         print(json.dumps(rows[-1]), flush=True)
+    if args.cprofile:  # where the host's time per step goes (the forward and the wait for tokens show too)
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        profile_steps(engine, max(sizes), 16, args.steps, rng)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
     engine.shutdown()
     parallel.destroy()
 
