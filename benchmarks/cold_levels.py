@@ -18,11 +18,10 @@ import glob
 import os
 import random
 import time
-from types import SimpleNamespace
 
+from qwen35.bench import chat_prompts, closed_loop
 from qwen35.engine import EngineArgs, LLMEngine
-from qwen35.sampling_params import SamplingParams
-from qwen35.workload import STANDARD_OUTPUT_LEN_DIST, output_lengths, random_prompt
+from qwen35.workload import STANDARD_OUTPUT_LEN_DIST, output_lengths
 
 CONCURRENCY = 64
 
@@ -31,22 +30,12 @@ def triton_cache_entries() -> int:
     return len(glob.glob(os.path.join(os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache")), "*")))
 
 
-def level(engine: LLMEngine, name: str, work: list[tuple[list[int], int]], plans: list) -> dict:
+def level(engine: LLMEngine, name: str, work: list[tuple[list[int], int]], plans: list, times: list) -> dict:
+    """One closed-loop level (bench.closed_loop, as the trace runs it) with its steps' plans and wall times."""
     plans.clear()
-    queue, live, k, times = list(work), set(), 0, []
-    c0, t0 = triton_cache_entries(), time.perf_counter()
-    while queue or live:
-        while queue and len(live) < CONCURRENCY:
-            ids, n = queue.pop(0)
-            rid, k = f"{name}-{k}", k + 1
-            engine.add_request(rid, ids, SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=k))
-            live.add(rid)
-        ts = time.perf_counter()
-        for o in engine.step():
-            if o.finished:
-                live.discard(o.request_id)
-        times.append(time.perf_counter() - ts)
-    wall = time.perf_counter() - t0
+    times.clear()
+    c0 = triton_cache_entries()
+    wall, _ = closed_loop(engine, work, CONCURRENCY, name)
     mixed = {i for i, (rows, tokens) in enumerate(plans) if tokens != rows}
     slow = sorted(range(len(times)), key=lambda i: -times[i])[:10]
     decode = [t for i, t in enumerate(times) if i and i not in mixed and i - 1 not in mixed]
@@ -72,29 +61,28 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     engine = LLMEngine(EngineArgs.from_cli(args))
     rng = random.Random(0)
-    counter = SimpleNamespace(tok=engine.tokenizer)
-
-    def prompts(n: int) -> list[list[int]]:
-        return [engine.tokenizer.encode_chat([{"role": "user", "content": random_prompt(counter, args.input_len, rng)}])
-                for _ in range(n)]
-
     lengths = [max(1, n // args.div) for n in output_lengths(STANDARD_OUTPUT_LEN_DIST, CONCURRENCY, 256, rng)]
-    plans: list[tuple[int, int]] = []
-    schedule = engine.scheduler.schedule
+    plans: list[tuple[int, int]] = []  # (rows, tokens) of each plan scheduled
+    times: list[float] = []            # wall time of each engine step
+    schedule, step = engine.scheduler.schedule, engine.step
 
-    def logged():
-        step = schedule()
-        plans.append((step.plan.num_seqs, step.plan.num_tokens))
-        return step
-    engine.scheduler.schedule = logged
-    for i, ids in enumerate(prompts(4)):  # first-use costs of the decode path out of the levels
-        engine.add_request(f"warm-up-{i}", ids, SamplingParams(max_tokens=16, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    a, b = prompts(CONCURRENCY), prompts(CONCURRENCY)
+    def logged_schedule():
+        scheduled = schedule()
+        plans.append((scheduled.plan.num_seqs, scheduled.plan.num_tokens))
+        return scheduled
+
+    def timed_step():
+        t0 = time.perf_counter()
+        outputs = step()
+        times.append(time.perf_counter() - t0)
+        return outputs
+    engine.scheduler.schedule, engine.step = logged_schedule, timed_step
+    # first-use costs of the decode path out of the levels
+    closed_loop(engine, [(ids, 16) for ids in chat_prompts(engine, 4, args.input_len, rng)], CONCURRENCY, "warm-up")
+    a, b = (chat_prompts(engine, CONCURRENCY, args.input_len, rng) for _ in range(2))
     try:
         for name, ps in (("cold1", a), ("cold2", b), ("warm", b)):
-            level(engine, name, list(zip(ps, lengths)), plans)
+            level(engine, name, list(zip(ps, lengths)), plans, times)
     finally:
         engine.shutdown()
 

@@ -156,16 +156,22 @@ def record(engine: LLMEngine, args, results: dict, runner_rows: dict, rng: rando
         print(f"{row['batch']:5d} {row['cpu_ms']:7.3f} {row['gpu_idle_ms']:8.3f}", flush=True)
 
 
+def chat_prompts(engine: LLMEngine, n: int, input_len: int, rng: random.Random) -> list[list[int]]:
+    """n new chat prompts of random text of about input_len tokens (the users' harness's kind), as token ids."""
+    from qwen35.workload import random_prompt
+    counter = SimpleNamespace(tok=engine.tokenizer)
+    return [engine.tokenizer.encode_chat([{"role": "user", "content": random_prompt(counter, input_len, rng)}])
+            for _ in range(n)]
+
+
 def trace(engine: LLMEngine, args, rng: random.Random) -> dict:
-    from qwen35.workload import NUM_WARMUP, output_lengths, random_prompt
+    from qwen35.workload import NUM_WARMUP, output_lengths
     if engine.tokenizer.num_real_tokens > engine.config.vocab_size:
         raise SystemExit(f"trace: the prompts are text of this tokenizer ({engine.tokenizer.num_real_tokens} "
                          f"tokens), past the model's vocabulary ({engine.config.vocab_size}); use latency/static")
-    counter = SimpleNamespace(tok=engine.tokenizer)
 
     def new_prompts(n: int) -> list[list[int]]:
-        return [engine.tokenizer.encode_chat([{"role": "user", "content": random_prompt(counter, args.input_len, rng)}])
-                for _ in range(n)]
+        return chat_prompts(engine, n, args.input_len, rng)
 
     n_prompts = min(62, args.num_requests)
     prompts = new_prompts(n_prompts)

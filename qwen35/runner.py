@@ -270,6 +270,28 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices], gather=gather)
 
     # ---------------------------------------------------------------- warm-up
+    def rows_plan(self, rows: list[tuple[int, int]], ids, checkpoint: bool = False) -> StepPlan | None:
+        """A step of `rows` (start, tokens; 0 tokens = a decode row fed from the device) on slots and blocks from 0,
+        every row wanting logits, with `ids(n)` for a row's tokens and, with `checkpoint`, a checkpoint at the end of
+        the last row in the first snapshot slot (if any); None if the rows do not fit the state slots, the KV cache
+        or max_model_len."""
+        if len(rows) > self.max_num_seqs:
+            return None
+        p, block = StepPlan(), 0
+        for slot, (start, n) in enumerate(rows):
+            nblk = -(-(start + max(n, 1)) // self.block_size)
+            if start + max(n, 1) > self.max_model_len or block + nblk > self.num_kv_blocks:
+                return None
+            p.state_slots.append(slot)
+            p.token_ids.append(ids(n) if n else [])
+            p.start_pos.append(start)
+            p.block_tables.append(list(range(block, block + nblk)))
+            p.want_logits.append(True)
+            block += nblk
+        if checkpoint and self.snapshot_slots:
+            p.checkpoints.append((len(rows) - 1, rows[-1][0] + rows[-1][1], self.snapshot_slots[0]))
+        return p
+
     def warm_up_plans(self, max_tokens: int) -> list[StepPlan]:
         """Steps that meet, before any request does, the kernel variants a prefill or mixed step can meet. Triton
         compiles a kernel the first time it sees a new tile (the MoE tiles go by power-of-two token bucket) or a new
@@ -280,44 +302,24 @@ class ModelRunner:
         at its end when n is t - 1), n tokens as 2 and as 16 fresh prompts, and mixed steps of 1, 2, 4, 15 and 16
         decode rows (fed from the device) then a chunk resuming at CHUNK (row counts: 1, other and divisible by 16,
         for the decode rows and for all rows). Rows take slots and blocks from 0; what they leave behind is written
-        again before any request reads it (a fresh row ignores its slot's state). Steps
-        whose rows do not fit the state slots, the KV cache or max_model_len are left out."""
+        again before any request reads it (a fresh row ignores its slot's state). Steps that do not fit are left
+        out (rows_plan)."""
         gen = torch.Generator().manual_seed(0)
-        vocab, bs = self.config.vocab_size, self.block_size
-        snap = self.snapshot_slots[:1]
+        vocab = self.config.vocab_size
 
         def ids(n: int) -> list[int]:
             return torch.randint(0, max(1, vocab - 300), (n,), generator=gen).tolist()
 
-        def plan(rows: list[tuple[int, int]], checkpoint: bool = False) -> StepPlan | None:
-            """rows: (start, tokens; 0 = a decode row fed from the device), on slots and blocks from 0."""
-            p, block = StepPlan(), 0
-            if len(rows) > self.max_num_seqs:
-                return None
-            for slot, (start, n) in enumerate(rows):
-                nblk = -(-(start + max(n, 1)) // bs)
-                if start + max(n, 1) > self.max_model_len or block + nblk > self.num_kv_blocks:
-                    return None
-                p.state_slots.append(slot)
-                p.token_ids.append(ids(n) if n else [])
-                p.start_pos.append(start)
-                p.block_tables.append(list(range(block, block + nblk)))
-                p.want_logits.append(True)
-                block += nblk
-            if checkpoint and snap:
-                p.checkpoints.append((len(rows) - 1, rows[-1][0] + rows[-1][1], snap[0]))
-            return p
-
         plans, t = [], 1
         while t <= max_tokens:
             for n in sorted({t, t - 1} - {0}):
-                candidates = [plan([(0, n)], checkpoint=n < t)]
+                candidates = [self.rows_plan([(0, n)], ids, checkpoint=n < t)]
                 for r in (2, 16):
                     if n >= 2 * r:
-                        candidates.append(plan([(0, n // r)] * (r - 1) + [(0, n - (r - 1) * (n // r))]))
+                        candidates.append(self.rows_plan([(0, n // r)] * (r - 1) + [(0, n - (r - 1) * (n // r))], ids))
                 for d in (1, 2, 4, 15, 16):
                     if n - d >= 2:
-                        candidates.append(plan([(CHUNK, 0)] * d + [(CHUNK, n - d)], checkpoint=d == 1))
+                        candidates.append(self.rows_plan([(CHUNK, 0)] * d + [(CHUNK, n - d)], ids, checkpoint=d == 1))
                 plans += [p for p in candidates if p is not None]
             t *= 2
         return plans

@@ -56,7 +56,6 @@ def test_warm_up_leaves_no_kernel_to_compile(tiny_dir, tmp_path):
         from layers.deltanet_prefill import CHUNK
         from qwen35.config import ModelConfig
         from qwen35.runner import ModelRunner
-        from scheduler.plan import StepPlan
         budget = 512
         r = ModelRunner(ModelConfig.from_dir({tiny_dir!r}), model_dir={tiny_dir!r}, device="cuda", dtype="bfloat16",
                         max_num_seqs=16, max_model_len=1024, num_snapshot_slots=2)
@@ -69,17 +68,7 @@ def test_warm_up_leaves_no_kernel_to_compile(tiny_dir, tmp_path):
             n = rng.randrange(2 * chunks, budget - d + 1)
             sizes = [n // chunks] * (chunks - 1) + [n - (chunks - 1) * (n // chunks)]
             rows = [(CHUNK, 0)] * d + [(rng.choice([0, CHUNK]), k) for k in sizes]
-            p, block = StepPlan(), 0
-            for slot, (start, k) in enumerate(rows):
-                nblk = -(-(start + max(k, 1)) // r.block_size)
-                p.state_slots.append(slot)
-                p.token_ids.append(torch.randint(0, 1000, (k,)).tolist() if k else [])
-                p.start_pos.append(start)
-                p.block_tables.append(list(range(block, block + nblk)))
-                p.want_logits.append(True)
-                block += nblk
-            if rng.random() < 0.3:
-                p.checkpoints.append((len(rows) - 1, rows[-1][0] + rows[-1][1], r.snapshot_slots[0]))
+            p = r.rows_plan(rows, lambda k: torch.randint(0, 1000, (k,)).tolist(), checkpoint=rng.random() < 0.3)
             r.execute(p, gather="none")
             torch.cuda.synchronize()
             if entries() != before:
