@@ -6,16 +6,15 @@ Three closed-loop levels at concurrency 64 on the full-size dummy model (as `qwe
 standard exp:290,1024 output lengths; --div N divides them, for a quick run on a small model): cold1 and cold2 on
 prompts never seen, then warm on cold2's prompts (the prefix cache serves them). Per level: wall time, steps, the
 plans that were not pure decode (mixed: prefill chunks beside decode rows), the Triton kernels compiled during the
-level (new entries in ~/.triton/cache), the slowest steps with the plan queued in them and before them ((rows,
-tokens): with overlap a step waits on the plan before its own), and the mean of the pure-decode steps. A level
+level (the engine counts and logs every compile after its start), the slowest steps with the plan queued in them
+and before them ((rows, tokens): with overlap a step waits on the plan before its own), and the mean of the
+pure-decode steps. A level
 that compiles pays ~1 s per kernel in the middle of serving: the start-up warm-up (ModelRunner.warm_up) is there
 to leave none.
 """
 from __future__ import annotations
 
 import argparse
-import glob
-import os
 import random
 import time
 
@@ -26,21 +25,17 @@ from qwen35.workload import STANDARD_OUTPUT_LEN_DIST, output_lengths
 CONCURRENCY = 64
 
 
-def triton_cache_entries() -> int:
-    return len(glob.glob(os.path.join(os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache")), "*")))
-
-
 def level(engine: LLMEngine, name: str, work: list[tuple[list[int], int]], plans: list, times: list) -> dict:
     """One closed-loop level (bench.closed_loop, as the trace runs it) with its steps' plans and wall times."""
     plans.clear()
     times.clear()
-    c0 = triton_cache_entries()
+    c0 = engine.late_compiles
     wall, _ = closed_loop(engine, work, CONCURRENCY, name)
     mixed = {i for i, (rows, tokens) in enumerate(plans) if tokens != rows}
     slow = sorted(range(len(times)), key=lambda i: -times[i])[:10]
     decode = [t for i, t in enumerate(times) if i and i not in mixed and i - 1 not in mixed]
     row = {"level": name, "wall_s": round(wall, 2), "steps": len(times), "mixed_plans": len(mixed),
-           "compiles": triton_cache_entries() - c0, "decode_step_ms": round(1e3 * sum(decode) / max(1, len(decode)), 2),
+           "compiles": engine.late_compiles - c0, "decode_step_ms": round(1e3 * sum(decode) / max(1, len(decode)), 2),
            "slowest": [(i, round(1e3 * times[i], 1), plans[i] if i < len(plans) else None,
                         plans[i - 1] if 0 < i <= len(plans) else None) for i in slow]}
     print(f"{name}: wall {row['wall_s']} s, {row['steps']} steps, {row['mixed_plans']} mixed plans, "

@@ -32,7 +32,7 @@ from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows
 from layers.norm import RMSNorm, rms_norm_torch
 from layers.rotary import RotaryEmbedding, rope_torch
-from layers.varlen import block_of
+from layers.varlen import block_of, seq_tile
 
 # decode split-K tuning: tokens per inner iteration, least tiles a split takes before another split gets work, the
 # most splits per (sequence, KV head), and how many programs per SM the split count aims for
@@ -280,7 +280,7 @@ def paged_prefill_attention_fast(q, k_cache, v_cache, batch: ForwardBatch, scale
         q, kc, vc, batch.cu_seqlens, batch.start_pos, tables, g, out, B, scale * LOG2E,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), tables.stride(0), g.stride(0), g.stride(1),
         H=H, GROUP=H // n_kv, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_B=triton.next_power_of_2(B + 1),
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_B=seq_tile(B),
         HAS_GATE=gate is not None, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
@@ -315,7 +315,8 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         return m_new, l_i, acc
 
-    @triton.jit
+    # the step's metadata (sequences, where their rows start, the block tables' width) stays out of the compile key
+    @triton.jit(do_not_specialize=["cu_ptr", "start_ptr", "tables_ptr", "B", "st_b"])
     def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, start_ptr, tables_ptr, gate_ptr, out_ptr, B, qk_scale,
                         sq_t, sq_h, s_slot, s_kvh, st_b, sg_t, sg_h,
                         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -69,6 +69,46 @@ class use_kernels:
         set_kernels(self.prev)
 
 
+
+ALIGN_BYTES = 16  # Triton specialises a pointer argument on 16-byte alignment
+
+
+def aligned_sizes(sizes: list[int], dtype: torch.dtype) -> list[int]:
+    """`sizes` (elements) rounded up so that parts laid end to end each start on ALIGN_BYTES."""
+    per = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    return [-(-n // per) * per for n in sizes]
+
+
+def empty_aligned(sizes: list[int], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """Buffers of `sizes` elements from one allocation, each 16-byte aligned. Parts of one allocation laid end to
+    end start wherever the sizes before them end: a kernel that takes them would see a pointer aligned or not
+    depending on the step's token count, and Triton compiles a kernel per alignment (~1 s mid-serving)."""
+    padded = aligned_sizes(sizes, dtype)
+    parts = torch.empty(sum(padded), dtype=dtype, device=device).split(padded)
+    return [part[:n] for part, n in zip(parts, sizes)]
+
+def on_compile(callback) -> callable:
+    """From now on call `callback(kernel)` (Triton's description of it: name, options, argument types and
+    specialisations) each time Triton compiles a kernel, i.e. meets a kernel or specialisation this process has not
+    run yet (Triton's disk cache may still make it quick); returns a function that stops it. The engine uses it to
+    log compiles after its start-up warm-up (each one ~1 s in the middle of serving); tests and benchmarks count
+    them. A no-op where Triton has no compile hook (the interpreter never compiles)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
+        return lambda: None
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(*args, **kwargs):
+        callback(kwargs.get("repr", "?"))
+        return previous(*args, **kwargs) if previous else None  # a true value would skip the compile
+
+    knobs.runtime.jit_cache_hook = hook
+
+    def stop():
+        if knobs.runtime.jit_cache_hook is hook:
+            knobs.runtime.jit_cache_hook = previous
+    return stop
+
 if triton is not None:
     @triton.jit
     def round_to(x, DTYPE: tl.constexpr):

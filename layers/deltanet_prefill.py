@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from layers.backend import round_to, tl, triton
-from layers.varlen import block_of
+from layers.varlen import block_of, seq_tile
 
 CHUNK = 64          # tokens per chunk of the delta rule
 L2_EPS = 1e-6       # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
@@ -49,6 +49,18 @@ L2_EPS = 1e-6       # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
 FAST_CONFIG = {"conv_block_t": 16, "conv_block_c": 128, "block_v": 64, "block_v_out": 32, "warps_prep": 4,
                "warps_state": 4, "warps_out": 4, "stages": 2, "precision": "tf32", "precision_prep": "tf32",
                "precision_solve": "tf32x3"}
+# Per-step quantities stay out of the kernels' compile keys, so that a step of any make-up (sequences, checkpoints,
+# where its metadata rows start) runs kernels compiled at start: Triton compiles anew for each new constexpr value
+# and specialises integer arguments (== 1, divisible by 16) and pointers (16-byte aligned) unless told not to; a
+# compile costs ~1 s in the middle of serving (2026-11-25). The per-step integers and metadata pointers are
+# do_not_specialize (METADATA); the tiles over sequences (varlen.seq_tile) and checkpoints have floors that cover
+# the usual step.
+METADATA = ["cu_ptr", "start_ptr", "slots_ptr", "ck_ptr", "n_ck", "B"]
+CKPT_TILE = 64      # BLOCK_CK floor: one variant up to 64 checkpoints in a step
+
+
+def _ckpt_tile(n_ck: int) -> int:
+    return max(CKPT_TILE, triton.next_power_of_2(max(n_ck, 1)))
 
 
 # ------------------------------------------------------------------------------------------------ torch oracles
@@ -168,7 +180,7 @@ def causal_conv1d_varlen_fast(u: torch.Tensor, cu_seqlens: torch.Tensor, start_p
         u, cu_seqlens, start_pos, conv_state, slots, weight, out, ck, n_ck, B, C,
         u.stride(0), u.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         weight.stride(0), weight.stride(2), out.stride(0),
-        KERNEL=K, BLOCK_T=block_t, BLOCK_C=cfg["conv_block_c"], BLOCK_B=triton.next_power_of_2(B + 1),
+        KERNEL=K, BLOCK_T=block_t, BLOCK_C=cfg["conv_block_c"], BLOCK_B=seq_tile(B),
         BLOCK_K1=triton.next_power_of_2(K - 1), HAS_CKPT=n_ck > 0)
     return out
 
@@ -192,7 +204,7 @@ def chunk_delta_rule_varlen_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     cfg = FAST_CONFIG
     chunks = triton.cdiv(N, chunk) + B          # an upper bound of the chunks in the pack (a shape: no sync)
-    block_b = triton.next_power_of_2(B + 1)
+    block_b = seq_tile(B)
     w = torch.empty((N, Hv, dk), dtype=torch.float32, device=v.device)
     u = torch.empty((N, Hv, dv), dtype=torch.float32, device=v.device)      # U, then V' in place
     h = torch.empty((chunks, Hv, dk, dv), dtype=torch.float32, device=v.device)  # state at each chunk start
@@ -211,7 +223,7 @@ def chunk_delta_rule_varlen_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         st.stride(0), st.stride(1), st.stride(2), h.stride(0), h.stride(1),
         REP=Hv // Hk, DK=dk, DV=dv, BV=block_v, CHUNK=chunk, BLOCK_B=block_b,
-        BLOCK_CK=triton.next_power_of_2(max(n_ck, 1)), HAS_CKPT=n_ck > 0, PRECISION=cfg["precision"],
+        BLOCK_CK=_ckpt_tile(n_ck), HAS_CKPT=n_ck > 0, PRECISION=cfg["precision"],
         STAGES=cfg["stages"], num_warps=cfg["warps_state"])
     _output_kernel[(chunks, Hv)](
         q, k, g, u, h, cu_seqlens, out, B, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0),
@@ -241,7 +253,7 @@ if triton is not None:
                         other=0.0)
         return tl.where(new[:, None], x, x_old)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=METADATA)
     def _conv_varlen_kernel(u_ptr, cu_ptr, start_ptr, state_ptr, slots_ptr, w_ptr, out_ptr, ck_ptr, n_ck, B, C,
                             su_t, su_c, ss_slot, ss_c, ss_k, sw_c, sw_k, so_t,
                             KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -326,7 +338,7 @@ if triton is not None:
         rows = r * BLK + ii
         tl.store(scr + rows[:, None] * s_row + s * BLK + ii[None, :], x, mask=(rows < n)[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=METADATA)
     def _prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, w_ptr, u_ptr, scr_ptr, B,
                      sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, sw_t, sw_h, su_t, su_h, ss_t, ss_h,
                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
@@ -394,7 +406,7 @@ if triton is not None:
         u = tl.dot(T, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
         tl.store(u_ptr + t[:, None] * su_t + h * su_h + vv[None, :], u, mask=valid[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=METADATA)
     def _state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, cu_ptr, start_ptr, slots_ptr, state_ptr, h_ptr,
                       ck_ptr, n_ck, B, sk_t, sk_h, sg_t, sw_t, sw_h, su_t, su_h, ss_slot, ss_h, ss_k, sh_c, sh_h,
                       REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr,
@@ -456,7 +468,7 @@ if triton is not None:
                 tl.store(state + dst * ss_slot, S, mask=(kk < rows_k)[:, None] & vmask[None, :])
         tl.store(state + tl.load(slots_ptr + b).to(tl.int64) * ss_slot, S, mask=vmask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=METADATA)
     def _output_kernel(q_ptr, k_ptr, g_ptr, vn_ptr, h_ptr, cu_ptr, out_ptr, B, sq_t, sq_h, sk_t, sk_h, sg_t,
                        sv_t, sv_h, sh_c, sh_h, so_t, so_h, scale,
                        REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,

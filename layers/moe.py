@@ -85,7 +85,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import round_to, tl, triton
+from layers.backend import empty_aligned, round_to, tl, triton
 from layers.linear import Linear, even_split, fuse_rows, make_param
 from layers.mlp import MLP, mlp_torch
 
@@ -197,7 +197,7 @@ def _empty_layout(T: int, top_k: int, num_local: int, block_m: int, device: torc
     """A layout's buffers, sized from T alone (max_rows) in one allocation, for a builder's kernels to fill."""
     rows = max_rows(T, top_k, num_local, block_m)
     sizes = [rows, rows // block_m, T * top_k, 1]
-    buffers = torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)  # one allocation
+    buffers = empty_aligned(sizes, torch.int32, device)  # one allocation
     return Layout(*buffers, rows, block_m, top_k)
 
 
@@ -239,7 +239,7 @@ def align_chunked(ids: torch.Tensor, start: int, num_local: int, block_m: int, c
     bins = max(2, triton.next_power_of_2(num_local))  # no scan over a length-1 axis (as in _front_layout)
     chunks = max(1, triton.cdiv(T * k, chunk))
     sizes = [chunks * bins, chunks * bins, bins]
-    counts, base, offs = torch.empty(sum(sizes), dtype=torch.int32, device=ids.device).split(sizes)
+    counts, base, offs = empty_aligned(sizes, torch.int32, ids.device)
     ids = ids.contiguous()
     _align_count_kernel[(chunks,)](ids, counts, T, start, num_local, TOP_K=k, BINS=bins, CHUNK=chunk, num_warps=4)
     _align_offsets_kernel[(1,)](counts, base, offs, layout.sorted_pairs, layout.block_expert, layout.total, T,
@@ -449,8 +449,7 @@ def _front_outputs(logits: torch.Tensor, top_k: int, num_local: int, block_m: in
     block_e, nt = triton.next_power_of_2(E), triton.cdiv(T, FRONT_BLOCK_T)
     rows = max_rows(T, top_k, num_local, block_m)
     sizes = [T * top_k, rows, rows // block_m, T * top_k, 1, 2 * nt * block_e, T * block_e]
-    ids, sorted_pairs, block_expert, inverse, total, counts, rank = torch.empty(
-        sum(sizes), dtype=torch.int32, device=logits.device).split(sizes)
+    ids, sorted_pairs, block_expert, inverse, total, counts, rank = empty_aligned(sizes, torch.int32, logits.device)
     weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
     shared_gate = torch.empty(T, 1, dtype=logits.dtype, device=logits.device)
     layout = Layout(sorted_pairs, block_expert, inverse, total, rows, block_m, top_k)

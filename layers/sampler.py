@@ -492,6 +492,18 @@ class Sampler:
         self.keys[slots] = rows[:, 4]
         self.draws.index_fill_(0, slots, 0)  # (an indexed scalar assignment would sync: its value goes through the host)
 
+    def warm_up(self) -> None:
+        """Sample a row of zero logits once per kind of step (greedy only; sampled; sampled with top-k and top-p),
+        so that the shard pass's kernel variants compile at start rather than when the first request of a kind
+        arrives (~1 s each). Collective, like sample(); leaves every slot's state as it was."""
+        size = even_split(self.vocab_size, parallel.tp_rank(), parallel.tp_size())[1]
+        logits = torch.zeros(1, size, device=self.device)
+        slots = torch.zeros(1, dtype=torch.int64, device=self.device)
+        draws = self.draws.clone()
+        for greedy_only, filtered in ((True, False), (False, False), (False, True)):
+            self.sample(logits, slots, SamplingStep(greedy_only, filtered, filtered))
+        self.draws.copy_(draws)
+
     def sample(self, logits: torch.Tensor, slots: torch.Tensor, step: SamplingStep) -> torch.Tensor:
         """logits: this rank's shard [B, vocab/tp] of the rows of `slots` ([B] int64 on the device, distinct).
         Collective; returns [B] int64 token ids on the device, the same on every rank."""

@@ -28,3 +28,12 @@ if triton is not None:
         return b, pid - first
 else:  # pragma: no cover
     block_of = None
+
+SEQ_TILE = 256  # BLOCK_B floor: one compiled variant for any step of up to 255 sequences (max_num_seqs: 128)
+
+
+def seq_tile(B: int) -> int:
+    """BLOCK_B for block_of over B sequences. A power of two > B, at least SEQ_TILE: next_power_of_2(B + 1) alone
+    would make each power of two of a step's sequence count a compile of its own (~1 s, mid-serving); loading
+    SEQ_TILE cumulative counts per program costs next to nothing beside a program's block of work."""
+    return max(SEQ_TILE, triton.next_power_of_2(B + 1))

@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from dist import parallel
+from layers.backend import on_compile
 from layers.deltanet_prefill import CHUNK
 from layers.sampler import Sampler, SamplingStep, stream_key
 from qwen35.config import ModelConfig
@@ -187,7 +188,9 @@ class LLMEngine:
             num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager, seed=args.seed,
             num_snapshot_slots=args.prefix_cache_snapshots if args.prefix_cache else 0, kernels=args.kernels)
         self.device, self.max_model_len = self.runner.device, self.runner.max_model_len
-        if args.warm_up and self.device.type == "cuda" and self.runner.kernels == "fast":
+        self.late_compiles, self._stop_compile_log = 0, lambda: None  # Triton compiles after start (and warm-up)
+        warm_up = args.warm_up and self.device.type == "cuda" and self.runner.kernels == "fast"
+        if warm_up:
             if parallel.is_driver():
                 log.info("warm-up: compiling the prefill and mixed-step kernels (first start: a minute or two; "
                          "Triton's disk cache makes later starts quick)")
@@ -207,6 +210,10 @@ class LLMEngine:
         # every rank samples its vocabulary slice (the tokens then feed the next step on every rank)
         self.sampler = Sampler(parallel.broadcast_object(num_real), self.config.vocab_size,
                                self.runner.num_state_slots, self.device)
+        if warm_up:
+            self.sampler.warm_up()
+        if self.device.type == "cuda" and self.runner.kernels == "fast" and parallel.is_driver():
+            self._stop_compile_log = on_compile(self._log_late_compile)
         if not parallel.is_driver():
             return
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or self.config.eos_token_ids)
@@ -429,10 +436,18 @@ class LLMEngine:
             "prefix_cache_hit_tokens": hit_tokens,
         }
 
+    def _log_late_compile(self, kernel: str) -> None:
+        """A Triton compile after start: a kernel variant the warm-up did not meet (a gap in
+        ModelRunner.warm_up_plans, or --no-warm-up), paid by the requests of this step (~1 s)."""
+        self.late_compiles += 1
+        log.warning("Triton compiled a kernel after start (%d so far; ~1 s in the middle of serving): %s",
+                    self.late_compiles, kernel[:400])
+
     def shutdown(self) -> None:
         """Rank 0: release the worker ranks from run_worker_loop()."""
         if not self._shut_down and parallel.is_driver():
             self._shut_down = True
+            self._stop_compile_log()
             _send(StepPlan(command="exit"))
 
     # ---- other ranks ------------------------------------------------------------------------------------------

@@ -295,9 +295,12 @@ class ModelRunner:
     def warm_up_plans(self, max_tokens: int) -> list[StepPlan]:
         """Steps that meet, before any request does, the kernel variants a prefill or mixed step can meet. Triton
         compiles a kernel the first time it sees a new tile (the MoE tiles go by power-of-two token bucket) or a new
-        specialisation: an integer argument equal to 1 or divisible by 16, a pointer aligned to 16 bytes or not (a
-        slice of int32/int64 rows after an odd number of decode rows is not). Each compile costs ~1 s, which a cold
-        trace level paid in the middle of serving (2026-11-25, 1x H200: 31 compiles, 46 s for ~11 s of work).
+        specialisation (an integer argument equal to 1 or divisible by 16, a pointer aligned to 16 bytes or not).
+        Each compile costs ~1 s, which a cold trace level paid in the middle of serving (2026-11-25, 1x H200: 31
+        compiles, 46 s for ~11 s of work). The kernels keep a step's make-up out of their keys (per-step integers
+        and metadata pointers are do_not_specialize, buffers carved from one allocation start aligned, the tiles
+        over sequences and checkpoints have floors), so what is left to meet is the token buckets, with and
+        without checkpoints and decode rows; tests/test_compile_keys.py checks random steps against these.
         Per power-of-two bucket t up to max_tokens and n in (t, t - 1): one fresh prompt of n tokens (a checkpoint
         at its end when n is t - 1), n tokens as 2 and as 16 fresh prompts, and mixed steps of 1, 2, 4, 15 and 16
         decode rows (fed from the device) then a chunk resuming at CHUNK (row counts: 1, other and divisible by 16,

@@ -60,6 +60,8 @@ def test_warm_up_leaves_no_kernel_to_compile(tiny_dir, tmp_path):
         r = ModelRunner(ModelConfig.from_dir({tiny_dir!r}), model_dir={tiny_dir!r}, device="cuda", dtype="bfloat16",
                         max_num_seqs=16, max_model_len=1024, num_snapshot_slots=2)
         print("warm-up steps", r.warm_up(budget))
+        from layers.backend import on_compile
+        on_compile(lambda kernel: print("KERNEL", kernel[:600]))
         entries = lambda: len(glob.glob({cache!r} + "/*"))
         before, rng = entries(), random.Random(0)
         for i in range(60):
