@@ -54,7 +54,7 @@ FAST_CONFIG = {"conv_block_t": 16, "conv_block_c": 128, "block_v": 64, "block_v_
 # and specialises integer arguments (== 1, divisible by 16) and pointers (16-byte aligned) unless told not to; a
 # compile costs ~1 s in the middle of serving (2026-11-25). The per-step integers and metadata pointers are
 # do_not_specialize (METADATA); the tiles over sequences (varlen.seq_tile) and checkpoints have floors that cover
-# the usual step.
+# the usual step (beyond them, the warm-up meets each power of two).
 METADATA = ["cu_ptr", "start_ptr", "slots_ptr", "ck_ptr", "n_ck", "B"]
 CKPT_TILE = 64      # BLOCK_CK floor: one variant up to 64 checkpoints in a step
 

@@ -23,6 +23,7 @@ from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
 from layers.deltanet_prefill import CHUNK
 from layers.forward_batch import ForwardBatch
+from layers.varlen import SEQ_TILE
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
 from qwen35.engine_config import EngineConfig
@@ -181,10 +182,18 @@ class ModelRunner:
         from_device = [not t for t in plan.token_ids]
         fields = [slots, starts, ctx, cu, [cu[i + 1] - 1 for i in want], [slots[i] for i in want],
                   [t for ids in plan.token_ids for t in (ids or (-1,))], [v for c in plan.checkpoints for v in c]]
+        # each field 16-byte aligned (an even number of int64s before it): kernels that take one compile once
         sizes = [len(f) for f in fields]
-        host = torch.tensor([v for f in fields for v in f], dtype=torch.int64, pin_memory=self._pin)
-        parts = host.to(self.device, non_blocking=True).split(sizes)
-        slots_d, starts_d, ctx_d, cu_d, logits_idx, self.logit_slots, tokens, checkpoints = parts
+        padded = backend.aligned_sizes(sizes, torch.int64)
+        flat = []
+        for f, n in zip(fields, padded):
+            flat += f
+            if n > len(f):
+                flat.append(0)
+        host = torch.tensor(flat, dtype=torch.int64, pin_memory=self._pin)
+        parts = host.to(self.device, non_blocking=True).split(padded)
+        slots_d, starts_d, ctx_d, cu_d, logits_idx, self.logit_slots, tokens, checkpoints = (
+            part[:n] for part, n in zip(parts, sizes))
         width = -(-max(ctx) // bs)
         tables = self.block_table[slots_d, :width]
         if decode:
@@ -270,11 +279,11 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices], gather=gather)
 
     # ---------------------------------------------------------------- warm-up
-    def rows_plan(self, rows: list[tuple[int, int]], ids, checkpoint: bool = False) -> StepPlan | None:
+    def rows_plan(self, rows: list[tuple[int, int]], ids, checkpoint: int = 0) -> StepPlan | None:
         """A step of `rows` (start, tokens; 0 tokens = a decode row fed from the device) on slots and blocks from 0,
-        every row wanting logits, with `ids(n)` for a row's tokens and, with `checkpoint`, a checkpoint at the end of
-        the last row in the first snapshot slot (if any); None if the rows do not fit the state slots, the KV cache
-        or max_model_len."""
+        every row wanting logits, with `ids(n)` for a row's tokens; the last `checkpoint` rows that run the prefill
+        kernels get a checkpoint at their end, each in a snapshot slot of its own (as many as there are); None if
+        the rows do not fit the state slots, the KV cache or max_model_len."""
         if len(rows) > self.max_num_seqs:
             return None
         p, block = StepPlan(), 0
@@ -288,8 +297,9 @@ class ModelRunner:
             p.block_tables.append(list(range(block, block + nblk)))
             p.want_logits.append(True)
             block += nblk
-        if checkpoint and self.snapshot_slots:
-            p.checkpoints.append((len(rows) - 1, rows[-1][0] + rows[-1][1], self.snapshot_slots[0]))
+        ends = [(i, start + n) for i, (start, n) in enumerate(rows) if n > 1 or (start == 0 and n)]
+        for (i, end), slot in zip(ends[::-1][:checkpoint], self.snapshot_slots):
+            p.checkpoints.append((i, end, slot))
         return p
 
     def warm_up_plans(self, max_tokens: int) -> list[StepPlan]:
@@ -304,9 +314,11 @@ class ModelRunner:
         Per power-of-two bucket t up to max_tokens and n in (t, t - 1): one fresh prompt of n tokens (a checkpoint
         at its end when n is t - 1), n tokens as 2 and as 16 fresh prompts, and mixed steps of 1, 2, 4, 15 and 16
         decode rows (fed from the device) then a chunk resuming at CHUNK (row counts: 1, other and divisible by 16,
-        for the decode rows and for all rows). Rows take slots and blocks from 0; what they leave behind is written
-        again before any request reads it (a fresh row ignores its slot's state). Steps that do not fit are left
-        out (rows_plan)."""
+        for the decode rows and for all rows). Then each tile over sequences past the first (varlen.seq_tile: 16,
+        32, 64, ... sequences, up to max_num_seqs) in a step of that many 2-token prompts, with no checkpoint and
+        with one at every row's end (the state kernel's checkpoint tile: past 64, one per power of two). Rows take
+        slots and blocks from 0; what they leave behind is written again before any request reads it (a fresh row
+        ignores its slot's state). Steps that do not fit are left out (rows_plan)."""
         gen = torch.Generator().manual_seed(0)
         vocab = self.config.vocab_size
 
@@ -325,6 +337,10 @@ class ModelRunner:
                         candidates.append(self.rows_plan([(CHUNK, 0)] * d + [(CHUNK, n - d)], ids, checkpoint=d == 1))
                 plans += [p for p in candidates if p is not None]
             t *= 2
+        b = SEQ_TILE
+        while b <= self.max_num_seqs and 2 * b <= max_tokens:
+            plans += [p for p in (self.rows_plan([(0, 2)] * b, ids, checkpoint=c) for c in (0, b)) if p is not None]
+            b *= 2
         return plans
 
     @torch.inference_mode()
