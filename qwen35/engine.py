@@ -28,6 +28,7 @@ qwen35/async_engine.py.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import time
 from dataclasses import dataclass, fields
@@ -214,6 +215,11 @@ class LLMEngine:
             self.sampler.warm_up()
         if self.device.type == "cuda" and self.runner.kernels == "fast" and parallel.is_driver():
             self._stop_compile_log = on_compile(self._log_late_compile)
+        if warm_up:  # serving: what start-up leaves alive (the model's modules and parameters, the compiled
+            # kernels) lives as long as the engine; out of the collector's generations, so that a full collection
+            # mid-serving does not walk it again (undone at shutdown)
+            gc.collect()
+            gc.freeze()
         if not parallel.is_driver():
             return
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or self.config.eos_token_ids)
@@ -448,6 +454,7 @@ class LLMEngine:
         if not self._shut_down and parallel.is_driver():
             self._shut_down = True
             self._stop_compile_log()
+            gc.unfreeze()
             _send(StepPlan(command="exit"))
 
     # ---- other ranks ------------------------------------------------------------------------------------------
@@ -455,6 +462,7 @@ class LLMEngine:
         while True:
             plan, sampling = _receive()
             if plan.command == "exit":
+                gc.unfreeze()
                 return
             if plan.command == "step":
                 self._run_step(plan, sampling)
