@@ -11,6 +11,7 @@ result within the stated tolerances; a layer binds one of them when it is constr
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
@@ -69,7 +70,6 @@ class use_kernels:
         set_kernels(self.prev)
 
 
-
 ALIGN_BYTES = 16  # Triton specialises a pointer argument on 16-byte alignment
 
 
@@ -87,7 +87,8 @@ def empty_aligned(sizes: list[int], dtype: torch.dtype, device: torch.device | s
     parts = torch.empty(sum(padded), dtype=dtype, device=device).split(padded)
     return [part[:n] for part, n in zip(parts, sizes)]
 
-def on_compile(callback) -> callable:
+
+def on_compile(callback: Callable[[str], None]) -> Callable[[], None]:
     """From now on call `callback(kernel)` (Triton's description of it: name, options, argument types and
     specialisations) each time Triton compiles a kernel, i.e. meets a kernel or specialisation this process has not
     run yet (Triton's disk cache may still make it quick); returns a function that stops it. The engine uses it to
@@ -108,6 +109,7 @@ def on_compile(callback) -> callable:
         if knobs.runtime.jit_cache_hook is hook:
             knobs.runtime.jit_cache_hook = previous
     return stop
+
 
 if triton is not None:
     @triton.jit
