@@ -46,3 +46,29 @@ def test_resolve_and_switch(monkeypatch):
     with backend.use_kernels("fast"):
         assert backend.use_fast()
     assert backend.kernels() == before
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bfloat16])
+def test_empty_aligned_parts_start_on_16_bytes(dtype):
+    """Every part of the shared allocation starts 16-byte aligned and has its own size, whatever the sizes before."""
+    sizes = [1, 3, 0, 7, 16, 5]
+    parts = backend.empty_aligned(sizes, dtype, "cpu")
+    assert [p.numel() for p in parts] == sizes
+    assert all(p.data_ptr() % 16 == 0 for p in parts)
+    assert len({p.untyped_storage().data_ptr() for p in parts}) == 1  # one allocation
+    assert backend.aligned_sizes([1, 2, 3], torch.int64) == [2, 2, 4]
+
+
+def test_on_compile_calls_back_chains_and_stops(monkeypatch):
+    """on_compile wraps Triton's jit_cache_hook: the callback sees each compile's description, a hook set before it
+    still runs (and its answer is passed on), and stop() puts the earlier hook back."""
+    knobs = pytest.importorskip("triton").knobs
+    earlier = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: earlier.append(kw["repr"]))
+    seen = []
+    stop = backend.on_compile(seen.append)
+    assert knobs.runtime.jit_cache_hook(repr="_k[num_warps=4](x_ptr: *bf16)", key=None) is None
+    assert seen == ["_k[num_warps=4](x_ptr: *bf16)"] and earlier == seen
+    stop()
+    knobs.runtime.jit_cache_hook(repr="_j", key=None)
+    assert seen == ["_k[num_warps=4](x_ptr: *bf16)"] and earlier[-1] == "_j"
