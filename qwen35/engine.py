@@ -190,7 +190,8 @@ class LLMEngine:
             num_snapshot_slots=args.prefix_cache_snapshots if args.prefix_cache else 0, kernels=args.kernels)
         self.device, self.max_model_len = self.runner.device, self.runner.max_model_len
         self.late_compiles, self._stop_compile_log = 0, lambda: None  # Triton compiles after start (and warm-up)
-        warm_up = args.warm_up and self.device.type == "cuda" and self.runner.kernels == "fast"
+        compiles = self.device.type == "cuda" and self.runner.kernels == "fast"  # Triton compiles (not interprets)
+        warm_up = args.warm_up and compiles
         if warm_up:
             if parallel.is_driver():
                 log.info("warm-up: compiling the prefill and mixed-step kernels (first start: a minute or two; "
@@ -213,7 +214,7 @@ class LLMEngine:
                                self.runner.num_state_slots, self.device)
         if warm_up:
             self.sampler.warm_up()
-        if self.device.type == "cuda" and self.runner.kernels == "fast" and parallel.is_driver():
+        if compiles and parallel.is_driver():
             self._stop_compile_log = on_compile(self._log_late_compile)
         if warm_up:  # serving: what start-up leaves alive (the model's modules and parameters, the compiled
             # kernels) lives as long as the engine; out of the collector's generations, so that a full collection
