@@ -45,10 +45,11 @@ L2_EPS = 1e-6       # q, k l2-norm: x * rsqrt(sum x^2 + eps), fp32
 # block_v / block_v_out: value columns per state program / per step of an output program; stages: the state
 # kernel's software pipelining (the next chunk's W, U and K load while this one computes).
 # Defaults: the best of `python -m benchmarks.bench_deltanet_prefill --sweep` on 1x H200 (2026-11-24, 8 x 1024
-# tokens at TP=1: delta rule 1.28 ms per layer, conv 0.27 ms).
-FAST_CONFIG = {"conv_block_t": 16, "conv_block_c": 128, "block_v": 64, "block_v_out": 32, "warps_prep": 4,
+# tokens at TP=1: delta rule 1.28 ms per layer, conv 0.27 ms); the conv's 32 x 128 tiles, 4 warps, from a sweep of
+# the conv with its tail-free path past the first block (2026-11-25: 0.18 ms).
+FAST_CONFIG = {"conv_block_t": 32, "conv_block_c": 128, "block_v": 64, "block_v_out": 32, "warps_prep": 4,
                "warps_state": 4, "warps_out": 4, "stages": 2, "precision": "tf32", "precision_prep": "tf32",
-               "precision_solve": "tf32x3"}
+               "precision_solve": "tf32x3", "warps_conv": 4}
 # Per-step quantities stay out of the kernels' compile keys, so that a step of any make-up (sequences, checkpoints,
 # where its metadata rows start) runs kernels compiled at start: Triton compiles anew for each new constexpr value
 # and specialises integer arguments (== 1, divisible by 16) and pointers (16-byte aligned) unless told not to; a
@@ -181,7 +182,7 @@ def causal_conv1d_varlen_fast(u: torch.Tensor, cu_seqlens: torch.Tensor, start_p
         u.stride(0), u.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         weight.stride(0), weight.stride(2), out.stride(0),
         KERNEL=K, BLOCK_T=block_t, BLOCK_C=cfg["conv_block_c"], BLOCK_B=seq_tile(B),
-        BLOCK_K1=triton.next_power_of_2(K - 1), HAS_CKPT=n_ck > 0)
+        BLOCK_K1=triton.next_power_of_2(K - 1), HAS_CKPT=n_ck > 0, num_warps=cfg["warps_conv"])
     return out
 
 
@@ -273,10 +274,18 @@ if triton is not None:
         tail = state_ptr + tl.load(slots_ptr + b).to(tl.int64) * ss_slot + c * ss_c
         i = blk * BLOCK_T + tl.arange(0, BLOCK_T)
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for j in tl.static_range(KERNEL):
-            xin = _conv_inputs(u_ptr, tail, lo, i - (KERNEL - 1) + j, n, oldest, c, cmask, su_t, su_c, ss_k, KERNEL)
-            wj = tl.load(w_ptr + c * sw_c + j * sw_k, mask=cmask, other=0.0).to(tl.float32)
-            acc += xin.to(tl.float32) * wj[None, :]
+        if blk == 0:
+            for j in tl.static_range(KERNEL):
+                xin = _conv_inputs(u_ptr, tail, lo, i - (KERNEL - 1) + j, n, oldest, c, cmask, su_t, su_c, ss_k,
+                                   KERNEL)
+                wj = tl.load(w_ptr + c * sw_c + j * sw_k, mask=cmask, other=0.0).to(tl.float32)
+                acc += xin.to(tl.float32) * wj[None, :]
+        else:  # past the first block every input is a new token (i - (K-1) >= BLOCK_T - (K-1) >= 0): no tail
+            src = u_ptr + (lo + i - (KERNEL - 1)).to(tl.int64)[:, None] * su_t + c[None, :] * su_c
+            live = (i < n)[:, None] & cmask[None, :]
+            for j in tl.static_range(KERNEL):
+                wj = tl.load(w_ptr + c * sw_c + j * sw_k, mask=cmask, other=0.0).to(tl.float32)
+                acc += tl.load(src + j * su_t, mask=live, other=0.0).to(tl.float32) * wj[None, :]
         y = round_to(acc, out_ptr.dtype.element_ty)
         rows = (lo + i).to(tl.int64)
         tl.store(out_ptr + rows[:, None] * so_t + c[None, :], (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty),
@@ -348,7 +357,10 @@ if triton is not None:
         rows scr [N, Hv, CHUNK] (registers cannot be sliced); T = (I + A)^-1 by row blocks of BLK = CHUNK / 4
         (diagonal inverses by forward substitution, then T_rs = -T_rr sum_{s<=j<r} A_rj T_js, dots of SOLVE) is
         written over it, read back whole (blocks above the diagonal as 0), and W = T diag(beta exp(G)) K and
-        U = T diag(beta) V are two full-size dots."""
+        U = T diag(beta) V are two full-size dots. K K^T of the l2-normalised keys is diag(r) (K_raw K_raw^T) diag(r)
+        (r the inverse norms): from the model's bf16 keys the products are exact and summed in fp32 by one bf16
+        MMA, where the normalised fp32 keys needed three tf32 ones (tf32x3) for the same accuracy (the prep
+        kernel 743 -> 455 us at 8 x 1024 tokens, 1x H200, 2026-11-25; the output kernel's Q K^T likewise)."""
         BLK: tl.constexpr = CHUNK // 4
         b, ci = block_of(cu_ptr, tl.program_id(0), B, CHUNK, BLOCK_B, False)
         if b >= B:
@@ -360,14 +372,16 @@ if triton is not None:
         valid = rows < n
         t = (t0 + rows).to(tl.int64)
         kk = tl.arange(0, DK)
-        k = tl.load(k_ptr + t[:, None] * sk_t + (h // REP) * sk_h + kk[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        k_raw = tl.load(k_ptr + t[:, None] * sk_t + (h // REP) * sk_h + kk[None, :], mask=valid[:, None],
+                        other=0.0)
+        k = k_raw.to(tl.float32)
+        r = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)
+        k = k * r[:, None]
         g = tl.load(g_ptr + t * sg_t + h, mask=valid, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + t * sb_t + h, mask=valid, other=0.0).to(tl.float32)
         gc = tl.cumsum(g, 0)
         lower = rows[:, None] > rows[None, :]
-        A = _dot_p(k, tl.trans(k), SOLVE) * beta[:, None] * \
+        A = _dot_p(k_raw, tl.trans(k_raw), SOLVE) * (r * beta)[:, None] * r[None, :] * \
             tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
         scr = scr_ptr + t0.to(tl.int64) * ss_t + h * ss_h
         tile = scr + rows[:, None] * ss_t + rows[None, :]
@@ -487,15 +501,16 @@ if triton is not None:
         valid = rows < n
         t = (t0 + rows).to(tl.int64)
         kk = tl.arange(0, DK)
-        q = tl.load(q_ptr + t[:, None] * sq_t + hk * sq_h + kk[None, :], mask=valid[:, None], other=0.0)
-        q = q.to(tl.float32)
-        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
-        k = tl.load(k_ptr + t[:, None] * sk_t + hk * sk_h + kk[None, :], mask=valid[:, None], other=0.0)
-        k = k.to(tl.float32)
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        q_raw = tl.load(q_ptr + t[:, None] * sq_t + hk * sq_h + kk[None, :], mask=valid[:, None], other=0.0)
+        q = q_raw.to(tl.float32)
+        r_q = tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale
+        q = q * r_q[:, None]
+        k_raw = tl.load(k_ptr + t[:, None] * sk_t + hk * sk_h + kk[None, :], mask=valid[:, None], other=0.0)
+        k = k_raw.to(tl.float32)
+        r_k = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)
         gc = tl.cumsum(tl.load(g_ptr + t * sg_t + h, mask=valid, other=0.0).to(tl.float32), 0)
         causal = rows[:, None] >= rows[None, :]
-        attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * \
+        attn = tl.dot(q_raw, tl.trans(k_raw), input_precision=PRECISION) * r_q[:, None] * r_k[None, :] * \
             tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
         qg = q * tl.exp(gc)[:, None]
         for v0 in tl.static_range(0, DV, BV):

@@ -333,7 +333,12 @@ def down_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, weights: torc
     num_local, H, inter = w.down.shape
     T, k = weights.shape
     y = torch.empty(layout.rows, H, dtype=act.dtype, device=act.device)
-    grid = (layout.rows // layout.block_m, triton.cdiv(H, tile["BLOCK_N"]))
+    # column blocks on axis 0, launched first: the programs of one row block run together and read its act rows
+    # from HBM once (row blocks first re-read them once per column block: 511 against 466 us a layer at 8,192
+    # tokens, 1x H200, 2026-11-25; 1-3% faster at decode sizes too)
+    row_blocks = layout.rows // layout.block_m
+    assert row_blocks < 65536, f"{row_blocks} row blocks exceed the grid's axis 1 (fewer tokens per step)"
+    grid = (triton.cdiv(H, tile["BLOCK_N"]), row_blocks)
     _down_kernel[grid](act, w.down, w.shared_down, y, layout.sorted_pairs, layout.block_expert, layout.total,
                        weights, shared_gate, T, H, inter, w.shared_down.shape[1], num_local, act.stride(0),
                        w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), y.stride(0), weights.stride(0),
@@ -1026,7 +1031,7 @@ if triton is not None:
                      T, H, I, I_s, num_local, sa, swe, swh, sswh, sy, srw, ssg, TOP_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
         """Columns [n, n + BLOCK_N) of (act W_down^T) * routing weight for one block of rows of one expert."""
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
         e = tl.load(block_expert_ptr + pid_m)
