@@ -31,6 +31,7 @@ def shapes(tp: int) -> dict[str, tuple[int, int]]:
             "attn_qkv": ((q + kv) // tp, c.hidden_size),
             "gdn_out": (c.hidden_size, vd // tp),
             "attn_out": (c.hidden_size, c.num_attention_heads * c.head_dim // tp),
+            "router": (c.num_experts + 1, c.hidden_size),  # the router | shared-expert gate rows, replicated
             "lm_head": (c.vocab_size // tp, c.hidden_size)}
 
 

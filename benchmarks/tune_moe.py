@@ -60,7 +60,7 @@ def gemv_candidates(op: str, quick: bool) -> list[dict]:
     if op == "front":
         grid = dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 64, 256], num_warps=[4, 8], num_stages=[3, 4])
     elif op == "gate_up_gemv":
-        grid = dict(BLOCK_N=[4, 8, 2, 16], BLOCK_K=[128, 64, 256], num_warps=[4, 8], num_stages=[4, 3])
+        grid = dict(BLOCK_N=[4, 8, 2, 16], BLOCK_K=[128, 64, 256], num_warps=[4, 8, 2], num_stages=[4, 3])
     else:
         grid = dict(BLOCK_N=[8, 16, 4], BLOCK_K=[64, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
     if quick:

@@ -12,6 +12,8 @@ those ranges through a lazy checkpoint slice, so a rank never touches bytes it d
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,7 +26,10 @@ from layers.backend import tl, triton
 # level so that the benchmark can sweep them. block_n: output columns per program (the weight rows it streams, whole
 # K each); block_k: the reduction step, loads pipelined `stages` deep.
 SKINNY_MAX_M = 16
-SKINNY_CONFIG = {"block_n": 16, "block_k": 256, "warps": 4, "stages": 4}
+SKINNY_CONFIG = {"block_n": 16, "block_k": 256, "warps": 4, "stages": 4, "split": 0}
+# split: programs per column block, each summing a 1/split share of K (0: from the shape, see _split_k). With N /
+# block_n column blocks alone the SMs are barely filled (128 programs for an out projection's 2,048 columns on 132
+# SMs, one 4-warp program streaming per SM) or not at all (17 for the router's 257).
 
 Ranges = list[tuple[int, int]] | None
 
@@ -105,11 +110,44 @@ def linear_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     cfg = SKINNY_CONFIG
     block_n = max(16, min(cfg["block_n"], triton.next_power_of_2(N)))
     block_k = max(16, min(cfg["block_k"], triton.next_power_of_2(K)))
-    _skinny_gemm_kernel[(triton.cdiv(N, block_n),)](
-        x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg["stages"],
+    col_blocks = triton.cdiv(N, block_n)
+    split = _split_k(col_blocks, K, block_k, x.device)
+    partials, arrivals = _split_scratch(x.device, split, SKINNY_MAX_M, col_blocks * block_n)
+    _skinny_gemm_kernel[(col_blocks, split)](
+        x2, weight, y, partials, arrivals, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=SKINNY_MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, STAGES=cfg["stages"],
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["warps"])
     return y.view(*x.shape[:-1], N)
+
+
+def _split_k(col_blocks: int, K: int, block_k: int, device: torch.device) -> int:
+    """Programs per column block: SKINNY_CONFIG["split"], else the largest power of two that keeps the grid within
+    two programs per SM; never more than K has block_k steps. A function of shapes only (CUDA graphs hold it)."""
+    steps = triton.cdiv(K, block_k)
+    if SKINNY_CONFIG["split"]:
+        return max(1, min(SKINNY_CONFIG["split"], steps))
+    split, room = 1, 2 * _sm_count(device)
+    while col_blocks * split * 2 <= room and split * 2 <= steps:
+        split *= 2
+    return split
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _split_scratch(device: torch.device, split: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K partial sums [split, rows, cols] (fp32) and per column block arrival counters (int32, zero between
+    calls: the last program of a block resets its counter), shared by every call of the same shape. Calls on one
+    stream run one after another, so sharing is safe; the first call of a shape comes in an eager warm-up before
+    any CUDA graph capture, so the buffers never belong to a graph's pool."""
+    if split == 1:
+        placeholder = torch.empty(1, dtype=torch.int32, device=device)
+        return placeholder, placeholder
+    return (torch.empty(split, rows, cols, dtype=torch.float32, device=device),
+            torch.zeros(cols, dtype=torch.int32, device=device))
 
 
 def fuse_rows(*linears: Linear, attr: str = "weight", pad_rows_to: int = 1) -> torch.Tensor:
@@ -139,19 +177,39 @@ def fuse_rows(*linears: Linear, attr: str = "weight", pad_rows_to: int = 1) -> t
 
 if triton is not None:
     @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr):
-        """Columns [n0, n0 + BLOCK_N) of y = x @ w^T for all M <= BLOCK_M rows: the program streams its BLOCK_N weight
-        rows over the whole K once, accumulates in fp32 (tl.dot; fp32 inputs at IEEE precision) and rounds once to
-        y's dtype, as cuBLAS does, so the results differ from F.linear by the order of the fp32 sums only."""
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+                            PREC: tl.constexpr):
+        """Columns [n0, n0 + BLOCK_N) of y = x @ w^T for all M <= BLOCK_M rows, over share s = program_id(1) of the
+        K steps: the program streams its BLOCK_N weight rows over that share once and accumulates in fp32 (tl.dot;
+        fp32 inputs at IEEE precision). With SPLIT > 1 it stores its partial sum and counts itself in; the last of
+        the block's SPLIT programs to arrive sums the partials in share order (the same bits whatever the order of
+        arrival: no float atomics), rounds once to y's dtype, as cuBLAS does, and resets the counter. The results
+        differ from F.linear by the order of the fp32 sums only."""
+        pid_n, share = tl.program_id(0), tl.program_id(1)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         nm, mm = n < N, m < M
+        steps = tl.cdiv(K, BLOCK_K)
+        per_share = tl.cdiv(steps, SPLIT)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            k = k0 + tl.arange(0, BLOCK_K)
+        for step in tl.range(share * per_share, tl.minimum(steps, (share + 1) * per_share), num_stages=STAGES):
+            k = step * BLOCK_K + tl.arange(0, BLOCK_K)
             km = k < K
             x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
             w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
-        tl.store(y_ptr + m[:, None] * sy + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+        out = y_ptr + m[:, None] * sy + n[None, :]
+        if SPLIT == 1:
+            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+        else:
+            cols = tl.num_programs(0) * BLOCK_N
+            part = part_ptr + m[:, None] * cols + n[None, :]
+            tl.store(part + share * BLOCK_M * cols, acc)
+            tl.debug_barrier()  # every thread's partial stored before the count (release) publishes them
+            if tl.atomic_add(arrive_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for i in tl.static_range(SPLIT):
+                    total += tl.load(part + i * BLOCK_M * cols, cache_modifier=".cg")
+                tl.store(out, total.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+                tl.atomic_xchg(arrive_ptr + pid_n, 0)

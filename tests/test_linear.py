@@ -43,6 +43,34 @@ def test_skinny_block_settings(block_n, block_k, monkeypatch):
     assert scaled_err(lin.linear_fast(x, w), F.linear(x, w)) <= 1e-5
 
 
+@pytest.mark.parametrize("split", [1, 2, 3, 4, 16])
+def test_skinny_split_k(split, monkeypatch):
+    """K summed in `split` shares (the last program to arrive adds the partials in share order): equal to F.linear
+    within the tolerance, the same bits from run to run, and the arrival counters back at zero after each call (a
+    CUDA graph replays the kernel with no reset in between). A split of 3 leaves the last share short, 16 is more
+    than the 10 K steps (clamped)."""
+    monkeypatch.setitem(lin.SKINNY_CONFIG, "block_k", 32)  # 300 = 9 full steps + a partial one
+    monkeypatch.setitem(lin.SKINNY_CONFIG, "split", split)
+    gen = torch.Generator().manual_seed(split)
+    x, w = torch.randn(5, 300, generator=gen), torch.randn(37, 300, generator=gen)
+    y = lin.linear_fast(x, w)
+    assert scaled_err(y, F.linear(x, w)) <= 1e-5
+    assert torch.equal(lin.linear_fast(x, w), y)
+    used = min(split, 10)
+    assert lin._split_k(3, 300, 32, x.device) == used
+    if used > 1:
+        assert not lin._split_scratch(x.device, used, lin.SKINNY_MAX_M, 48)[1].any()
+
+
+def test_split_k_from_shape(monkeypatch):
+    """split 0: the largest power of two with at most two programs per SM, within K's steps."""
+    monkeypatch.setattr(lin, "_sm_count", lambda device: 132)
+    assert lin._split_k(128, 4096, 256, torch.device("cpu")) == 2    # an out projection's 2,048 columns
+    assert lin._split_k(17, 2048, 256, torch.device("cpu")) == 8     # the router's 257
+    assert lin._split_k(17, 512, 256, torch.device("cpu")) == 2      # no more shares than K steps
+    assert lin._split_k(800, 2048, 256, torch.device("cpu")) == 1
+
+
 def test_skinny_3d_and_strided_inputs():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(24, 40, generator=gen)
