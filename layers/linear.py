@@ -4,11 +4,14 @@ Every parameter carries `full_shape` (its shape in the checkpoint) and `shard` (
 list of (start, size) ranges of the full dim that this rank keeps, concatenated in order). The loader reads exactly
 those ranges through a lazy checkpoint slice, so a rank never touches bytes it does not own.
 
-    linear_torch  F.linear (cuBLAS on the GPU), the oracle
+    linear_torch  F.linear (cuBLAS on the GPU), the oracle, and what Linear runs with either kernel set
     linear_fast   the same, except at decode batch sizes (M <= SKINNY_MAX_M rows): one Triton launch in which each
-                  program owns a slice of the output columns and the whole reduction dimension. cuBLAS runs these
-                  skinny shapes (the out projections: [M x 4096] @ [4096 x 2048] at TP=1) as split-K, two
-                  launches (the GEMM, then a reduction kernel); here no split, no float atomics, one launch.
+                  program owns a slice of the output columns and a share of the reduction dimension (no float
+                  atomics). It pays where cuBLAS has no good tile for a narrow output: the MoE router's 257
+                  columns (moe.router_logits_fast). For the out projections cuBLAS is faster in CUDA graphs (1x
+                  H200, 2026-11-25, `python -m benchmarks.bench_linear --rows 1,8,16`: [M x 4096] @ [4096 x 2048]
+                  7.1-7.9 us against 8.6; the TP=8 shard [M x 512] @ [512 x 2048] 3.0 against 4.4), so Linear
+                  keeps F.linear.
 """
 from __future__ import annotations
 
@@ -19,13 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist import parallel
-from layers import backend
 from layers.backend import tl, triton
 
 # linear_fast's threshold (rows of the input) and launch settings, from shapes only (a CUDA graph holds them); module
 # level so that the benchmark can sweep them. block_n: output columns per program (the weight rows it streams, whole
 # K each); block_k: the reduction step, loads pipelined `stages` deep.
-SKINNY_MAX_M = 16
+SKINNY_MAX_M = 64  # rows: the tile over them is the next power of two, at least 16 (tl.dot's minimum)
 SKINNY_CONFIG = {"block_n": 16, "block_k": 256, "warps": 4, "stages": 4, "split": 0}
 # split: programs per column block, each summing a 1/split share of K (0: from the shape, see _split_k). With N /
 # block_n column blocks alone the SMs are barely filled (128 programs for an out projection's 2,048 columns on 132
@@ -76,7 +78,8 @@ class Linear(nn.Module):
     """y = x @ W^T (+ b), W a shard of the checkpoint's [out, in] weight: `rows` picks output rows (column parallel,
     the bias sliced the same way), `cols` picks input columns (row parallel; the caller all-reduces the partial sums,
     so every rank holds the whole bias and only rank 0 adds it). The layers call it for their out projections
-    (DeltaNet out_proj, attention o_proj); the kernel set binds linear_torch or linear_fast."""
+    (DeltaNet out_proj, attention o_proj) and the dense models for their projections; F.linear in both kernel sets
+    (see the module docstring)."""
 
     def __init__(self, in_features: int, out_features: int, *, rows: Ranges = None, cols: Ranges = None,
                  bias: bool = False, dtype=None, device=None):
@@ -84,10 +87,9 @@ class Linear(nn.Module):
         self.weight = make_param((out_features, in_features), [rows, cols], dtype, device)
         self.bias = make_param((out_features,), [rows], dtype, device) if bias else None
         self.adds_bias = bias and (cols is None or parallel.tp_rank() == 0)
-        self._linear = linear_fast if backend.use_fast() else linear_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.weight, self.bias if self.adds_bias else None)
+        return linear_torch(x, self.weight, self.bias if self.adds_bias else None)
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,10 +114,11 @@ def linear_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     block_k = max(16, min(cfg["block_k"], triton.next_power_of_2(K)))
     col_blocks = triton.cdiv(N, block_n)
     split = _split_k(col_blocks, K, block_k, x.device)
-    partials, arrivals = _split_scratch(x.device, split, SKINNY_MAX_M, col_blocks * block_n)
+    block_m = max(16, triton.next_power_of_2(M))
+    partials, arrivals = _split_scratch(x.device, split, block_m, col_blocks * block_n)
     _skinny_gemm_kernel[(col_blocks, split)](
         x2, weight, y, partials, arrivals, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=SKINNY_MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, STAGES=cfg["stages"],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, STAGES=cfg["stages"],
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["warps"])
     return y.view(*x.shape[:-1], N)
 

@@ -33,7 +33,7 @@ grouped kernels stream each expert's weights once for all its tokens. At decode 
 are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so moe_decode_fast runs 3 on the GEMV path
 (up to GEMV_MAX_T tokens without a table; the tuned table says per bucket), else 5 (or 6):
 
-    router GEMM           cuBLAS: logits [T, E + 1]
+    router GEMM           logits [T, E + 1]: cuBLAS for one token, else the skinny kernel (router_logits_fast)
     _gate_up_gemv_kernel  (GEMV path) per (token, N tile): the token's routing (_route_kernel's code: the same bits;
                           every program routes, one stores it), then its local experts' gate|up rows as one tile and
                           the shared expert's, in one software-pipelined H loop -> act: shared row t, pair p at row
@@ -86,7 +86,7 @@ from torch import nn
 from dist import parallel
 from layers import backend
 from layers.backend import empty_aligned, round_to, tl, triton
-from layers.linear import Linear, even_split, fuse_rows, make_param
+from layers.linear import SKINNY_MAX_M, Linear, even_split, fuse_rows, linear_fast, make_param
 from layers.mlp import MLP, mlp_torch
 
 CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_configs.json")
@@ -131,6 +131,16 @@ def router_logits(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         if room >= padded * H:
             return F.linear(x, router.as_strided((padded, H), (H, 1)))[:, :rows]
     return F.linear(x, router)
+
+
+def router_logits_fast(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """router_logits for the decode kernels: the skinny GEMM (layers/linear.py) from 2 tokens up, where cuBLAS has
+    one poor tile for the 257-wide output (1x H200, 2026-11-25, CUDA graphs: 7.6-7.9 us at 8-16 tokens against
+    4.1-4.4); its one-token GEMV (2.6 us against 4.0) stays. The logits differ from cuBLAS's by the order of the fp32
+    sums only; a choice by T alone, so a padded graph batch takes the same path as the batch run eagerly."""
+    if 2 <= x.shape[0] <= SKINNY_MAX_M:
+        return linear_fast(x, router)
+    return router_logits(x, router)
 
 
 def route_fast(logits: torch.Tensor, top_k: int):
@@ -587,12 +597,12 @@ def moe_decode_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: Expert
     num_local = w.gate_up.shape[0]
     cfg = _block_config(x, w)
     if cfg["gemv"] is not None if gemv is None else gemv:
-        g = gate_up_gemv_fast(x, router_logits(x, router), top_k, w, cfg["gemv"])
+        g = gate_up_gemv_fast(x, router_logits_fast(x, router), top_k, w, cfg["gemv"])
         return down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, cfg["down_combine"])
     if (USE_FRONT if front is None else front):
         f = front_fast(x, router, top_k, w.start, num_local, cfg["BLOCK_M"], cfg["front"])
         return experts_on_layout(x, w, f.layout, f.ids, f.weights, f.shared_gate, cfg, down_combine)
-    ids, weights, shared_gate = route_fast(router_logits(x, router), top_k)
+    ids, weights, shared_gate = route_fast(router_logits_fast(x, router), top_k)
     layout = align(ids, w.start, num_local, cfg["BLOCK_M"])
     return experts_on_layout(x, w, layout, ids, weights, shared_gate, cfg, down_combine)
 
