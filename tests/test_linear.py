@@ -1,13 +1,14 @@
 """The skinny GEMM (layers/linear.py linear_fast; the MoE router's at decode sizes) against F.linear (linear_torch).
 
-CPU (fp32, Triton through the interpreter): M = 1..5, 16, 17, 40 and 64 rows, N and K that no block divides (partial output and
-reduction tiles), several K steps, 3-D and strided inputs: equal to F.linear within 1e-5 relative to the output's
-scale (fp32, only the order of the sums differs); above SKINNY_MAX_M rows the bits of F.linear itself.
-GPU (`-m gpu`, bf16, the real Qwen3.5-35B-A3B router and out projections (DeltaNet out_proj and attention o_proj at the
-TP=1 and TP=8 shards), M = 1, 2, 4, 8, 13, 16, 24, 64): both accumulate in fp32 and round once to bf16, so an output may differ only
-where the two fp32 sums round to neighbouring bf16 values: every element within one bf16 ulp of F.linear's
-(|a - b| <= 2^-7 |b|, plus 1e-3 of the output's RMS for values near zero), and at least 99% of the elements
-bit-identical (the fp32 sums differ by ~sqrt(K) 2^-24 relative, ~1e-3 of a bf16 ulp).
+CPU (fp32, Triton through the interpreter): M = 1..5, 16, 17, 40 and 64 rows, N and K that no block divides
+(partial output and reduction tiles), several K steps, split K, 3-D and strided inputs: equal to F.linear within
+1e-5 relative to the output's scale (fp32, only the order of the sums differs); above SKINNY_MAX_M rows the bits of
+F.linear itself.
+GPU (`-m gpu`, bf16, the real Qwen3.5-35B-A3B router and out projections (DeltaNet out_proj and attention o_proj at
+the TP=1 and TP=8 shards), M = 1, 2, 4, 8, 13, 16, 24, 64): the kernel accumulates in fp32 and rounds once to bf16,
+so every element is within half a bf16 ulp of the exact product of the bf16 inputs (fp64), and at least 99% of the
+elements are bit-identical to F.linear's over the shapes together (the fp32 sums differ by ~sqrt(K) 2^-24
+relative, ~1e-3 of a bf16 ulp).
 """
 import pytest
 import torch
@@ -124,12 +125,21 @@ def skinny_shapes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 2, 4, 8, 13, 16, 24, 64])
 def test_gpu_skinny_bits_near_f_linear_bf16(M):
+    """Each output is one rounding of an fp32 sum: within half a bf16 ulp (<= 2^-8 |v|) of the fp32 product of the
+    same bf16 inputs, plus 1e-5 of its RMS for the fp32 sums' own rounding. Against F.linear: at least 99% of the
+    elements bit-identical over the shapes together (per shape the router's 257 x M are too few to count on). The
+    earlier check, every element within one bf16 ulp of F.linear's, failed for the router at M = 4 (1x H200,
+    2026-11-25: a 2^-6 difference): the exact product tells which side rounds off."""
     gen = torch.Generator(device="cuda").manual_seed(M)
+    same = total = 0
     for name, N, K in skinny_shapes():
         w = (torch.randn(N, K, generator=gen, device="cuda") * K ** -0.5).bfloat16()
         x = torch.randn(M, K, generator=gen, device="cuda").bfloat16()
         y, ref = lin.linear_fast(x, w), F.linear(x, w)
-        diff = (y.float() - ref.float()).abs()
-        bound = 2 ** -7 * ref.float().abs() + 1e-3 * ref.float().pow(2).mean().sqrt()
-        assert (diff <= bound).all(), f"{name} M={M}: {diff.max().item()}"
-        assert (y == ref).float().mean().item() >= 0.99, name
+        exact = x.double() @ w.double().t()
+        bound = 2 ** -8 * exact.abs() + 1e-5 * exact.pow(2).mean().sqrt()
+        diff = (y.double() - exact).abs()
+        assert (diff <= bound).all(), f"{name} M={M}: {(diff - bound).max().item()}"
+        same += (y == ref).sum().item()
+        total += y.numel()
+    assert same / total >= 0.99
