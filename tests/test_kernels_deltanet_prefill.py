@@ -203,6 +203,26 @@ def test_delta_fast_equals_torch(exact_dots, Hk, Hv, dk, dv, chunk):
     assert max_diff(state, ref_state) < 2e-4                  # includes the slots nobody owns: unchanged
 
 
+def test_delta_fast_half_inputs():
+    """The model's case, half-precision q, k, v (the prep and output kernels form K K^T and Q K^T from the raw
+    16-bit inputs, exact products summed in fp32, rows scaled by the inverse norms afterwards), default precisions:
+    within the GPU test's tolerance of the fp32 oracle on the same inputs. fp16 on the CPU: Triton 3.9's interpreter
+    gets tl.dot of bf16 operands wrong (errors ~1e10 on a plain [64, 16] x [16, 64] product, where fp16 and fp32 are
+    exact); the GPU tests run bf16."""
+    lens, starts = PACK, STARTS
+    N = sum(lens)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    q, k, v, g, beta = delta_inputs(N, 1, 2, 16, 16, dtype=dtype, seed=5)
+    cu, sp, slots = packed(lens, starts, seed=5)
+    state = torch.randn(2 * len(lens), 2, 16, 16, device=DEVICE) * 0.3
+    ref_state = state.clone()
+    want = dp.chunk_delta_rule_varlen_torch(q, k, v, g, beta, cu, sp, ref_state, slots, 16 ** -0.5)
+    got = dp.chunk_delta_rule_varlen_fast(q, k, v, g, beta, cu, sp, state, slots, 16 ** -0.5)
+    assert got.dtype == dtype
+    assert rel(got, want) < 1e-2
+    assert rel(state, ref_state) < 1e-2
+
+
 def test_delta_fast_decode_rows(exact_dots):
     """A mixed step's decodes are one-token sequences on cached states: fast equals the recurrence."""
     Hk, Hv, dk, dv, B = 2, 4, 16, 16, 6
