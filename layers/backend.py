@@ -75,7 +75,7 @@ ALIGN_BYTES = 16  # Triton specialises a pointer argument on 16-byte alignment
 
 def aligned_sizes(sizes: list[int], dtype: torch.dtype) -> list[int]:
     """`sizes` (elements) rounded up so that parts laid end to end each start on ALIGN_BYTES."""
-    per = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    per = max(1, ALIGN_BYTES // dtype.itemsize)
     return [-(-n // per) * per for n in sizes]
 
 
