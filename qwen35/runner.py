@@ -188,8 +188,7 @@ class ModelRunner:
         flat = []
         for f, n in zip(fields, padded):
             flat += f
-            if n > len(f):
-                flat.append(0)
+            flat += [0] * (n - len(f))
         host = torch.tensor(flat, dtype=torch.int64, pin_memory=self._pin)
         parts = host.to(self.device, non_blocking=True).split(padded)
         slots_d, starts_d, ctx_d, cu_d, logits_idx, self.logit_slots, tokens, checkpoints = (
