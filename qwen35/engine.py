@@ -48,6 +48,7 @@ from scheduler.scheduler import Scheduler, ScheduledStep
 
 __all__ = ["EngineArgs", "LLMEngine", "RequestOutput"]
 log = logging.getLogger("qwen35.engine")
+GAP_EVERY = 8  # on a GPU, the device's idle time between steps is measured at every GAP_EVERY-th step
 
 
 @dataclass
@@ -130,7 +131,7 @@ class StepTimes:
     forward_s: float = 0.0   # queueing the forward (runner.execute)
     wait_s: float = 0.0      # waiting for a step's tokens to reach the host
     # GPU only: time the device sat idle between the end of a step and the start of the next one queued right
-    # after it (CUDA events): the part of the host's time that the overlap did not hide
+    # after it (CUDA events, at every GAP_EVERY-th step): the part of the host's time that the overlap did not hide
     gpu_idle_s: float = 0.0
     gpu_gaps: int = 0
 
@@ -150,7 +151,7 @@ class _Launched:
     sampled: list[Request]
     tokens: torch.Tensor | None     # [n] int64 on the host (pinned on a GPU), filled by a non-blocking copy
     ready: torch.cuda.Event | None  # recorded after that copy (GPU only)
-    start: torch.cuda.Event | None = None  # recorded before the step's first device work (GPU only)
+    start: torch.cuda.Event | None = None  # recorded before the step's first device work (GPU, timed steps)
     after: torch.cuda.Event | None = None  # the end of the step queued just before this one, if back to back
 
     def host_tokens(self) -> list[int]:
@@ -232,15 +233,15 @@ class LLMEngine:
         self._admissions = 0  # requests admitted so far: an unseeded request's noise key mixes in its number
         self._pin = self.device.type == "cuda"
         if self._pin:
-            # allocated once: a step's tokens land in a pinned buffer, and its start and end are timed with a pair
-            # of events, each reused after the step that used it last has been taken (postprocessed). Overlap holds
-            # two steps at most (one queued, one being taken), and the end event of the step before a taken one is
-            # read too: two buffers and three pairs of events go round.
+            # allocated once: a step's tokens land in a pinned buffer and an event marks their arrival, each reused
+            # after the step that used it last has been taken (postprocessed): overlap holds two steps at most.
+            # Every GAP_EVERY-th pair of back-to-back steps is also timed (the end of the one, the start of the
+            # next: how long the device idled between them); a CUDA call costs the host 5-25 us, so not every step.
             n = self.scheduler.max_num_seqs
             self._token_buffers = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self._token_views: dict[tuple[int, int], torch.Tensor] = {}
-            self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                            for _ in range(3)]
+            self._ready = [torch.cuda.Event() for _ in range(2)]
+            self._gap_end, self._gap_start = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         self.overlap = args.overlap
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._in_flight: _Launched | None = None
@@ -307,9 +308,10 @@ class LLMEngine:
             return None
         times = self.times
         times.steps += 1
-        k = self.num_steps + 1  # this step's number: it picks the step's events and token buffer
-        if self._pin:
-            start, ready = self._events[k % 3]
+        k = self.num_steps + 1  # this step's number: it picks the step's event and token buffer
+        start = None
+        if self._pin and k % GAP_EVERY == 0:
+            start = self._gap_start
             start.record()
         sampling = self._sampling_step(step, self._bind(step) if step.admitted else [])
         _send(plan, sampling)
@@ -327,9 +329,11 @@ class LLMEngine:
             if host is None:
                 host = self._token_views[key] = self._token_buffers[key[0]][:key[1]]
             host.copy_(tokens, non_blocking=True)
+        ready = self._gap_end if k % GAP_EVERY == GAP_EVERY - 1 else self._ready[k % 2]
         ready.record()
-        # a gap to measure once both ends have run (in _postprocess), after the step queued last if back to back
-        launched = _Launched(step.sampled, host, ready, start, self._last_end)
+        # a gap to measure once both ends have run (in _postprocess), if the step queued before ran back to back
+        after = self._last_end if start is not None and self._last_end is self._gap_end else None
+        launched = _Launched(step.sampled, host, ready, start, after)
         self._last_end = ready
         return launched
 
