@@ -243,7 +243,9 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--profile-steps", type=int, default=16, help="decode steps timed per profiled batch size")
+    ap.add_argument("--profile-steps", type=int, default=100,
+                    help="decode steps timed per profiled batch size (cpu_ms: a request's one-off costs, joining the "
+                         "decode batch, spread over this many steps as over a completion of that length)")
     ap.add_argument("--levels", default="1,2,4,8,16,32,64")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--cold-levels", default="64",
