@@ -354,7 +354,7 @@ class _Server:
         include_usage = _field(options, "include_usage", (bool,), False)
         rid = f"{kind}-{uuid.uuid4().hex}"
         try:
-            outputs = self.engine.generate(rid, prompt_ids, params)
+            outputs = self.engine.generate(rid, prompt_ids, params, stream=stream)
         except RuntimeError as e:  # the engine is not running (yet, or any more: shutting down, stalled)
             raise APIError(str(e), status=503, type_="service_unavailable") from e
         if stream:

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import mmap
 import os
+from array import array
 import platform
 import tempfile
 import time
 import uuid
 
-import torch
 
 LINE = 8                 # int64 words per cache line
 SLOTS = 4
@@ -62,8 +62,7 @@ class HostChannel:
             self._map = mmap.mmap(fd, 8 * words)
         finally:
             os.close(fd)
-        self._words = memoryview(self._map).cast("q")       # scalar loads and stores (counters)
-        self._tensor = torch.frombuffer(self._map, dtype=torch.int64)  # bulk copies (messages)
+        self._words = memoryview(self._map).cast("q")  # loads and stores of int64 words, single and in slices
         self._seq = 0
         if rank == 0:
             self._words[1] = os.getpid()
@@ -77,7 +76,6 @@ class HostChannel:
             os.unlink(self.path)
 
     def close(self) -> None:
-        self._tensor = None
         self._words.release()
         try:
             self._map.close()
@@ -85,8 +83,8 @@ class HostChannel:
             pass
 
     # ---- rank 0 ---------------------------------------------------------------------------------------------
-    def send(self, values: torch.Tensor) -> bool:
-        """Write one message (a 1-D int64 CPU tensor). False: too long for a slot; its marker is written and the
+    def send(self, values: list[int]) -> bool:
+        """Write one message (int64 values). False: too long for a slot; its marker is written and the
         caller must now send the values over its fallback, which every reader then expects."""
         seq = self._seq + 1
         words = self._words
@@ -96,17 +94,17 @@ class HostChannel:
             self._wait(lambda: all(words[a] >= free for a in acks), [words[a + 1] for a in acks],
                        "a worker rank to read the step metadata")
         base = self._data0 + (seq % self.slots) * self._slot_words
-        n = values.numel()
+        n = len(values)
         fits = n <= self.capacity
         if fits:
-            self._tensor[base + LINE:base + LINE + n].copy_(values)
+            words[base + LINE:base + LINE + n] = array("q", values)
         words[base] = n if fits else -1
         words[0] = seq  # last: a reader that sees it sees the message
         self._seq = seq
         return fits
 
     # ---- the other ranks ------------------------------------------------------------------------------------
-    def recv(self) -> torch.Tensor | None:
+    def recv(self) -> list[int] | None:
         """The next message; None when it comes over the caller's fallback."""
         seq = self._seq + 1
         words = self._words
@@ -114,7 +112,7 @@ class HostChannel:
             self._wait(lambda: words[0] >= seq, [words[1]], "rank 0's next step")
         base = self._data0 + (seq % self.slots) * self._slot_words
         n = words[base]
-        out = self._tensor[base + LINE:base + LINE + n].clone() if n >= 0 else None
+        out = words[base + LINE:base + LINE + n].tolist() if n >= 0 else None
         words[self._ack] = seq
         self._seq = seq
         return out

@@ -213,11 +213,10 @@ def broadcast_object(obj=None, src: int = 0):
     return obj if _RANK == src else pickle.loads(buf.numpy().tobytes())
 
 
-def broadcast_ints(values: torch.Tensor | None = None, src: int = 0) -> torch.Tensor:
-    """Send a 1-D int64 CPU tensor from `src` to every rank; returns it on every rank (on the others a fresh
-    tensor). From rank 0 through the shared-memory channel when there is one (a message too long for it follows
-    over gloo), else over the host group: one collective when it holds fewer than INTS_FIRST values, two
-    otherwise."""
+def broadcast_ints(values: list[int] | None = None, src: int = 0) -> list[int]:
+    """Send a list of int64 values from `src` to every rank; returns it on every rank (on the others a new list).
+    From rank 0 through the shared-memory channel when there is one (a message too long for it follows over gloo),
+    else over the host group: one collective when it holds fewer than INTS_FIRST values, two otherwise."""
     global _ints_buffer
     if _WORLD == 1:
         return values
@@ -233,20 +232,20 @@ def broadcast_ints(values: torch.Tensor | None = None, src: int = 0) -> torch.Te
         _ints_buffer = torch.empty(INTS_FIRST, dtype=torch.int64)
     buf, head = _ints_buffer, INTS_FIRST - 1
     if _RANK == src:
-        n = values.numel()
+        n = len(values)
         buf[0] = n
-        buf[1:1 + min(n, head)] = values[:head]
+        buf[1:1 + min(n, head)] = torch.tensor(values[:head], dtype=torch.int64)
     torch_dist.broadcast(buf, src=src, group=_CPU_GROUP)
     if _RANK == src:
         if n > head:
-            torch_dist.broadcast(values[head:].contiguous(), src=src, group=_CPU_GROUP)
+            torch_dist.broadcast(torch.tensor(values[head:], dtype=torch.int64), src=src, group=_CPU_GROUP)
         return values
     n = int(buf[0])
     if n <= head:
-        return buf[1:1 + n].clone()
+        return buf[1:1 + n].tolist()
     rest = torch.empty(n - head, dtype=torch.int64)
     torch_dist.broadcast(rest, src=src, group=_CPU_GROUP)
-    return torch.cat([buf[1:], rest])
+    return buf[1:].tolist() + rest.tolist()
 
 
 def barrier() -> None:

@@ -497,11 +497,14 @@ def _send(plan: StepPlan, sampling: SamplingStep | None = None) -> None:
     if parallel.tp_size() == 1:
         return
     head = (sampling or SamplingStep()).encode()
-    parallel.broadcast_ints(torch.cat([torch.tensor([len(head), *head], dtype=torch.int64), plan.encode()]))
+    message = [len(head)]
+    message += head
+    message += plan.encode()
+    parallel.broadcast_ints(message)
 
 
 def _receive() -> tuple[StepPlan, SamplingStep]:
     """Worker ranks: what _send sent."""
     v = parallel.broadcast_ints()
-    n = int(v[0])
-    return StepPlan.decode(v[1 + n:]), SamplingStep.decode(v[1:1 + n].tolist())
+    n = v[0]
+    return StepPlan.decode(v[1 + n:]), SamplingStep.decode(v[1:1 + n])

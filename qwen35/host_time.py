@@ -3,6 +3,7 @@ record` (profile_steps: the engine's own timers, LLMEngine.times) without a GPU,
 
     python -m qwen35.host_time [--model tiny] [--batch-sizes 1,8,64] [--steps 200] [--reps 3] [--forward real|none|sleep]
     python -m qwen35.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy --cprofile 30
+    torchrun --nproc-per-node 2 -m qwen35.host_time --forward sleep   # rank 0's host time at TP=2 (metadata sent)
 
 Per batch size: `batch` requests of 16 random prompt tokens, greedy, ignore_eos, max_tokens steps + 1; the prefill
 steps are not timed, then every decode step until all have finished is (as the record mode does it). The best of
@@ -37,7 +38,7 @@ def stub_forward(engine: LLMEngine, sleep_s: float = 0.0, seed: int = 0) -> None
         n = sum(plan.want_logits)
         return torch.randint(1000, 50000, (n,), generator=gen) if n else None
 
-    engine._run_step = run_step
+    engine._run_step = run_step  # (on a worker rank: what it runs for each plan it receives)
 
 
 def main(argv=None) -> None:
@@ -55,13 +56,17 @@ def main(argv=None) -> None:
                     help="then one more run at the largest batch under cProfile: the N functions of most own time")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    parallel.init_distributed("cpu")
+    parallel.init_distributed("cpu" if args.device == "cpu" else "cuda")
     sizes = _ints(args.batch_sizes)
     extra = {"load_format": args.load_format} if args.load_format else {}
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, max_num_seqs=max(sizes), max_model_len=1024,
                                   **extra))
     if args.forward != "real":
         stub_forward(engine, args.sleep_ms / 1e3 if args.forward == "sleep" else 0.0)
+    if not parallel.is_driver():  # TP > 1 (torchrun): the other ranks receive and run every plan
+        engine.run_worker_loop()
+        parallel.destroy()
+        return
     rng = random.Random(0)
     profile_steps(engine, min(8, max(sizes)), 16, 16, rng)  # warm-up: first-use costs stay out
     rows = []

@@ -11,20 +11,22 @@ state slots and paged-KV blocks: a hit's snapshot into its slot, a snapshot take
 before), and checkpoints (row, position, snapshot slot): the DeltaNet prefill kernels also write the state the
 row has after `position` tokens into that slot, in the same launch.
 
-On the wire a plan is one int64 tensor (encode / decode, exact round trip): no pickling per step.
+On the wire a plan is a list of integers (encode / decode, exact round trip; the engine sends it as one int64
+tensor): no pickling per step.
     header   version, command, rows, host tokens, table entries, state copies, block copies, checkpoints
-    rows     per row: slot, start_pos, number of host tokens, want_logits, number of table entries
+    columns  the rows' slots, start_pos, numbers of host tokens, want_logits, numbers of table entries
     then     the host tokens of every row, the table entries of every row, the state copies, the block copies,
              the checkpoints
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
 COMMANDS = ("step", "idle", "exit")
-VERSION = 2
+VERSION = 3
 HEADER = 8
 ROW = 5
 
@@ -62,39 +64,40 @@ class StepPlan:
     def is_pure_decode(self) -> bool:
         return all(len(t) <= 1 and p > 0 for t, p in zip(self.token_ids, self.start_pos))
 
-    def encode(self) -> torch.Tensor:
-        """The plan as one int64 CPU tensor."""
-        n_tok = sum(len(t) for t in self.token_ids)
-        n_tab = sum(len(t) for t in self.block_tables)
-        out = [VERSION, COMMANDS.index(self.command), self.num_seqs, n_tok, n_tab, len(self.copy_states),
-               len(self.copy_blocks), len(self.checkpoints)]
-        for row in zip(self.state_slots, self.start_pos, self.token_ids, self.want_logits, self.block_tables):
-            out += (row[0], row[1], len(row[2]), int(row[3]), len(row[4]))
-        for t in self.token_ids:
-            out += t
-        for t in self.block_tables:
-            out += t
-        for pair in self.copy_states:
-            out += pair
-        for pair in self.copy_blocks:
-            out += pair
-        for triple in self.checkpoints:
-            out += triple
-        return torch.tensor(out, dtype=torch.int64)
+    def encode(self) -> list[int]:
+        """The plan as a list of integers (columns, so that every part is one C-level extend, not a loop per row)."""
+        toks, tabs = self.token_ids, self.block_tables
+        n_tok, n_tab = list(map(len, toks)), list(map(len, tabs))
+        out = [VERSION, COMMANDS.index(self.command), len(self.state_slots), sum(n_tok), sum(n_tab),
+               len(self.copy_states), len(self.copy_blocks), len(self.checkpoints)]
+        out += self.state_slots
+        out += self.start_pos
+        out += n_tok
+        out += map(int, self.want_logits)
+        out += n_tab
+        out += chain.from_iterable(toks)
+        out += chain.from_iterable(tabs)
+        out += chain.from_iterable(self.copy_states)
+        out += chain.from_iterable(self.copy_blocks)
+        out += chain.from_iterable(self.checkpoints)
+        return out
 
     @classmethod
-    def decode(cls, packed: torch.Tensor) -> "StepPlan":
-        v = packed.tolist()
+    def decode(cls, packed: list[int] | torch.Tensor) -> "StepPlan":
+        v = packed.tolist() if isinstance(packed, torch.Tensor) else packed
         if len(v) < HEADER:
             raise ValueError(f"not a step plan ({len(v)} values)")
         version, command, rows, n_tok, n_tab, n_cs, n_cb, n_ck = v[:HEADER]
         if version != VERSION or len(v) != HEADER + ROW * rows + n_tok + n_tab + 2 * (n_cs + n_cb) + 3 * n_ck:
             raise ValueError(f"not a step plan of version {VERSION} ({len(v)} values, header {v[:HEADER]})")
-        r = v[HEADER:HEADER + ROW * rows]
-        plan = cls(state_slots=r[0::ROW], start_pos=r[1::ROW], want_logits=[bool(w) for w in r[3::ROW]],
+        col = [v[HEADER + i * rows:HEADER + (i + 1) * rows] for i in range(ROW)]
+        plan = cls(state_slots=col[0], start_pos=col[1], want_logits=list(map(bool, col[3])),
                    command=COMMANDS[command])
         at = HEADER + ROW * rows
-        for lens, out in ((r[2::ROW], plan.token_ids), (r[4::ROW], plan.block_tables)):
+        for lens, total, out in ((col[2], n_tok, plan.token_ids), (col[4], n_tab, plan.block_tables)):
+            if not total:  # every row empty (a decode step's tokens, most steps' tables)
+                out += ([] for _ in range(rows))
+                continue
             for n in lens:
                 out.append(v[at:at + n])
                 at += n

@@ -598,6 +598,11 @@ def test_async_engine(small_engine, hf_tokens):
         for i, (ids, text, last) in enumerate(results):
             assert ids == hf_tokens[i] and last.finished and last.finish_reason == "length"
             assert last.num_completion_tokens == N_NEW and last.num_prompt_tokens == len(PROMPTS[i])
+        # not streamed: one output at the end, the whole completion (its text as the streamed outputs joined)
+        whole = [o async for o in ae.generate("whole", PROMPTS[1], GREEDY, stream=False)]
+        assert len(whole) == 1 and whole[0].finished and whole[0].finish_reason == "length"
+        assert whole[0].token_ids == hf_tokens[1] and whole[0].text == results[1][1]
+        assert whole[0].num_completion_tokens == N_NEW
         # the id is free again once its stream finished
         ids, _, _ = await collect(ae.generate("q0", PROMPTS[0], SamplingParams(max_tokens=3, min_tokens=3)))
         assert ids == hf_tokens[0][:3]
