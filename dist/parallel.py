@@ -63,7 +63,8 @@ def init_distributed(device_type: str = "cuda", timeout_s: float = 1800.0) -> tu
         _CPU_GROUP = torch_dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     else:
         _CPU_GROUP = None  # the default group is already gloo
-    _open_host_channel()
+    if _CHANNEL is None:  # (a second call keeps the one every rank has: its message counts must stay in step)
+        _open_host_channel()
     return rank, world
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import queue
@@ -120,9 +119,7 @@ class AsyncEngine:
         # live streams by id (event loop thread); weak, so that dropping a stream reaches __del__ and aborts
         self._streams: weakref.WeakValueDictionary[str, RequestStream] = weakref.WeakValueDictionary()
         self._loop: asyncio.AbstractEventLoop | None = None  # the callers' event loop (the server has one)
-        # loop thread only: per request its caller's event loop and queue, and for a request that does not stream,
-        # the texts and token ids of its outputs so far (None for one that streams)
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, tuple[list, list] | None]] = {}
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # loop thread only
         self._failure: GenerationError | None = None  # set once the engine no longer serves (shutdown, stall)
         self._busy_since: float | None = None  # monotonic time the loop thread entered a step or collective
         self._stats = engine.stats()
@@ -144,8 +141,8 @@ class AsyncEngine:
                  stream: bool = True) -> RequestStream:
         """Start a request that check_request accepted; ValueError (nothing queued) when its id is in use,
         GenerationError (status 503) once the engine has stopped serving. Must be called from a running event
-        loop. With stream=False the stream yields one output, the whole completion, when the request ends: its
-        tokens are gathered on the loop thread rather than handed to the event loop one step at a time."""
+        loop. With stream=False the stream yields one output, the whole completion, when the request ends (the
+        engine makes no output per token for it, and the event loop is woken once)."""
         if self._failure is not None:
             raise GenerationError(str(self._failure), self._failure.status)
         if not self.ready:
@@ -241,11 +238,11 @@ class AsyncEngine:
             if cmd[0] == "add":
                 _, rid, prompt_ids, params, loop, q, stream = cmd
                 try:
-                    self.engine.add_request(rid, prompt_ids, params)
+                    self.engine.add_request(rid, prompt_ids, params, stream)
                 except Exception as e:  # checked at the boundary; should it still raise, this request fails alone
                     loop.call_soon_threadsafe(q.put_nowait, GenerationError(f"{type(e).__name__}: {e}"))
                     continue
-                self._sinks[rid] = (loop, q, None if stream else ([], []))
+                self._sinks[rid] = (loop, q)
             elif cmd[0] == "abort":
                 out = self.engine.abort_request(cmd[1])
                 if out is not None:
@@ -263,14 +260,7 @@ class AsyncEngine:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         sinks = self._sinks
         for out in outputs:
-            loop, q, gathered = sinks[out.request_id] if not out.finished else sinks.pop(out.request_id)
-            if gathered is not None:  # not streamed: one output at the end, with everything
-                texts, ids = gathered
-                texts.append(out.text)
-                ids += out.token_ids
-                if not out.finished:
-                    continue
-                out = dataclasses.replace(out, text="".join(texts), token_ids=ids)
+            loop, q = sinks[out.request_id] if not out.finished else sinks.pop(out.request_id)
             items = by_loop.get(loop)
             if items is None:
                 items = by_loop[loop] = []

@@ -93,7 +93,8 @@ def static_batch(engine: LLMEngine, batch: int, input_len: int, output_len: int,
     }
 
 
-def profile_steps(engine: LLMEngine, batch: int, input_len: int, decode_steps: int, rng: random.Random) -> dict:
+def profile_steps(engine: LLMEngine, batch: int, input_len: int, decode_steps: int, rng: random.Random,
+                  stream: bool = True) -> dict:
     """Mean per decode step at `batch`, as the engine measures its own steps (StepTimes): wall time per step, host
     time outside the forward (cpu_ms: scheduling, the plan broadcast, sampling, postprocess; with overlap it runs
     while the device computes), time queueing the forward, time the host waited for the device's tokens, and on a
@@ -101,7 +102,7 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, decode_steps: i
     vocab = _vocab(engine)
     params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"profile-{batch}-{i}", [rng.randrange(vocab) for _ in range(input_len)], params)
+        engine.add_request(f"profile-{batch}-{i}", [rng.randrange(vocab) for _ in range(input_len)], params, stream)
     while any(not r.output_ids for r in engine.requests.values()):  # prefill first, untimed
         engine.step()
     engine.times = StepTimes()

@@ -259,15 +259,17 @@ class LLMEngine:
         """ValueError when the request can never run; changes nothing (any thread)."""
         self.limits.check(prompt_ids, params)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    stream: bool = True) -> None:
         """Queue a request that check_request accepted (not checked again). Its id must be free: a second record
-        under one id would leave the first unreachable, so that is refused (ValueError)."""
+        under one id would leave the first unreachable, so that is refused (ValueError). With stream=False its only
+        output is the whole completion, when it ends (no output object per token)."""
         from qwen35.tokenizer import IncrementalDetokenizer
 
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         req = Request(request_id, list(prompt_ids), params, self.eos_token_ids,
-                      IncrementalDetokenizer(self.tokenizer, prompt_ids, keep_text=False))
+                      IncrementalDetokenizer(self.tokenizer, prompt_ids, keep_text=False), stream)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -402,6 +404,7 @@ class LLMEngine:
             self.times.gpu_gaps += 1
         outputs = []
         add = outputs.append
+        taken = 0
         for req, token in zip(launched.sampled, tokens):
             if req.finish_reason is not None:  # aborted, failed or stopped while this step was queued: dropped
                 continue
@@ -410,11 +413,14 @@ class LLMEngine:
             except Exception as e:
                 self._fail(req, e)
                 continue
+            taken += 1
+            if out is None:  # a request that does not stream, still running
+                continue
             if out.finished:
                 self.scheduler.free(req)
                 del self.requests[req.request_id]
             add(out)
-        self.total_completion_tokens += len(outputs)  # one output per token appended
+        self.total_completion_tokens += taken
         return outputs
 
     def _fail(self, req: Request, error: Exception) -> None:

@@ -49,6 +49,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3, help="runs per batch size (the best is reported)")
     ap.add_argument("--forward", choices=["real", "none", "sleep"], default="real")
     ap.add_argument("--sleep-ms", type=float, default=10.0, help="--forward sleep: the forward's stand-in")
+    ap.add_argument("--no-stream", dest="stream", action="store_false",
+                    help="requests that do not stream (as the users' evaluations post them): one output each, at its end")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda for the host time around a GPU's forward")
     ap.add_argument("--load-format", default=None, help="dummy: random weights (a full-size preset on a GPU)")
@@ -71,7 +73,7 @@ def main(argv=None) -> None:
     profile_steps(engine, min(8, max(sizes)), 16, 16, rng)  # warm-up: first-use costs stay out
     rows = []
     for b in sizes:
-        runs = [profile_steps(engine, b, 16, args.steps, rng) for _ in range(args.reps)]
+        runs = [profile_steps(engine, b, 16, args.steps, rng, args.stream) for _ in range(args.reps)]
         best = min(runs, key=lambda r: r["cpu_ms"])
         rows.append({"batch": b, "cpu_ms": round(best["cpu_ms"], 4), "steps": best["steps"],
                      "runs_cpu_ms": [round(r["cpu_ms"], 4) for r in runs]})
@@ -81,7 +83,7 @@ def main(argv=None) -> None:
         import pstats
         prof = cProfile.Profile()
         prof.enable()
-        profile_steps(engine, max(sizes), 16, args.steps, rng)
+        profile_steps(engine, max(sizes), 16, args.steps, rng, args.stream)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
     engine.shutdown()

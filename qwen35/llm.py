@@ -57,7 +57,7 @@ class LLM:
         for ids, sp in zip(all_ids, params):
             rid = f"llm-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(rid, ids, sp)
+            self.engine.add_request(rid, ids, sp, stream=False)  # one output each, at its end
             results[rid] = CompletionOutput(rid, "", usage=Usage(len(ids), 0))
         while self.engine.has_unfinished():
             for out in self.engine.step():

@@ -55,6 +55,7 @@ class Request:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()   # the model's; params.stop_token_ids replaces them
     detokenizer: object = None            # incremental: add(token_id) -> new text, flush() -> the rest
+    stream: bool = True                   # False: no output until it ends, then one with the whole completion
     # ---- output (the postprocess's) ----------------------------------------------------------------------------
     # (the fields a token is taken with come first, and next to each other: fewer cache lines read per token)
     output_ids: list[int] = field(default_factory=list)  # completion tokens received from the device
@@ -204,8 +205,9 @@ class Request:
         if n >= self._max_tokens:
             self._finish("length")
 
-    def take_token(self, token_id: int) -> RequestOutput:
-        """append_token, then take_output: the engine's postprocess, one call per request and step. A request with
+    def take_token(self, token_id: int) -> RequestOutput | None:
+        """append_token, then take_output: the engine's postprocess, one call per request and step (None: a request
+        that does not stream and has not ended). A request with
         no stop strings (nothing held back) that does not stop on this token takes a short way there; the shortest
         (most tokens, most steps) when, besides, the token is not its last and decodes whole on its own with
         nothing pending: its text is read from the detokenizer's table, as add() would, and add() is not called."""
@@ -220,6 +222,8 @@ class Request:
                 n = len(out)
                 self._sent.append(text)
                 self._sent_tokens = n
+                if not self.stream:
+                    return None
                 return RequestOutput(self.request_id, text, [token_id], False, None, self._num_prompt, n, None)
         if self._stops or self.finish_reason is not None or token_id in self._stop_set:
             self.append_token(token_id)
@@ -237,6 +241,8 @@ class Request:
             self._sent.append(text)  # (_sent_chars is read with stop strings only)
         new, self._sent_tokens = out[self._sent_tokens:], n
         self._open_short_way()
+        if not self.stream:
+            return self._whole() if reason is not None else None
         return RequestOutput(self.request_id, text, new, reason is not None, reason, self._num_prompt, n, None)
 
     def _open_short_way(self) -> None:
@@ -273,8 +279,9 @@ class Request:
         self.finish_reason, self.error = "error", f"{type(error).__name__}: {error}"
         self._short = False
 
-    def take_output(self) -> RequestOutput:
-        """The delta since the previous call."""
+    def take_output(self) -> RequestOutput | None:
+        """The delta since the previous call; for a request that does not stream, None until it has ended, then the
+        whole completion."""
         reason = self.finish_reason
         text = self._unsent
         if reason is None and self._hold:  # the last _hold characters wait: a stop string may start in them
@@ -289,8 +296,16 @@ class Request:
         n = len(ids)
         new, self._sent_tokens = ids[self._sent_tokens:], n
         self._open_short_way()
+        if not self.stream:
+            return self._whole() if reason is not None else None
         return RequestOutput(self.request_id, text, new, reason is not None, reason, len(self.prompt_ids), n,
                              self.error)
+
+    def _whole(self) -> RequestOutput:
+        """The final output of a request that does not stream: everything it produced."""
+        ids = self.output_ids
+        return RequestOutput(self.request_id, self.text, list(ids), True, self.finish_reason, len(self.prompt_ids),
+                             len(ids), self.error)
 
 
 @dataclass(frozen=True)

@@ -305,7 +305,7 @@ class _FailingEngine:
     def check_request(self, prompt_ids, params):
         pass
 
-    def generate(self, request_id, prompt_ids, params):
+    def generate(self, request_id, prompt_ids, params, stream=True):
         from qwen35.outputs import RequestOutput
 
         async def outputs():

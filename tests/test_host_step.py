@@ -197,14 +197,31 @@ def test_take_token_equals_append_then_take(tiny_dir, warm):
         prompt = [rng.choice(words + split) for _ in range(3)]
         a = Request("a", list(prompt), params, tuple(eos), IncrementalDetokenizer(tok, prompt, keep_text=False))
         b = Request("b", list(prompt), params, tuple(eos), IncrementalDetokenizer(tok, prompt))
+        # one that does not stream: nothing until it ends, then one output with everything a's outputs carried
+        c = Request("a", list(prompt), params, tuple(eos), IncrementalDetokenizer(tok, prompt, keep_text=False),
+                    stream=False)
+        streamed = ["", []]
+
+        def check_whole(out_a, out_c):
+            streamed[0] += out_a.text
+            streamed[1] += out_a.token_ids
+            if not out_a.finished:
+                assert out_c is None, case
+                return
+            assert (out_c.text, out_c.token_ids) == (streamed[0], streamed[1]) == (a.text, a.output_ids), case
+            assert (out_c.finished, out_c.finish_reason, out_c.error) == (True, out_a.finish_reason, out_a.error)
+            assert (out_c.num_prompt_tokens, out_c.num_completion_tokens) == (out_a.num_prompt_tokens,
+                                                                               out_a.num_completion_tokens)
+
         for t in ids:
             if rng.random() < 0.03:  # ended from outside between two tokens
                 end = rng.choice(["abort", "fail"])
-                for r in (a, b):
+                for r in (a, b, c):
                     r.abort() if end == "abort" else r.fail(ValueError("x"))
                 out_a, out_b = a.take_output(), b.take_output()
                 out_b.request_id = "a"
                 assert out_a == out_b and a.text == b.text, case
+                check_whole(out_a, c.take_output())
                 break
             shortest += a._short and t not in a._stop_set
             out_a = a.take_token(t)
@@ -213,6 +230,7 @@ def test_take_token_equals_append_then_take(tiny_dir, warm):
             out_b.request_id = "a"
             assert out_a == out_b, (case, t)
             assert (a.text, a.output_ids, a.finish_reason) == (b.text, b.output_ids, b.finish_reason)
+            check_whole(out_a, c.take_token(t))
             if a.is_finished:
                 break
     assert shortest > 500  # the shortest way was taken, often
