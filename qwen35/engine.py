@@ -3,7 +3,7 @@
 Every rank builds an LLMEngine (after dist.parallel.init_distributed) and with it a ModelRunner and a Sampler. Rank 0
 also owns the tokenizer, the scheduler and the request records; its step() is
 
-    schedule -> broadcast the plan and its sampling step (one int64 tensor) -> forward -> sample -> postprocess
+    schedule -> broadcast the plan and its sampling step (one list of integers) -> forward -> sample -> postprocess
 
 while the other ranks sit in run_worker_loop(), executing each plan they receive. Every rank samples from its own
 vocabulary slice of the logits (layers/sampler.py: a few candidates per row cross the ranks, never the logits)
@@ -16,7 +16,8 @@ request that stops on a stop token or string at step N has one more row queued a
 (its slot and blocks are reused only by steps queued after that one).
 
 The one postprocess (_postprocess) takes each sampled token once: it appends it to its request's record, which
-detokenizes and checks stop tokens, stop strings and max_tokens; a finished request is freed there.
+detokenizes and checks stop tokens, stop strings and max_tokens; a finished request is freed there. A request that
+does not stream (add_request(..., stream=False)) gives no output until it ends, then one with everything.
 
 Requests are checked once, where they come in (check_request: the server, the offline LLM); the engine trusts
 what add_request gets. Failure policy: what one request brings (its parameters, its text) fails that request
@@ -498,8 +499,8 @@ def _hints(rows: list[Request], first: int) -> tuple[bool, bool, bool, list[tupl
 
 
 def _send(plan: StepPlan, sampling: SamplingStep | None = None) -> None:
-    """Rank 0: the plan and its sampling step to every rank, in one host-group broadcast (sampling step first,
-    behind its length). Nothing to send with one rank: no encoding either."""
+    """Rank 0: the plan and its sampling step to every rank, in one broadcast_ints (shared memory on one host, else
+    gloo; sampling step first, behind its length). Nothing to send with one rank: no encoding either."""
     if parallel.tp_size() == 1:
         return
     head = (sampling or SamplingStep()).encode()
