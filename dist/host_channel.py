@@ -1,11 +1,12 @@
 """Rank 0 -> every other rank of one host: the per-step metadata (int64 messages) through shared memory.
 
-A gloo broadcast costs the sending rank 0.2-0.5 ms per message (measured on a 2-core CPU box and on the H100 host:
-TCP plus hand-offs between gloo's threads, slower the longer the threads slept), more than a whole decode step's
-host work. Here a message is a copy into a ring of slots in a shared file mapping and one counter store; a worker
-polls the counter (spinning briefly, then yielding, then sleeping a little longer the longer it has idled) and
-copies the message out. Messages longer than a slot go over gloo (the caller's fallback), their place in the order
-kept by a marker in the ring: those are prefill steps, which take far longer than the broadcast.
+A gloo broadcast costs the sending rank 0.14-0.44 ms per message on the 2-core CPU box (TCP plus hand-offs between
+gloo's threads, slower the longer the threads slept), and with it rank 0's host time per step at TP=2 was 0.5-1.3 ms
+on 2x H100: more than a whole decode step's host work. Here a message is a copy into a ring of slots in a shared
+file mapping and one counter store; a worker polls the counter (spinning briefly, then yielding, then sleeping a
+little longer the longer it has idled) and copies the message out. Messages longer than a slot go over gloo (the
+caller's fallback), their place in the order kept by a marker in the ring: those are prefill steps, which take far
+longer than the broadcast.
 
 Layout (int64 words; each counter on a cache line of its own): [0] the number of messages written, [1] rank 0's
 pid; per reader r, at LINE * (1 + r): the number of messages it has read, its pid; then `slots` slots of LINE
@@ -20,11 +21,11 @@ from __future__ import annotations
 
 import mmap
 import os
-from array import array
 import platform
 import tempfile
 import time
 import uuid
+from array import array
 
 
 LINE = 8                 # int64 words per cache line
@@ -53,6 +54,7 @@ class HostChannel:
         self.path = path
         self._slot_words = LINE + capacity
         self._data0 = LINE * (1 + self.readers)
+        self._acks = range(LINE, self._data0, LINE)  # each reader's count of messages read (its pid next to it)
         words = self._data0 + slots * self._slot_words
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
@@ -89,7 +91,7 @@ class HostChannel:
         seq = self._seq + 1
         words = self._words
         free = seq - self.slots  # the slot's previous message: every reader must have read it
-        acks = range(LINE, LINE * (1 + self.readers), LINE)
+        acks = self._acks
         if any(words[a] < free for a in acks):
             self._wait(lambda: all(words[a] >= free for a in acks), [words[a + 1] for a in acks],
                        "a worker rank to read the step metadata")

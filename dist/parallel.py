@@ -4,12 +4,12 @@ Every rank of a torchrun job is one tensor-parallel rank. Without torchrun (or w
 is a no-op, so the same model code runs on one device with no process group at all.
 
 Two groups exist when running on GPUs: the default NCCL group for tensor collectives on the device (inside the
-forward, and the sampler's candidates), and a gloo group on the host for setup and the per-step metadata (a packed
-int64 tensor): a worker rank receives step N+1's metadata while its device still runs step N, which a broadcast
-queued on the device behind step N's collectives would not allow. When every rank runs on this host (x86), the
-metadata goes through shared memory instead (dist/host_channel.py: microseconds, where gloo takes 0.2-0.5 ms). `all_reduce` sums small messages through torch
-symmetric memory instead of NCCL once `setup_symmetric_all_reduce` has run (dist/allreduce.py: one-shot / two-shot
-by size, NCCL beyond).
+forward, and the sampler's candidates), and a gloo group on the host for setup and the per-step metadata (a list of
+integers): a worker rank receives step N+1's metadata while its device still runs step N, which a broadcast queued
+on the device behind step N's collectives would not allow. When every rank runs on this host (x86), the metadata
+goes through shared memory instead (dist/host_channel.py: microseconds, where gloo takes 0.1-0.5 ms).
+`all_reduce` sums small messages through torch symmetric memory instead of NCCL once `setup_symmetric_all_reduce`
+has run (dist/allreduce.py: one-shot / two-shot by size, NCCL beyond).
 """
 from __future__ import annotations
 

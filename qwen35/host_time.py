@@ -3,7 +3,7 @@ record` (profile_steps: the engine's own timers, LLMEngine.times) without a GPU,
 
     python -m qwen35.host_time [--model tiny] [--batch-sizes 1,8,64] [--steps 200] [--reps 3] [--forward real|none|sleep]
     python -m qwen35.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy --cprofile 30
-    torchrun --nproc-per-node 2 -m qwen35.host_time --forward sleep   # rank 0's host time at TP=2 (metadata sent)
+    torchrun --nproc-per-node 2 -m qwen35.host_time --forward sleep  # rank 0's host time at TP=2 (plans sent)
 
 Per batch size: `batch` requests of 16 random prompt tokens, greedy, ignore_eos, max_tokens steps + 1; the prefill
 steps are not timed, then every decode step until all have finished is (as the record mode does it). The best of
@@ -50,7 +50,8 @@ def main(argv=None) -> None:
     ap.add_argument("--forward", choices=["real", "none", "sleep"], default="real")
     ap.add_argument("--sleep-ms", type=float, default=10.0, help="--forward sleep: the forward's stand-in")
     ap.add_argument("--no-stream", dest="stream", action="store_false",
-                    help="requests that do not stream (as the users' evaluations post them): one output each, at its end")
+                    help="requests that do not stream (as the users' evaluations post them): one output each, at "
+                         "its end")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda for the host time around a GPU's forward")
     ap.add_argument("--load-format", default=None, help="dummy: random weights (a full-size preset on a GPU)")

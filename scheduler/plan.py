@@ -11,8 +11,8 @@ state slots and paged-KV blocks: a hit's snapshot into its slot, a snapshot take
 before), and checkpoints (row, position, snapshot slot): the DeltaNet prefill kernels also write the state the
 row has after `position` tokens into that slot, in the same launch.
 
-On the wire a plan is a list of integers (encode / decode, exact round trip; the engine sends it as one int64
-tensor): no pickling per step.
+On the wire a plan is a list of integers (encode / decode, exact round trip; the engine sends it with
+dist.parallel.broadcast_ints): no pickling per step.
     header   version, command, rows, host tokens, table entries, state copies, block copies, checkpoints
     columns  the rows' slots, start_pos, numbers of host tokens, want_logits, numbers of table entries
     then     the host tokens of every row, the table entries of every row, the state copies, the block copies,
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import chain
-
-import torch
 
 COMMANDS = ("step", "idle", "exit")
 VERSION = 3
@@ -83,8 +81,7 @@ class StepPlan:
         return out
 
     @classmethod
-    def decode(cls, packed: list[int] | torch.Tensor) -> "StepPlan":
-        v = packed.tolist() if isinstance(packed, torch.Tensor) else packed
+    def decode(cls, v: list[int]) -> "StepPlan":
         if len(v) < HEADER:
             raise ValueError(f"not a step plan ({len(v)} values)")
         version, command, rows, n_tok, n_tab, n_cs, n_cb, n_ck = v[:HEADER]
