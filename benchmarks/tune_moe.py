@@ -11,7 +11,10 @@ the one-kernel down+combine's, or null where down + combine in two kernels (with
 and the GEMV path's gate_up tile, or null where route + align + gate_up and the down step chosen above beat its
 gate_up + down_combine (where it wins, the bucket keeps the down_combine tile: the GEMV path always ends in it):
 that decides moe_fast's path for the bucket. Decode buckets are timed from a CUDA graph, as decode steps run (eager
-timing of a few-us kernel mostly measures the host's launch). The file keeps other GPUs' tables and other shapes' entries; this GPU's
+timing of a few-us kernel mostly measures the host's launch), with L2 emptied of the call's data before each call
+(cold_graph_ms): a decode step streams ~6 GB, so its MoE weights come from HBM, while a call timed over and over
+finds most of its 37 MB (one token's experts) still in L2 and rewards tiles that do not stream well.
+`--gemv-only` re-tunes just the GEMV path's two tiles (gate_up_gemv, down_combine) of the buckets that take it. The file keeps other GPUs' tables and other shapes' entries; this GPU's
 entries for the swept shapes are replaced. Triton caches compiled kernels, so a second run is mostly timing (a full
 sweep takes minutes).
 """
@@ -60,17 +63,17 @@ def gemv_candidates(op: str, quick: bool) -> list[dict]:
     if op == "front":
         grid = dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 64, 256], num_warps=[4, 8], num_stages=[3, 4])
     elif op == "gate_up_gemv":
-        grid = dict(BLOCK_N=[4, 8, 2, 16], BLOCK_K=[128, 64, 256], num_warps=[4, 8, 2], num_stages=[4, 3])
+        grid = dict(BLOCK_N=[4, 8, 2, 16, 1], BLOCK_K=[128, 64, 256], num_warps=[4, 8, 2], num_stages=[4, 3])
     else:
-        grid = dict(BLOCK_N=[8, 16, 4], BLOCK_K=[64, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
+        grid = dict(BLOCK_N=[8, 16, 4, 2], BLOCK_K=[64, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
     if quick:
         grid = {k: v[:2] for k, v in grid.items()}
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 
 def time_ms(fn, graph: bool = False) -> float:
-    """ms per call (from a CUDA graph if graph), inf when the tile does not fit (shared memory, registers) or fails
-    to compile: the eager call first compiles, so a failing tile never reaches a capture."""
+    """ms per call (from a CUDA graph with L2 cold if graph), inf when the tile does not fit (shared memory,
+    registers) or fails to compile: the eager call first compiles, so a failing tile never reaches a capture."""
     try:
         fn()
     except Exception as e:  # triton.runtime.errors.OutOfResources and compile errors of oversized tiles
@@ -78,8 +81,44 @@ def time_ms(fn, graph: bool = False) -> float:
             raise
         return float("inf")
     if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=10)
+        return cold_graph_ms(fn)
     return triton.testing.do_bench(fn, warmup=3, rep=10)
+
+
+_FLUSH: list[torch.Tensor] = []
+
+
+def _flush_l2() -> None:
+    """Read 128 MB (more than twice any L2 of ours) so that the next call finds none of its data in L2; a read, not
+    a write, so that L2 holds no dirty lines to write back during that call, as after a decode step's weight reads."""
+    if not _FLUSH:
+        _FLUSH.append(torch.ones(64 << 20, dtype=torch.bfloat16, device="cuda"))
+    _FLUSH[0].sum(dtype=torch.float32)
+
+
+def cold_graph_ms(fn, calls: int = 20, replays: int = 3) -> float:
+    """ms per call of fn with L2 cold: one CUDA graph of `calls` x (L2 flush, fn) against one of the flushes alone,
+    the best of `replays` replays each; the difference per call."""
+    def best(body) -> float:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                body()
+        graph.replay()
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return min(times)
+
+    def both():
+        _flush_l2()
+        fn()
+    return max(0.0, best(both) - best(_flush_l2)) / calls
 
 
 def best_tile(fn, T: int, quick: bool, candidates: list[dict] | None = None) -> tuple[float, dict]:
@@ -140,12 +179,31 @@ def tune_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, entry: dict, 
           f"down {t_layout * 1e3:8.1f} us", flush=True)
 
 
+def retune_gemv(layer: Layer, T: int, entry: dict, quick: bool, gen: torch.Generator) -> None:
+    """The GEMV path's gate_up_gemv and down_combine tiles of a bucket that takes it, the rest of its entry kept."""
+    x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    logits = F.linear(x, layer.router)
+    k, w = layer.top_k, layer.w
+    was = (time_ms(lambda: moe.gate_up_gemv_fast(x, logits, k, w, entry["gemv"]), graph=True), entry["gemv"])
+    t_up, gemv = best_tile(lambda tile: moe.gate_up_gemv_fast(x, logits, k, w, tile), T, quick,
+                           gemv_candidates("gate_up_gemv", quick))
+    g = moe.gate_up_gemv_fast(x, logits, k, w, gemv)
+    down = lambda tile: moe.down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, tile)  # noqa
+    was_dc = (time_ms(lambda: down(entry["down_combine"]), graph=True), entry["down_combine"])
+    t_dc, dc = best_tile(down, T, quick, gemv_candidates("down_combine", quick))
+    entry["gemv"], entry["down_combine"] = gemv, dc
+    print(f"  T={T:<5} gate_up_gemv {t_up * 1e3:6.1f} us {gemv} (was {was[0] * 1e3:.1f} us {was[1]})  "
+          f"down_combine {t_dc * 1e3:6.1f} us {dc} (was {was_dc[0] * 1e3:.1f} us {was_dc[1]})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES, help="token counts (powers of two)")
     ap.add_argument("--quick", action="store_true", help="a smaller tile grid")
     ap.add_argument("--out", default=moe.CONFIG_FILE)
+    ap.add_argument("--gemv-only", action="store_true",
+                    help="re-tune only the GEMV path's gate_up_gemv and down_combine tiles of the buckets that take it")
     args = ap.parse_args()
     cfg = model_config()
     device = torch.cuda.get_device_name()
@@ -160,6 +218,10 @@ def main() -> None:
         print(f"{device} TP={tp}: {key}, shared intermediate {layer.w.shared_down.shape[1]}", flush=True)
         entries = table.setdefault(device, {}).setdefault(key, {})
         for T in args.batches:
+            if args.gemv_only:
+                if (entries.get(str(T)) or {}).get("gemv"):
+                    retune_gemv(layer, T, entries[str(T)], args.quick, gen)
+                continue
             entries[str(T)] = tune_bucket(layer, T, args.quick, gen)
         del layer
         torch.cuda.empty_cache()

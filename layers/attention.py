@@ -29,7 +29,7 @@ from dist import parallel
 from layers import backend
 from layers.backend import round_to, tl, triton
 from layers.forward_batch import ForwardBatch
-from layers.linear import Linear, even_split, fuse_rows
+from layers.linear import Linear, even_split, fuse_rows, linear_fast, linear_torch
 from layers.norm import RMSNorm, rms_norm_torch
 from layers.rotary import RotaryEmbedding, rope_torch
 from layers.varlen import block_of, seq_tile
@@ -85,12 +85,13 @@ class GatedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         fast = backend.use_fast()
+        self._in_linear = linear_fast if fast else linear_torch
         self._norm_rope_cache = qk_norm_rope_cache_fast if fast else qk_norm_rope_cache_torch
         self._decode = paged_decode_attention_fast if fast else paged_decode_attention_torch
         self._prefill = paged_prefill_attention_fast if fast else paged_prefill_attention_torch
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self._in_linear(x, self.qkv_weight, self.qkv_bias)
         qw, kw = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         q = self._norm_rope_cache(qkv, batch.positions, batch.slot_mapping, qw, kw, self.rotary.cos, self.rotary.sin,
                                   self.k_cache, self.v_cache, self.eps, self.gated, self.plain_norm)

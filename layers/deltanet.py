@@ -30,7 +30,7 @@ from layers.backend import round_to, tl, triton
 from layers.deltanet_prefill import (CHUNK, L2_EPS, causal_conv1d_varlen_fast, chunk_delta_rule_varlen_fast,
                                      chunk_rule_torch, l2norm)
 from layers.forward_batch import ForwardBatch
-from layers.linear import Linear, even_split, fuse_rows, make_param
+from layers.linear import Linear, even_split, fuse_rows, linear_fast, linear_torch, make_param
 from layers.norm import GatedRMSNorm, gated_rms_norm_torch
 
 # Launch settings of decode_fast (module level so that the benchmark can sweep them; the signatures stay equal).
@@ -215,11 +215,12 @@ class GatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
         fast = backend.use_fast()
+        self._in_linear = linear_fast if fast else linear_torch
         self._decode_op = decode_fast if fast else decode_torch
         self._mixed = self.mixed_fast if fast else self.mixed_torch
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        proj = F.linear(x, self.in_proj)
+        proj = self._in_linear(x, self.in_proj)
         y = self.decode(proj, batch.state_slots) if batch.is_decode else self._mixed(proj, batch)
         return self.out_proj(y)
 

@@ -4,14 +4,17 @@ Every parameter carries `full_shape` (its shape in the checkpoint) and `shard` (
 list of (start, size) ranges of the full dim that this rank keeps, concatenated in order). The loader reads exactly
 those ranges through a lazy checkpoint slice, so a rank never touches bytes it does not own.
 
-    linear_torch  F.linear (cuBLAS on the GPU), the oracle, and what Linear runs with either kernel set
-    linear_fast   the same, except at decode batch sizes (M <= SKINNY_MAX_M rows): one Triton launch in which each
-                  program owns a slice of the output columns and a share of the reduction dimension (no float
-                  atomics). It pays where cuBLAS has no good tile for a narrow output: the MoE router's 257
-                  columns (moe.router_logits_fast). For the out projections cuBLAS is faster in CUDA graphs (1x
-                  H200, 2026-11-25, `python -m benchmarks.bench_linear --rows 1,8,16`: [M x 4096] @ [4096 x 2048]
-                  7.1-7.9 us against 8.6; the TP=8 shard [M x 512] @ [512 x 2048] 3.0 against 4.4), so Linear
-                  keeps F.linear.
+    linear_torch  F.linear (cuBLAS on the GPU), the oracle
+    linear_fast   the same, except at decode batch sizes (M <= GEMV_MAX_M rows, K <= GEMV_MAX_K): one Triton GEMV
+                  launch in which each program holds a few whole weight rows in registers (one load of BLOCK_N x K,
+                  fp32 products summed along K) and applies them to every input row. Many small programs keep the
+                  memory busy where cuBLAS's tiles do not: in CUDA graphs over weights that do not stay in L2 (as in
+                  a decode step, which streams ~6 GB), 1x H200, 2026-11-25, see benchmarks/bench_linear.py.
+                  Linear, the fused input projections and the dense MLPs run it with the fast kernel set.
+    skinny_gemm   the MoE router's GEMM from GEMV_MAX_M + 1 to SKINNY_MAX_M rows (moe.router_logits_fast): each
+                  program owns a slice of the output columns and a share of the reduction dimension (split K, no
+                  float atomics), tl.dot over the rows; it pays where cuBLAS has no good tile for a narrow output
+                  (the router's 257 columns).
 """
 from __future__ import annotations
 
@@ -22,11 +25,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist import parallel
+from layers import backend
 from layers.backend import tl, triton
 
-# linear_fast's threshold (rows of the input) and launch settings, from shapes only (a CUDA graph holds them); module
-# level so that the benchmark can sweep them. block_n: output columns per program (the weight rows it streams, whole
-# K each); block_k: the reduction step, loads pipelined `stages` deep.
+# linear_fast's GEMV: up to GEMV_MAX_M rows and GEMV_MAX_K features; a program holds BLOCK_N x next_pow2(K) <= tile
+# weight elements ("tile_1" at one row, "tile" at more; BLOCK_N a power of two, halved from the most that fits until
+# the grid has two programs per SM), with "warps" per program (times K / tile where one row is more than the tile).
+# From `python -m benchmarks.bench_linear --sweep` (1x H200, 2026-11-25, weights streamed from HBM, CUDA graphs): at
+# one row the GEMV beats cuBLAS on every projection (in 13.6 against 15.9 us, qkv 10.7 / 11.8, out 6.0 / 8.5, router
+# 2.2 / 3.1, LM head 227 / 245), at two on the DeltaNet input and the out projections (15.5 / 16.4, 7.2 / 8.8), at
+# four it loses the projections (21.9 / 16.3, 9.3 / 8.6: its per-row sums cost) but still wins the router's 257
+# columns (3.7 against cuBLAS 8.4 and the skinny kernel 4.3; moe.router_logits_fast asks for it there). Module level,
+# so that the benchmark can sweep them; from shapes only (a CUDA graph holds them).
+GEMV_MAX_M = 2
+GEMV_MAX_K = 16384
+GEMV_CONFIG = {"tile_1": 2048, "tile": 8192, "warps": 4}
+
+# skinny_gemm's threshold (rows of the input) and launch settings, likewise. block_n: output columns per program (the
+# weight rows it streams, whole K each); block_k: the reduction step, loads pipelined `stages` deep.
 SKINNY_MAX_M = 64  # rows: the tile over them is the next power of two, at least 16 (tl.dot's minimum)
 SKINNY_CONFIG = {"block_n": 16, "block_k": 256, "warps": 4, "stages": 4, "split": 0}
 # split: programs per column block, each summing a 1/split share of K (0: from the shape, see _split_k). With N /
@@ -78,8 +94,8 @@ class Linear(nn.Module):
     """y = x @ W^T (+ b), W a shard of the checkpoint's [out, in] weight: `rows` picks output rows (column parallel,
     the bias sliced the same way), `cols` picks input columns (row parallel; the caller all-reduces the partial sums,
     so every rank holds the whole bias and only rank 0 adds it). The layers call it for their out projections
-    (DeltaNet out_proj, attention o_proj) and the dense models for their projections; F.linear in both kernel sets
-    (see the module docstring)."""
+    (DeltaNet out_proj, attention o_proj) and the dense models for their projections; linear_fast with the fast
+    kernel set (the GEMV at decode sizes)."""
 
     def __init__(self, in_features: int, out_features: int, *, rows: Ranges = None, cols: Ranges = None,
                  bias: bool = False, dtype=None, device=None):
@@ -88,23 +104,61 @@ class Linear(nn.Module):
         self.bias = make_param((out_features,), [rows], dtype, device) if bias else None
         self.adds_bias = bias and (cols is None or parallel.tp_rank() == 0)
 
+        self._op = linear_fast if backend.use_fast() else linear_torch
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_torch(x, self.weight, self.bias if self.adds_bias else None)
+        return self._op(x, self.weight, self.bias if self.adds_bias else None)
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
-def linear_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype: the skinny kernel for 1..SKINNY_MAX_M rows
-    without a bias, F.linear otherwise (and for a weight whose rows are not contiguous)."""
+def linear_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                gemv_rows: int | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype: the GEMV kernel for 1..gemv_rows rows
+    (GEMV_MAX_M by default), F.linear otherwise (and for K > GEMV_MAX_K, a weight whose rows are not contiguous,
+    mixed dtypes)."""
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"linear: input has {x.shape[-1]} features, the weight {tuple(weight.shape)} expects {K}")
     M = x.numel() // K if K else 0
-    if not 0 < M <= SKINNY_MAX_M or weight.stride(1) != 1 or x.dtype != weight.dtype or bias is not None:
+    if not 0 < M <= (GEMV_MAX_M if gemv_rows is None else gemv_rows) or K > GEMV_MAX_K or weight.stride(1) != 1 or x.dtype != weight.dtype \
+            or (bias is not None and (bias.dtype != weight.dtype or bias.stride(0) != 1)):
         return F.linear(x, weight, bias)
+    x2 = x.reshape(M, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_k = triton.next_power_of_2(K)
+    tile = GEMV_CONFIG["tile_1" if M == 1 else "tile"]
+    block_n = gemv_block_n(N, block_k, tile, x.device)
+    warps = GEMV_CONFIG["warps"] * max(1, block_n * block_k // tile)  # (K > tile: one row a program, more warps)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](
+        x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+        num_warps=min(warps, 16))
+    return y.view(*x.shape[:-1], N)
+
+
+def gemv_block_n(N: int, block_k: int, tile: int, device: torch.device) -> int:
+    """Output columns per GEMV program: the most whose weights fit `tile` elements, halved while the grid has fewer
+    than two programs per SM (the router's 257 columns: one each)."""
+    block_n = triton.next_power_of_2(tile // block_k) if tile >= block_k else 1
+    while block_n > 1 and triton.cdiv(N, block_n) < 2 * _sm_count(device):
+        block_n //= 2
+    return block_n
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype: the skinny split-K kernel for 1..SKINNY_MAX_M rows,
+    F.linear otherwise (and for a weight whose rows are not contiguous)."""
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight {tuple(weight.shape)} expects {K}")
+    M = x.numel() // K if K else 0
+    if not 0 < M <= SKINNY_MAX_M or weight.stride(1) != 1 or x.dtype != weight.dtype:
+        return F.linear(x, weight)
     x2 = x.reshape(M, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -179,6 +233,28 @@ def fuse_rows(*linears: Linear, attr: str = "weight", pad_rows_to: int = 1) -> t
 
 
 if triton is not None:
+    @triton.jit(do_not_specialize=["M"])  # one compile per row tile, whatever the rows in it
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Columns [n0, n0 + BLOCK_N) of y = x @ w^T (+ b) for M <= BLOCK_M rows: the program loads its BLOCK_N weight
+        rows whole (K <= BLOCK_K) in one go, so all of its bytes are in flight at once, then for each row sums the
+        fp32 products along K and rounds once to y's dtype (the bias added in fp32 before, as cuBLAS's epilogue does).
+        No loop over K, no shared memory: a grid of many small programs streams the weight at the memory's rate."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        nm, km = n < N, k < K
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :],
+                    other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            # rows past M (the tile is a power of two) read and write nothing: their limits are <= 0
+            x = tl.load(x_ptr + m * sx + k, mask=k < tl.minimum(K, (M - m) * K), other=0.0).to(tl.float32)
+            y = tl.sum(w * x[None, :], 1)
+            if HAS_BIAS:
+                y += b
+            tl.store(y_ptr + m * sy + n, y.to(y_ptr.dtype.element_ty), mask=n < tl.minimum(N, (M - m) * N))
+
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,

@@ -6,7 +6,7 @@ gate_proj and up_proj read the same input, so their local shards live in one [2 
 mlp_bias) the biases are added in the GEMMs; down_proj's only on rank 0 (its partial sums are all-reduced).
 
     mlp_torch  GEMM, silu, mul, GEMM (the oracle)
-    mlp_fast   GEMM, one Triton kernel for silu(gate) * up, GEMM
+    mlp_fast   GEMM, one Triton kernel for silu(gate) * up, GEMM (the GEMMs: linear_fast, a GEMV at decode sizes)
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch import nn
 from dist import parallel
 from layers import backend
 from layers.backend import round_to, tl, triton
-from layers.linear import Linear, even_split, fuse_rows
+from layers.linear import Linear, even_split, fuse_rows, linear_fast
 
 
 def mlp_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
@@ -28,7 +28,7 @@ def mlp_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_u
 
 def mlp_fast(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
              down_bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(silu_mul_fast(F.linear(x, gate_up, gate_up_bias)), down, down_bias)
+    return linear_fast(silu_mul_fast(linear_fast(x, gate_up, gate_up_bias)), down, down_bias)
 
 
 def silu_mul_fast(h: torch.Tensor) -> torch.Tensor:

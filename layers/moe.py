@@ -33,7 +33,7 @@ grouped kernels stream each expert's weights once for all its tokens. At decode 
 are the cost (more so at TP=8, where a rank's expert bytes shrink 8x), so moe_decode_fast runs 3 on the GEMV path
 (up to GEMV_MAX_T tokens without a table; the tuned table says per bucket), else 5 (or 6):
 
-    router GEMM           logits [T, E + 1]: cuBLAS for one token, else the skinny kernel (router_logits_fast)
+    router GEMM           logits [T, E + 1]: the GEMV kernel, or the skinny one (router_logits_fast)
     _gate_up_gemv_kernel  (GEMV path) per (token, N tile): the token's routing (_route_kernel's code: the same bits;
                           every program routes, one stores it), then its local experts' gate|up rows as one tile and
                           the shared expert's, in one software-pipelined H loop -> act: shared row t, pair p at row
@@ -86,7 +86,7 @@ from torch import nn
 from dist import parallel
 from layers import backend
 from layers.backend import empty_aligned, round_to, tl, triton
-from layers.linear import SKINNY_MAX_M, Linear, even_split, fuse_rows, linear_fast, make_param
+from layers.linear import SKINNY_MAX_M, Linear, even_split, fuse_rows, linear_fast, make_param, skinny_gemm
 from layers.mlp import MLP, mlp_torch
 
 CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_configs.json")
@@ -119,6 +119,9 @@ def route_torch(logits: torch.Tensor, top_k: int):
 ROUTER_PAD_ROWS = 8      # cuBLAS runs N = E + 1 = 257 on an unaligned kernel, several times slower than N = 264
 
 
+ROUTER_GEMV_MAX_T = 4  # router_logits_fast: the GEMV kernel up to this many tokens
+
+
 def router_logits(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     """F.linear(x, router): logits [T, E + 1] (router | shared gate). Where the router is the leading rows of a
     buffer padded to a multiple of ROUTER_PAD_ROWS rows (SparseMoE's, from fuse_rows), the GEMM runs over the padded
@@ -134,12 +137,16 @@ def router_logits(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
 
 
 def router_logits_fast(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """router_logits for the decode kernels: the skinny GEMM (layers/linear.py) from 2 tokens up, where cuBLAS has
-    one poor tile for the 257-wide output (1x H200, 2026-11-25, CUDA graphs: 7.6-7.9 us at 8-16 tokens against
-    4.1-4.4); its one-token GEMV (2.6 us against 4.0) stays. The logits differ from cuBLAS's by the order of the fp32
-    sums only; a choice by T alone, so a padded graph batch takes the same path as the batch run eagerly."""
-    if 2 <= x.shape[0] <= SKINNY_MAX_M:
-        return linear_fast(x, router)
+    """router_logits for the decode kernels (layers/linear.py): the GEMV kernel up to ROUTER_GEMV_MAX_T tokens, the
+    skinny GEMM up to SKINNY_MAX_M, where cuBLAS has one poor tile for the 257-wide output (1x H200, 2026-11-25, CUDA
+    graphs, weights from HBM: 8.2-8.4 us at 4-8 tokens against GEMV 3.7 at 4 and skinny 4.3 at 8), cuBLAS above.
+    The logits differ from cuBLAS's by the order of the fp32 sums only; a choice by T alone, so a padded graph batch
+    takes the same path as the batch run eagerly."""
+    T = x.shape[0]
+    if T <= ROUTER_GEMV_MAX_T:
+        return linear_fast(x, router, gemv_rows=ROUTER_GEMV_MAX_T)
+    if T <= SKINNY_MAX_M:
+        return skinny_gemm(x, router)
     return router_logits(x, router)
 
 
