@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from layers import linear
 from qwen35.config import ModelConfig
+from qwen35.step_timing import graph_ms
 from qwen35.synth import PRESETS
 
 L2_SPAN = 256 << 20  # bytes of weight copies per shape
@@ -45,18 +46,7 @@ def us_per_call(fn, weights: list[torch.Tensor], x: torch.Tensor, reps: int = 10
     for w in weights[:2]:
         fn(x, w)  # compiles, cuBLAS heuristics
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(x, w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(weights))
+    return 1e3 * graph_ms(lambda: [fn(x, w) for w in weights], reps) / len(weights)
 
 
 def main():

@@ -31,6 +31,7 @@ import triton.testing
 
 from benchmarks.bench_moe import Layer, model_config
 from layers import moe
+from qwen35.step_timing import graph_ms
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 
@@ -96,29 +97,14 @@ def _flush_l2() -> None:
     _FLUSH[0].sum(dtype=torch.float32)
 
 
-def cold_graph_ms(fn, calls: int = 20, replays: int = 3) -> float:
-    """ms per call of fn with L2 cold: one CUDA graph of `calls` x (L2 flush, fn) against one of the flushes alone,
-    the best of `replays` replays each; the difference per call."""
-    def best(body) -> float:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                body()
-        graph.replay()
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return min(times)
-
+def cold_graph_ms(fn, calls: int = 20) -> float:
+    """ms per call of fn with L2 cold: one CUDA graph of `calls` x (L2 flush, fn) against one of the flushes alone;
+    the difference per call."""
     def both():
         _flush_l2()
         fn()
-    return max(0.0, best(both) - best(_flush_l2)) / calls
+    flushed = graph_ms(lambda: [both() for _ in range(calls)], replays=3)
+    return max(0.0, flushed - graph_ms(lambda: [_flush_l2() for _ in range(calls)], replays=3)) / calls
 
 
 def best_tile(fn, T: int, quick: bool, candidates: list[dict] | None = None) -> tuple[float, dict]:

@@ -98,6 +98,15 @@ def time_cuda(fn, steps: int) -> float:
     return start.elapsed_time(end) / steps
 
 
+def graph_ms(body, replays: int = 10) -> float:
+    """Mean ms per replay of one CUDA graph of body() (captured once, replayed once before timing)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    graph.replay()
+    return time_cuda(graph.replay, replays)
+
+
 def decode_row(runner, batch: int, ctx: int, rate: float, steps: int = 50) -> dict:
     plan = decode_plan(runner, batch, ctx)
     runner.execute(plan)  # warm-up (graph pick, lazy inits); sets the slots' block tables
