@@ -34,10 +34,11 @@ def top(prof, n: int, title: str) -> None:
 def gaps_per_step(prof, steps: int) -> None:
     """Kernel busy time against the span from a step's first kernel start to its last kernel's end (the steps are
     told apart by the host syncs between them: gaps over 200 us)."""
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
     kernels = sorted((float(e["ts"]), float(e["dur"])) for e in events if e.get("cat") == "kernel")
     groups, cur = [], []
     for k in kernels:

@@ -14,8 +14,8 @@ that decides moe_fast's path for the bucket. Decode buckets are timed from a CUD
 timing of a few-us kernel mostly measures the host's launch), with L2 emptied of the call's data before each call
 (cold_graph_ms): a decode step streams ~6 GB, so its MoE weights come from HBM, while a call timed over and over
 finds most of its 37 MB (one token's experts) still in L2 and rewards tiles that do not stream well.
-`--gemv-only` re-tunes just the GEMV path's two tiles (gate_up_gemv, down_combine) of the buckets that take it. The file keeps other GPUs' tables and other shapes' entries; this GPU's
-entries for the swept shapes are replaced. Triton caches compiled kernels, so a second run is mostly timing (a full
+`--gemv-only` re-tunes just the GEMV path's two tiles (gate_up_gemv, down_combine) of the buckets that take it. The
+file keeps other GPUs' tables and other shapes' entries; this GPU's entries for the swept shapes are replaced. Triton caches compiled kernels, so a second run is mostly timing (a full
 sweep takes minutes).
 """
 from __future__ import annotations
@@ -153,9 +153,7 @@ def tune_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, entry: dict, 
     t_layout = t_down + time_ms(lambda: moe.gate_up_fast(
         x, w, moe.align(moe.route_fast(logits, k)[0], w.start, num_local, entry["BLOCK_M"]), entry["gate_up"]),
         graph=True)
-    t_up, gemv = best_tile(lambda tile: moe.gate_up_gemv_fast(x, logits, k, w, tile), T, quick,
-                           gemv_candidates("gate_up_gemv", quick))
-    g = moe.gate_up_gemv_fast(x, logits, k, w, gemv)
+    t_up, gemv, g = best_gate_up_gemv(layer, x, logits, quick)
     t_gemv = t_up + time_ms(lambda: moe.down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, dc),
                             graph=True)
     entry["gemv"] = gemv if t_gemv < t_layout else None
@@ -165,15 +163,21 @@ def tune_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, entry: dict, 
           f"down {t_layout * 1e3:8.1f} us", flush=True)
 
 
+def best_gate_up_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, quick: bool):
+    """(ms, tile, outputs) of the GEMV path's gate_up at its best tile: the outputs are what down_combine reads."""
+    k, w = layer.top_k, layer.w
+    t, tile = best_tile(lambda cand: moe.gate_up_gemv_fast(x, logits, k, w, cand), x.shape[0], quick,
+                        gemv_candidates("gate_up_gemv", quick))
+    return t, tile, moe.gate_up_gemv_fast(x, logits, k, w, tile)
+
+
 def retune_gemv(layer: Layer, T: int, entry: dict, quick: bool, gen: torch.Generator) -> None:
     """The GEMV path's gate_up_gemv and down_combine tiles of a bucket that takes it, the rest of its entry kept."""
     x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     logits = F.linear(x, layer.router)
     k, w = layer.top_k, layer.w
     was = (time_ms(lambda: moe.gate_up_gemv_fast(x, logits, k, w, entry["gemv"]), graph=True), entry["gemv"])
-    t_up, gemv = best_tile(lambda tile: moe.gate_up_gemv_fast(x, logits, k, w, tile), T, quick,
-                           gemv_candidates("gate_up_gemv", quick))
-    g = moe.gate_up_gemv_fast(x, logits, k, w, gemv)
+    t_up, gemv, g = best_gate_up_gemv(layer, x, logits, quick)
     down = lambda tile: moe.down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, tile)  # noqa
     was_dc = (time_ms(lambda: down(entry["down_combine"]), graph=True), entry["down_combine"])
     t_dc, dc = best_tile(down, T, quick, gemv_candidates("down_combine", quick))

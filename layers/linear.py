@@ -103,7 +103,6 @@ class Linear(nn.Module):
         self.weight = make_param((out_features, in_features), [rows, cols], dtype, device)
         self.bias = make_param((out_features,), [rows], dtype, device) if bias else None
         self.adds_bias = bias and (cols is None or parallel.tp_rank() == 0)
-
         self._op = linear_fast if backend.use_fast() else linear_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,17 +118,12 @@ def linear_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype: the GEMV kernel for 1..gemv_rows rows
     (GEMV_MAX_M by default), F.linear otherwise (and for K > GEMV_MAX_K, a weight whose rows are not contiguous,
     mixed dtypes)."""
-    N, K = weight.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight {tuple(weight.shape)} expects {K}")
-    M = x.numel() // K if K else 0
-    if not 0 < M <= (GEMV_MAX_M if gemv_rows is None else gemv_rows) or K > GEMV_MAX_K or weight.stride(1) != 1 or x.dtype != weight.dtype \
+    M, N, K = _gemm_shape(x, weight)
+    max_rows = GEMV_MAX_M if gemv_rows is None else gemv_rows
+    if not 0 < M <= max_rows or K > GEMV_MAX_K or weight.stride(1) != 1 or x.dtype != weight.dtype \
             or (bias is not None and (bias.dtype != weight.dtype or bias.stride(0) != 1)):
         return F.linear(x, weight, bias)
-    x2 = x.reshape(M, K)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    x2, y = _rows_and_output(x, M, N, K)
     block_k = triton.next_power_of_2(K)
     tile = GEMV_CONFIG["tile_1" if M == 1 else "tile"]
     block_n = gemv_block_n(N, block_k, tile, x.device)
@@ -139,6 +133,22 @@ def linear_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         num_warps=min(warps, 16))
     return y.view(*x.shape[:-1], N)
+
+
+def _gemm_shape(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
+    """(M, N, K) of x [..., K] @ weight[N, K]^T (M: the rows of x); a clear error where the features differ."""
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight {tuple(weight.shape)} expects {K}")
+    return (x.numel() // K if K else 0), N, K
+
+
+def _rows_and_output(x: torch.Tensor, M: int, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as [M, K] rows with contiguous features (copied only where they are not), and an empty [M, N] output."""
+    x2 = x.reshape(M, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2, torch.empty(M, N, dtype=x.dtype, device=x.device)
 
 
 def gemv_block_n(N: int, block_k: int, tile: int, device: torch.device) -> int:
@@ -153,16 +163,10 @@ def gemv_block_n(N: int, block_k: int, tile: int, device: torch.device) -> int:
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype: the skinny split-K kernel for 1..SKINNY_MAX_M rows,
     F.linear otherwise (and for a weight whose rows are not contiguous)."""
-    N, K = weight.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight {tuple(weight.shape)} expects {K}")
-    M = x.numel() // K if K else 0
+    M, N, K = _gemm_shape(x, weight)
     if not 0 < M <= SKINNY_MAX_M or weight.stride(1) != 1 or x.dtype != weight.dtype:
         return F.linear(x, weight)
-    x2 = x.reshape(M, K)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    x2, y = _rows_and_output(x, M, N, K)
     cfg = SKINNY_CONFIG
     block_n = max(16, min(cfg["block_n"], triton.next_power_of_2(N)))
     block_k = max(16, min(cfg["block_k"], triton.next_power_of_2(K)))

@@ -117,9 +117,7 @@ def route_torch(logits: torch.Tensor, top_k: int):
 
 
 ROUTER_PAD_ROWS = 8      # cuBLAS runs N = E + 1 = 257 on an unaligned kernel, several times slower than N = 264
-
-
-ROUTER_GEMV_MAX_T = 4  # router_logits_fast: the GEMV kernel up to this many tokens
+ROUTER_GEMV_MAX_T = 4    # router_logits_fast: the GEMV kernel up to this many tokens
 
 
 def router_logits(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
