@@ -1,7 +1,7 @@
 """The decode GEMMs of layers/linear.py against F.linear (linear_torch): the GEMV kernel (linear_fast, every projection
 at up to GEMV_MAX_M rows) and the skinny split-K GEMM (skinny_gemm, the MoE router's up to SKINNY_MAX_M).
 
-CPU (fp32, Triton through the interpreter): the GEMV at M = 1..GEMV_MAX_M rows (a row tile with rows past M), N
+CPU (fp32, Triton through the interpreter): the GEMV at M = 1..4 rows (a row tile with rows past M), N
 that no column block divides, K not a power of two, a bias, 3-D and strided inputs; the skinny GEMM at M = 1..5,
 16, 17, 40 and 64 rows, partial output and reduction tiles, several K steps, split K: equal to F.linear within 1e-5
 relative to the output's scale (fp32, only the order of the sums differs); past their row limits, the bits of
