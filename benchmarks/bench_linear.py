@@ -2,13 +2,15 @@
 and the skinny split-K kernel (skinny_gemm) at the Qwen3.5-35B-A3B projections of one rank, bf16, for the rows of a
 decode step.
 
-    python -m benchmarks.bench_linear [--tp 1] [--rows 1,2,4,8] [--sweep] [--out F.json]
+    python -m benchmarks.bench_linear [--tp 1] [--rows 1,2,4,8] [--sweep] [--norm] [--out F.json]
 
 Shapes: the DeltaNet and attention input projections (fused), the out projections, the router, the LM head's slice.
 Each shape is timed over enough copies of its weight (at least 256 MB, one call per copy in one CUDA graph) that
 they do not stay in L2, as in a decode step, which streams ~6 GB: a single weight timed over and over sits in L2
 (50 MB) and flatters whichever kernel reads it. Prints microseconds per call and the weight-read rate (TB/s); --sweep
-times GEMV_CONFIG's tile and warps per shape at each row count and prints the best three.
+times GEMV_CONFIG's tile and warps per shape at each row count and prints the best three. --norm times, for the
+shapes that read a layer norm (the mixers' input projections, the router) at up to GEMV_MAX_M rows, the norm kernel
+then the GEMV against the GEMV that computes the norm itself (a PendingNorm, layers/norm.py RMSNorm.boundary).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from layers import linear
+from layers import backend, linear
 from qwen35.config import ModelConfig
 from qwen35.step_timing import graph_ms
 from qwen35.synth import PRESETS
@@ -49,11 +51,41 @@ def us_per_call(fn, weights: list[torch.Tensor], x: torch.Tensor, reps: int = 10
     return 1e3 * graph_ms(lambda: [fn(x, w) for w in weights], reps) / len(weights)
 
 
+def norm_then_gemv(weights: list[torch.Tensor], M: int, K: int, sweep: bool) -> dict:
+    """Microseconds per (residual add + norm + GEMV) of M rows: the norm kernel then the GEMV, and the GEMV that
+    computes the norm itself (the norm's inputs made anew per call, as a layer boundary does); with `sweep`, the
+    norm kernel's warps (NORM_CONFIG) for the first and the GEMV's tile and warps for the second."""
+    from layers import norm as norm_mod
+
+    with backend.use_kernels("fast"):
+        norm = norm_mod.RMSNorm(K, 1e-6, dtype=torch.bfloat16, device="cuda")
+    x, res = (torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    gemv_rows = max(M, linear.GEMV_MAX_M)
+    separate = lambda x, w: linear.linear_fast(norm(x, res)[0], w, gemv_rows=gemv_rows)  # noqa: E731
+    folded = lambda x, w: linear.linear_fast(norm.boundary(x, res)[0], w, gemv_rows=gemv_rows)  # noqa: E731
+    out = {"norm_then_gemv_us": us_per_call(separate, weights, x), "folded_us": us_per_call(folded, weights, x)}
+    if sweep:
+        saved_norm, saved_gemv = dict(norm_mod.NORM_CONFIG), dict(linear.GEMV_CONFIG)
+        for warps in (1, 2, 4, 8):
+            norm_mod.NORM_CONFIG.update(max_warps=warps, per_warp=1)
+            out[f"norm_warps_{warps}"] = us_per_call(separate, weights, x)
+        norm_mod.NORM_CONFIG.update(saved_norm)
+        for tile, warps in itertools.product((2048, 4096, 8192, 16384, 32768), (4, 8, 16)):
+            linear.GEMV_CONFIG.update(tile_1=tile, tile=tile, warps=warps)
+            try:
+                out[f"folded_tile_{tile}_warps_{warps}"] = us_per_call(folded, weights, x)
+            except Exception as e:  # out of registers and the like
+                print(f"    {(tile, warps)}: {type(e).__name__}")
+        linear.GEMV_CONFIG.update(saved_gemv)
+    return {k: round(v, 2) for k, v in out.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--norm", action="store_true", help="also the norm kernel + GEMV against the folded norm")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
@@ -78,7 +110,7 @@ def main():
                   f"{rate(t_gemv):>6.2f}{t_skinny:>11.1f}{rate(t_skinny):>6.2f}", flush=True)
             rec = {"shape": name, "N": N, "K": K, "rows": M, "cublas_us": round(t_cublas, 2),
                    "gemv_us": round(t_gemv, 2), "skinny_us": None if t_skinny != t_skinny else round(t_skinny, 2)}
-            if args.sweep and name != "lm_head":
+            if args.sweep and not args.norm and name != "lm_head":
                 results = []
                 for tile, warps in itertools.product((2048, 4096, 8192, 16384), (1, 2, 4, 8)):
                     linear.GEMV_CONFIG.update(tile_1=tile, tile=tile, warps=warps)
@@ -91,6 +123,14 @@ def main():
                 rec["sweep_best"] = [(round(t, 2), cfg) for t, cfg in results[:3]]
                 print("    best (tile, warps): " + ", ".join(f"{t:.1f} us {cfg}" for t, cfg in results[:3]),
                       flush=True)
+            if args.norm and name in ("gdn_in", "attn_qkv", "router") and M <= linear.GEMV_MAX_M:
+                t = norm_then_gemv(weights, M, K, args.sweep)
+                rec.update(t)
+                print(f"    norm + GEMV {t.pop('norm_then_gemv_us'):.1f} us, GEMV with the norm folded in "
+                      f"{t.pop('folded_us'):.1f} us", flush=True)
+                if t:
+                    print("    " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(t.items(), key=lambda kv: kv[1])[:8]),
+                          flush=True)
             records.append(rec)
         del weights
     if args.out:

@@ -126,5 +126,29 @@ if triton is not None:
             return x
         else:
             return x.to(DTYPE).to(tl.float32)
+
+    @triton.jit
+    def rms_norm_row(s, res_ptr, res_out_ptr, w_ptr, out_ptr, cols, mask, store, n, eps,
+                     HAS_RESIDUAL: tl.constexpr, PLAIN: tl.constexpr):
+        """One row of the layer norm (layers/norm.py), shared by the norm kernel and the GEMV that folds it in
+        (layers/linear.py), so that both give the same bits: s (the row of x, loaded) + the residual row, rounded to
+        the model dtype once (stored at res_out_ptr where `store`); then s / rms(s) * (1 + w), or with PLAIN
+        round(s / rms(s)) * w (the oracle's two roundings), rounded to out's dtype, stored at out_ptr where `store`
+        and returned."""
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # first: in flight with the others
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + cols, mask=mask, other=0.0)
+            s = round_to(s.to(tl.float32) + r.to(tl.float32), r.dtype)  # the reference's add, rounded once
+            tl.store(res_out_ptr + cols, s.to(r.dtype), mask=store)
+        s = s.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(s * s, 0) / n + eps)
+        dt = out_ptr.dtype.element_ty
+        if PLAIN:
+            y = round_to(s * inv, dt) * w
+        else:
+            y = s * inv * (1.0 + w)
+        y = y.to(dt)
+        tl.store(out_ptr + cols, y, mask=store)
+        return y
 else:  # pragma: no cover
-    round_to = None
+    round_to = rms_norm_row = None

@@ -410,6 +410,10 @@ if triton is not None:
         slot = tl.load(slots_ptr + b).to(tl.int64)
         prow = proj_ptr + b * sp_b
         tail = conv_ptr + slot * sc_slot
+        # the state slab first: its bytes (from HBM) are in flight while the conv step and the gates are computed
+        ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
+        smask = km[:, None] & vm[None, :]
+        S = tl.load(ptrs, mask=smask, other=0.0)
         q = _conv_silu(prow, tail, conv_w_ptr, hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
         k = _conv_silu(prow, tail, conv_w_ptr, k_off + hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
         v = _conv_silu(prow, tail, conv_w_ptr, v_off + h * DV + vv, vm, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
@@ -420,9 +424,7 @@ if triton is not None:
         decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
         b_raw = tl.load(prow + b_off + h)
         beta = round_to(tl.sigmoid(b_raw.to(tl.float32)), b_raw.dtype)
-        ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
-        smask = km[:, None] & vm[None, :]
-        S = tl.load(ptrs, mask=smask, other=0.0) * decay
+        S = S * decay
         delta = (v - tl.sum(S * k[:, None], 0)) * beta
         S = S + k[:, None] * delta[None, :]
         tl.store(ptrs, S, mask=smask)

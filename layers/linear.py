@@ -10,7 +10,11 @@ those ranges through a lazy checkpoint slice, so a rank never touches bytes it d
                   fp32 products summed along K) and applies them to every input row. Many small programs keep the
                   memory busy where cuBLAS's tiles do not: in CUDA graphs over weights that do not stay in L2 (as in
                   a decode step, which streams ~6 GB), 1x H200, 2026-11-25, see benchmarks/bench_linear.py.
-                  Linear, the fused input projections and the dense MLPs run it with the fast kernel set.
+                  Linear, the fused input projections and the dense MLPs run it with the fast kernel set. Its input
+                  may be a PendingNorm (a layer norm not yet computed, RMSNorm.boundary): the GEMV then computes the
+                  norm itself, in every program, before its sums (backend.rms_norm_row), and saves the norm's own
+                  launch (at one row always, with wider programs; at two only into small grids: the router); any
+                  other path computes the norm first.
     skinny_gemm   the MoE router's GEMM from GEMV_MAX_M + 1 to SKINNY_MAX_M rows (moe.router_logits_fast): each
                   program owns a slice of the output columns and a share of the reduction dimension (split K, no
                   float atomics), tl.dot over the rows; it pays where cuBLAS has no good tile for a narrow output
@@ -19,6 +23,8 @@ those ranges through a lazy checkpoint slice, so a rank never touches bytes it d
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +32,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import tl, triton
+from layers.backend import rms_norm_row, tl, triton
 
 # linear_fast's GEMV: up to GEMV_MAX_M rows and GEMV_MAX_K features; a program holds BLOCK_N x next_pow2(K) <= tile
 # weight elements ("tile_1" at one row, "tile" at more; BLOCK_N a power of two, halved from the most that fits until
@@ -39,7 +45,15 @@ from layers.backend import tl, triton
 # so that the benchmark can sweep them; from shapes only (a CUDA graph holds them).
 GEMV_MAX_M = 2
 GEMV_MAX_K = 16384
-GEMV_CONFIG = {"tile_1": 2048, "tile": 8192, "warps": 4}
+GEMV_CONFIG = {"tile_1": 2048, "tile": 8192, "warps": 4, "norm_tile_1": 16384, "norm_warps_1": 8}
+# A PendingNorm input costs every program the norm of its rows before its sums, and saves the norm's own launch
+# (~2 us in a decode step's graph): `python -m benchmarks.bench_linear --rows 1,2 --norm --sweep` (1x H200,
+# 2026-11-26, L2-cold weights): at one row, with wider programs (norm_tile_1, norm_warps_1: fewer prologues) the
+# folded norm wins on every projection that reads one (norm kernel + GEMV against folded: DeltaNet input 15.2 /
+# 14.5 us, attention qkv 12.7 / 11.4, router 3.9 / 2.5); at two rows only where the grid is small (router 4.2 /
+# 3.5; DeltaNet input 17.3 / 22.5), so there it is folded only into grids of at most FOLD_MAX_PROGRAMS_PER_SM
+# programs per SM.
+FOLD_MAX_PROGRAMS_PER_SM = 2
 
 # skinny_gemm's threshold (rows of the input) and launch settings, likewise. block_n: output columns per program (the
 # weight rows it streams, whole K each); block_k: the reduction step, loads pipelined `stages` deep.
@@ -109,29 +123,86 @@ class Linear(nn.Module):
         return self._op(x, self.weight, self.bias if self.adds_bias else None)
 
 
+@dataclass(eq=False)
+class PendingNorm:
+    """A layer norm of a few rows not computed yet (RMSNorm.defer): norm(x + residual) (residual None: norm(x)),
+    into `out`, and the sum x + residual into `residual_out`. The GEMV that reads it first (linear_fast) computes
+    the norm in each program's prologue and its first program stores both, so the norm costs no launch of its own;
+    any other reader calls tensor(), which runs `compute` (the norm kernel) once. Either way both outputs hold
+    their values once the first reader has run, on the stream, before anything after it reads them."""
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    plain: bool
+    out: torch.Tensor
+    residual_out: torch.Tensor | None
+    compute: Callable[["PendingNorm"], None]
+    done: bool = False
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.out.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.out.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.out.dtype
+
+    def tensor(self) -> torch.Tensor:
+        if not self.done:
+            self.compute(self)
+            self.done = True
+        return self.out
+
+
+def computed(x: torch.Tensor | PendingNorm) -> torch.Tensor:
+    """x itself, or the rows of a PendingNorm (computed now if no GEMV has yet)."""
+    return x.tensor() if isinstance(x, PendingNorm) else x
+
+
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
-def linear_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 gemv_rows: int | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype: the GEMV kernel for 1..gemv_rows rows
     (GEMV_MAX_M by default), F.linear otherwise (and for K > GEMV_MAX_K, a weight whose rows are not contiguous,
-    mixed dtypes)."""
+    mixed dtypes). A PendingNorm not yet computed is computed inside the GEMV (see the module's docstring)."""
+    norm = x if isinstance(x, PendingNorm) and not x.done else None
+    x = norm.x if norm is not None else computed(x)
     M, N, K = _gemm_shape(x, weight)
     max_rows = GEMV_MAX_M if gemv_rows is None else gemv_rows
     if not 0 < M <= max_rows or K > GEMV_MAX_K or weight.stride(1) != 1 or x.dtype != weight.dtype \
             or (bias is not None and (bias.dtype != weight.dtype or bias.stride(0) != 1)):
-        return F.linear(x, weight, bias)
-    x2, y = _rows_and_output(x, M, N, K)
+        return F.linear(x if norm is None else norm.tensor(), weight, bias)
     block_k = triton.next_power_of_2(K)
-    tile = GEMV_CONFIG["tile_1" if M == 1 else "tile"]
+    if norm is not None and M == 1:
+        tile, warps = GEMV_CONFIG["norm_tile_1"], GEMV_CONFIG["norm_warps_1"]
+    else:
+        tile, warps = GEMV_CONFIG["tile_1" if M == 1 else "tile"], GEMV_CONFIG["warps"]
     block_n = gemv_block_n(N, block_k, tile, x.device)
-    warps = GEMV_CONFIG["warps"] * max(1, block_n * block_k // tile)  # (K > tile: one row a program, more warps)
+    warps *= max(1, block_n * block_k // tile)  # (K > tile: one row a program, more warps)
+    if norm is not None and M > 1 and triton.cdiv(N, block_n) > FOLD_MAX_PROGRAMS_PER_SM * _sm_count(x.device):
+        x, norm = norm.tensor(), None  # too many programs to each pay the norm: the norm kernel, then the GEMV
+    x2, y = _rows_and_output(x, M, N, K)
+    if norm is None:
+        r, r_out, nw, h, sr, eps = x2, x2, weight, x2, 0, 0.0  # placeholders, never touched without NORM
+    else:
+        r = x2 if norm.residual is None else norm.residual.reshape(M, K)
+        r_out = x2 if norm.residual_out is None else norm.residual_out
+        nw, h, sr, eps = norm.weight, norm.out, r.stride(0), norm.eps
     _gemv_kernel[(triton.cdiv(N, block_n),)](
-        x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        num_warps=min(warps, 16))
+        x2, weight, weight if bias is None else bias, y, r, r_out, nw, h, M, N, K, x2.stride(0), weight.stride(0),
+        y.stride(0), sr, eps, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        PLAIN=norm is not None and norm.plain, num_warps=min(warps, 16))
+    if norm is not None:
+        norm.done = True
     return y.view(*x.shape[:-1], N)
 
 
@@ -238,13 +309,18 @@ def fuse_rows(*linears: Linear, attr: str = "weight", pad_rows_to: int = 1) -> t
 
 if triton is not None:
     @triton.jit(do_not_specialize=["M"])  # one compile per row tile, whatever the rows in it
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, h_ptr, M, N, K, sx, sw, sy, sr, eps,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PLAIN: tl.constexpr):
         """Columns [n0, n0 + BLOCK_N) of y = x @ w^T (+ b) for M <= BLOCK_M rows: the program loads its BLOCK_N weight
         rows whole (K <= BLOCK_K) in one go, so all of its bytes are in flight at once, then for each row sums the
         fp32 products along K and rounds once to y's dtype (the bias added in fp32 before, as cuBLAS's epilogue does).
-        No loop over K, no shared memory: a grid of many small programs streams the weight at the memory's rate."""
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        No loop over K, no shared memory: a grid of many small programs streams the weight at the memory's rate.
+        With NORM the rows are a layer norm's inputs: each program computes the norm of every row (rms_norm_row:
+        the residual r added, the norm weight nw) and uses it as x; program 0 stores the sums (ro) and the normed
+        rows (h). The weight loads are issued first: the norm's arithmetic runs while they are in flight."""
+        pid = tl.program_id(0)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
         nm, km = n < N, k < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :],
@@ -253,8 +329,13 @@ if triton is not None:
             b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             # rows past M (the tile is a power of two) read and write nothing: their limits are <= 0
-            x = tl.load(x_ptr + m * sx + k, mask=k < tl.minimum(K, (M - m) * K), other=0.0).to(tl.float32)
-            y = tl.sum(w * x[None, :], 1)
+            limit = tl.minimum(K, (M - m) * K)
+            xm = k < limit
+            x = tl.load(x_ptr + m * sx + k, mask=xm, other=0.0)
+            if NORM:  # (program 0 stores: its limit is the row's)
+                x = rms_norm_row(x, r_ptr + m * sr, ro_ptr + m * K, nw_ptr, h_ptr + m * K, k, xm,
+                                 k < tl.where(pid == 0, limit, 0), K, eps, HAS_RESIDUAL, PLAIN)
+            y = tl.sum(w * x.to(tl.float32)[None, :], 1)
             if HAS_BIAS:
                 y += b
             tl.store(y_ptr + m * sy + n, y.to(y_ptr.dtype.element_ty), mask=n < tl.minimum(N, (M - m) * N))

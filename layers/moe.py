@@ -86,7 +86,8 @@ from torch import nn
 from dist import parallel
 from layers import backend
 from layers.backend import empty_aligned, round_to, tl, triton
-from layers.linear import SKINNY_MAX_M, Linear, even_split, fuse_rows, linear_fast, make_param, skinny_gemm
+from layers.linear import (SKINNY_MAX_M, Linear, computed, even_split, fuse_rows, linear_fast, make_param,
+                           skinny_gemm)
 from layers.mlp import MLP, mlp_torch
 
 CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_configs.json")
@@ -142,7 +143,8 @@ def router_logits_fast(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     takes the same path as the batch run eagerly."""
     T = x.shape[0]
     if T <= ROUTER_GEMV_MAX_T:
-        return linear_fast(x, router, gemv_rows=ROUTER_GEMV_MAX_T)
+        return linear_fast(x, router, gemv_rows=ROUTER_GEMV_MAX_T)  # (computes a PendingNorm x in its prologue)
+    x = computed(x)
     if T <= SKINNY_MAX_M:
         return skinny_gemm(x, router)
     return router_logits(x, router)
@@ -586,6 +588,7 @@ def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights
     experts_fast (the chunked layout and the grouped kernels)."""
     if x.shape[0] <= FRONT_MAX_T:
         return moe_decode_fast(x, router, top_k, w)
+    x = computed(x)
     return experts_fast(x, *route_fast(router_logits(x, router), top_k), w)
 
 
@@ -597,13 +600,14 @@ def moe_decode_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: Expert
     route_fast and align; then experts_on_layout, down + combine as down_combine forces or the config says
     (benchmarks/bench_moe.py times every choice)."""
     if x.shape[0] == 0:
-        return torch.empty_like(x)
-    x = x.contiguous()
+        return torch.empty_like(computed(x))
     num_local = w.gate_up.shape[0]
     cfg = _block_config(x, w)
     if cfg["gemv"] is not None if gemv is None else gemv:
-        g = gate_up_gemv_fast(x, router_logits_fast(x, router), top_k, w, cfg["gemv"])
+        logits = router_logits_fast(x, router)  # first: its GEMV computes a PendingNorm x, which gate_up reads
+        g = gate_up_gemv_fast(computed(x).contiguous(), logits, top_k, w, cfg["gemv"])
         return down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, cfg["down_combine"])
+    x = computed(x).contiguous()
     if (USE_FRONT if front is None else front):
         f = front_fast(x, router, top_k, w.start, num_local, cfg["BLOCK_M"], cfg["front"])
         return experts_on_layout(x, w, f.layout, f.ids, f.weights, f.shared_gate, cfg, down_combine)

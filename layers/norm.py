@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist import allreduce, parallel
-from layers import backend
-from layers.backend import round_to, tl, triton
-from layers.linear import make_param
+from layers import backend, linear
+from layers.backend import rms_norm_row, round_to, tl, triton
+from layers.linear import PendingNorm, make_param
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, plain: bool = False) -> torch.Tensor:
@@ -71,22 +71,30 @@ def add_rms_norm_fast(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     return _launch(x, residual, weight, eps, plain)
 
 
-def _launch(x, residual, weight, eps, plain):
+# The norm kernel's warps per row: one per `per_warp` elements, at most `max_warps` (benchmarks/bench_linear.py --norm
+# --sweep times the choices; module level, so that it can).
+NORM_CONFIG = {"per_warp": 256, "max_warps": 8}
+
+
+def _launch(x, residual, weight, eps, plain, out=None, res_out=None):
+    """The norm kernel into out and res_out (new tensors where None; given ones are contiguous, x's shape)."""
     shape, n = x.shape, x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    res_in = res_out = out  # placeholders, never touched when HAS_RESIDUAL is False
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if out is None else out.view(x2.shape)
+    res_in = out  # placeholders, never touched when HAS_RESIDUAL is False
     if residual is not None:
         res_in = residual.reshape(-1, n)
-        res_out = torch.empty_like(out)
+        res_out = torch.empty_like(out) if res_out is None else res_out.view(x2.shape)
+    else:
+        res_out = out
     rows = x2.shape[0]
     if rows:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](x2, res_in, res_out, weight, out, n, x2.stride(0), res_in.stride(0), eps,
                                   HAS_RESIDUAL=residual is not None, PLAIN=plain, BLOCK=block,
-                                  num_warps=max(1, min(8, block // 256)))
+                                  num_warps=max(1, min(NORM_CONFIG["max_warps"], block // NORM_CONFIG["per_warp"])))
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
 
@@ -95,24 +103,13 @@ if triton is not None:
     def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, n, sx, sr, eps,
                          HAS_RESIDUAL: tl.constexpr, PLAIN: tl.constexpr, BLOCK: tl.constexpr):
         """One row: s = x (+ residual, rounded to the model dtype, stored); out = s / rms(s) * (1 + w), or with
-        PLAIN round(s / rms(s)) * w rounded (the oracle's two roundings in the model dtype)."""
+        PLAIN round(s / rms(s)) * w rounded (the oracle's two roundings in the model dtype): backend.rms_norm_row."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         s = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * sr + cols, mask=mask, other=0.0)
-            s = round_to(s.to(tl.float32) + r.to(tl.float32), r.dtype)  # the reference's add, rounded once
-            tl.store(res_out_ptr + row * n + cols, s.to(r.dtype), mask=mask)
-        s = s.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(s * s, 0) / n + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        dt = out_ptr.dtype.element_ty
-        if PLAIN:
-            y = round_to(s * inv, dt) * w
-        else:
-            y = s * inv * (1.0 + w)
-        tl.store(out_ptr + row * n + cols, y.to(dt), mask=mask)
+        rms_norm_row(s, res_ptr + row * sr, res_out_ptr + row * n, w_ptr, out_ptr + row * n, cols, mask, mask, n, eps,
+                     HAS_RESIDUAL, PLAIN)
 
     @triton.jit
     def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, H, D, sx_r, sx_h, sz_r, sz_h, eps,
@@ -132,11 +129,21 @@ if triton is not None:
                  mask=mask)
 
 
+# RMSNorm.boundary leaves a layer norm of a few rows to the GEMV that reads it (layers/linear.py, PendingNorm) with
+# the fast kernels at one rank: one launch less per layer boundary. Module level, so that a benchmark can compare.
+FOLD_INTO_GEMV = True
+
+
+def _compute_pending(p: PendingNorm) -> None:
+    _launch(p.x, p.residual, p.weight, p.eps, p.plain, p.out, p.residual_out)
+
+
 class RMSNorm(nn.Module):
     """Zero-centred: y = x / rms(x) * (1 + w); or with plain=True (LLaMA-likes) y = x / rms(x) * w. Used for layer
     norms, the final norm and q/k norms.
 
-    forward(x) -> y;  forward(x, residual) -> (norm(x + residual), x + residual)."""
+    forward(x) -> y;  forward(x, residual) -> (norm(x + residual), x + residual);
+    all_reduce_add(x, residual) and boundary(x, residual): the same at a layer boundary under TP."""
 
     def __init__(self, dim: int, eps: float, dtype=None, device=None, plain: bool = False):
         super().__init__()
@@ -148,6 +155,7 @@ class RMSNorm(nn.Module):
         self._norm = rms_norm_fast if fast else rms_norm_torch
         self._add_norm = add_rms_norm_fast if fast else add_rms_norm_torch
         self._reduce_add_norm = all_reduce_add_rms_norm_fast if fast else all_reduce_add_rms_norm_torch
+        self._fast = fast
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
@@ -158,6 +166,20 @@ class RMSNorm(nn.Module):
         """A layer boundary: x holds this rank's partial sums (row-parallel projections, local experts);
         returns (norm(sum_ranks(x) + residual), sum_ranks(x) + residual)."""
         return self._reduce_add_norm(x, residual, self.weight, self.eps, self.plain)
+
+    def boundary(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """all_reduce_add(x, residual), or (self(x), x) for the first layer's input (residual None: the embeddings,
+        whole on every rank); where the sublayer's first GEMV can compute the norm itself (FOLD_INTO_GEMV, the fast
+        kernels at one rank, at most GEMV_MAX_M rows) the normed rows are a PendingNorm, its sum allocated and
+        written by that GEMV. Every reader of a PendingNorm goes through linear_fast or linear.computed()."""
+        rows = x.numel() // x.shape[-1]
+        if not (FOLD_INTO_GEMV and self._fast and parallel.tp_size() == 1 and 0 < rows <= linear.GEMV_MAX_M
+                and x.dtype == self.weight.dtype and x.is_contiguous()):
+            return (self(x), x) if residual is None else self.all_reduce_add(x, residual)
+        out = torch.empty_like(x)
+        res_out = None if residual is None else torch.empty_like(x)
+        pending = PendingNorm(x, residual, self.weight, self.eps, self.plain, out, res_out, _compute_pending)
+        return pending, (x if residual is None else res_out)
 
 
 class GatedRMSNorm(nn.Module):

@@ -46,13 +46,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
         """x: the previous layer's feed-forward output, this rank's partial sums (the embeddings, already whole, for
         the first layer, residual None); returns this layer's feed-forward partial sums and the residual stream
-        before them. Each all-reduce and residual add is fused into the norm that follows it."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.all_reduce_add(x, residual)
+        before them. Each all-reduce and residual add is fused into the norm that follows it, and at decode sizes
+        that norm into the GEMV that reads it (RMSNorm.boundary: the mixer's input projection, the router)."""
+        h, residual = self.input_layernorm.boundary(x, residual)
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        h, residual = self.post_attention_layernorm.all_reduce_add(mixer(h, batch), residual)
+        h, residual = self.post_attention_layernorm.boundary(mixer(h, batch), residual)
         return self.mlp(h), residual
 
 

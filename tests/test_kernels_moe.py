@@ -382,6 +382,31 @@ def test_gate_up_gemv_ties_go_to_lowest_id():
     assert torch.equal(fast.inverse, moe.gate_up_gemv_torch(x, logits, k, w).inverse)
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_moe_fast_reads_a_pending_norm(T, monkeypatch):
+    """At decode sizes the block's input is a layer norm not yet computed (RMSNorm.boundary): the router GEMV
+    computes it, gate_up reads the rows it stored, and no norm kernel runs; the same bits as the block on the norm
+    computed first. (The router's 9 programs here are more than 2 per SM of the 4 the CPU counts: the limit is
+    raised so that 2 tokens fold too, as the real router's 257 programs on 132 SMs do.)"""
+    from layers import linear
+    from layers.norm import RMSNorm
+
+    monkeypatch.setattr(linear, "FOLD_MAX_PROGRAMS_PER_SM", 4)
+
+    gen = torch.Generator().manual_seed(T)
+    w = make_weights(8, 32, 16, 8, 0, gen)
+    x, res = torch.randn(T, 32, generator=gen), torch.randn(T, 32, generator=gen)
+    router = torch.randn(9, 32, generator=gen) * 0.3
+    with backend.use_kernels("fast"):
+        norm = RMSNorm(32, 1e-6)
+    norm.weight.data.copy_(torch.randn(32, generator=gen) * 0.2)
+    h, total = norm(x, res)
+    pending, pending_total = norm.boundary(x, res)
+    pending.compute = lambda p: pytest.fail("the norm kernel ran: the router GEMV should have computed it")
+    assert torch.equal(moe.moe_fast(pending, router, 2, w), moe.moe_fast(h, router, 2, w))
+    assert torch.equal(pending.out, h) and torch.equal(pending_total, total)
+
+
 def test_moe_fast_takes_gemv_up_to_threshold(monkeypatch):
     """Without a tuned table, moe_fast takes the GEMV path exactly up to GEMV_MAX_T tokens; both sides match
     moe_torch."""
