@@ -382,8 +382,9 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens
 
 def paged_decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate) -> torch.Tensor:
     """Flash-decoding: each (sequence, KV head) context is cut into `decode_splits(...)` parts (a value that depends
-    only on shapes), each part one program; a combine kernel merges the parts and applies the gate (if any). With
-    one split the attention kernel applies the gate itself and there is no combine."""
+    only on shapes), each part one program; the last program of a (sequence, KV head) to finish merges the parts of
+    its query heads and applies the gate (if any), in the same launch. With one split each program applies the gate
+    itself."""
     splits = decode_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device)
     return paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale, gate, splits)
 
@@ -423,17 +424,13 @@ def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: 
     if not has_gate:
         gate = q  # a placeholder, never read
     assert q.stride(2) == 1 and gate.stride(2) == 1
+    counters = backend.arrival_counters(B * n_kv, q.device) if splits > 1 else out  # (placeholder: never read)
     _decode_split_kernel[(B, n_kv, splits)](
-        q, kc, vc, block_tables, context_lens, gate, out, lse, part, scale, splits,
+        q, kc, vc, block_tables, context_lens, gate, out, lse, part, counters, scale, splits,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0), gate.stride(0), gate.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        TILE=tile, MIN_TILES=min_tiles, ONE_SPLIT=splits == 1, HAS_GATE=has_gate,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
-    if splits > 1:
-        _decode_combine_kernel[(B, H)](
-            lse, part, context_lens, gate, out, splits, gate.stride(0), gate.stride(1),
-            H=H, D=D, BLOCK_D=block_d, TILE=tile, MIN_TILES=min_tiles, BLOCK_S=triton.next_power_of_2(splits),
-            HAS_GATE=has_gate, num_warps=max(1, min(4, block_d // 128)))
+        TILE=tile, MIN_TILES=min_tiles, BLOCK_S=triton.next_power_of_2(splits), ONE_SPLIT=splits == 1,
+        HAS_GATE=has_gate, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     return out
 
 
@@ -452,15 +449,18 @@ if triton is not None:
         return (round_to(o, dtype) * g).to(dtype)
 
     @triton.jit
-    def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, gate_ptr, out_ptr, lse_ptr, part_ptr, scale,
-                             splits, sq_b, sq_h, s_slot, s_kvh, st_b, sg_b, sg_h,
+    def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, gate_ptr, out_ptr, lse_ptr, part_ptr,
+                             count_ptr, scale, splits, sq_b, sq_h, s_slot, s_kvh, st_b, sg_b, sg_h,
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MIN_TILES: tl.constexpr,
-                             ONE_SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, PREC: tl.constexpr):
+                             BLOCK_S: tl.constexpr, ONE_SPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
+                             PREC: tl.constexpr):
         """Program (b, kv head, split): the GROUP query heads of one KV head over one contiguous part of sequence
         b's context, TILE tokens at a time (gathered through the block table), with an online softmax in fp32.
         One split: normalise, gate and store the output. Several: store the part's normalised output and its
-        log-sum-exp (an empty part stores lse = -inf, a neutral partial, and no output)."""
+        log-sum-exp (an empty part stores lse = -inf, a neutral partial, and no output), then count itself in; the
+        last of the (b, kv head)'s programs to arrive merges the non-empty parts (_merge_splits) and resets the
+        counter. No float atomics: the merge adds the parts in split order whatever the order of arrival."""
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -508,30 +508,36 @@ if triton is not None:
             tl.store(lse_ptr + rows, tl.where(l > 0, m + tl.log(l_safe), float("-inf")), mask=g < GROUP)
             if end > start:
                 tl.store(part_ptr + rows[:, None] * D + d[None, :], o, mask=mask)
+            # arrive: the barrier orders every thread's stores above before the (one-thread) release
+            tl.debug_barrier()
+            count = count_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(count, 1, sem="acq_rel") == splits - 1:
+                _merge_splits(lse_ptr, part_ptr, gate_ptr, out_ptr, b, heads, g < GROUP, d, mask, tl.cdiv(ctx, per),
+                              splits, H, sg_b, sg_h, D, BLOCK_G, BLOCK_D, BLOCK_S, HAS_GATE)
+                tl.store(count, 0)
 
     @triton.jit
-    def _decode_combine_kernel(lse_ptr, part_ptr, lens_ptr, gate_ptr, out_ptr, splits, sg_b, sg_h,
-                               H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
-                               MIN_TILES: tl.constexpr, BLOCK_S: tl.constexpr, HAS_GATE: tl.constexpr):
-        """Program (b, head): merge the non-empty parts (their count follows from the context length exactly as
-        the split kernel cut them) weighted by exp(lse), then apply the gate."""
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        ctx = tl.load(lens_ptr + b)
-        n = tl.cdiv(ctx, _split_tokens(ctx, splits, TILE, MIN_TILES))
-        row = (b * H + h) * splits
+    def _merge_splits(lse_ptr, part_ptr, gate_ptr, out_ptr, b, heads, hmask, d, mask, n, splits, H, sg_b, sg_h,
+                      D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                      HAS_GATE: tl.constexpr):
+        """The output of query heads `heads` of sequence b: the n non-empty parts (their count follows from the
+        context length exactly as the parts were cut) weighted by exp(lse), in split order, then the gate. The
+        parts were stored by other programs: read from L2 (.cg)."""
+        base = (b * H + heads) * splits
         s_idx = tl.arange(0, BLOCK_S)
-        lse = tl.load(lse_ptr + row + s_idx, mask=s_idx < n, other=float("-inf"))
-        top = tl.max(lse, 0)
-        total = tl.sum(tl.exp(lse - top), 0)
-        d = tl.arange(0, BLOCK_D)
-        acc = tl.zeros([BLOCK_D], tl.float32)
+        lse = tl.load(lse_ptr + base[:, None] + s_idx[None, :], mask=hmask[:, None] & (s_idx < n)[None, :],
+                      other=float("-inf"), cache_modifier=".cg")
+        top = tl.where(hmask, tl.max(lse, 1), 0.0)  # (rows past the group: all -inf, kept finite)
+        total = tl.sum(tl.exp(lse - top[:, None]), 1)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for s in range(0, n):
-            w = tl.exp(tl.load(lse_ptr + row + s) - top)
-            acc += w * tl.load(part_ptr + (row + s) * D + d, mask=d < D, other=0.0)
+            w = tl.exp(tl.load(lse_ptr + base + s, mask=hmask, other=float("-inf"), cache_modifier=".cg") - top)
+            acc += w[:, None] * tl.load(part_ptr + (base + s)[:, None] * D + d[None, :], mask=mask, other=0.0,
+                                        cache_modifier=".cg")
+        o = acc / tl.where(hmask, total, 1.0)[:, None]
+        dst = out_ptr + b * H * D + heads[:, None] * D + d[None, :]
         if HAS_GATE:
-            gate = tl.load(gate_ptr + b * sg_b + h * sg_h + d, mask=d < D, other=0.0)
-            res = _apply_gate(acc / total, gate)
+            gate = tl.load(gate_ptr + b * sg_b + heads[:, None] * sg_h + d[None, :], mask=mask, other=0.0)
+            tl.store(dst, _apply_gate(o, gate), mask=mask)
         else:
-            res = (acc / total).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + (b * H + h) * D + d, res, mask=d < D)
+            tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask)

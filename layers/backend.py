@@ -73,6 +73,28 @@ class use_kernels:
 ALIGN_BYTES = 16  # Triton specialises a pointer argument on 16-byte alignment
 
 
+# Arrival counters (int32, zero between launches) for kernels whose programs count themselves in and whose last
+# program to arrive finishes the group's work (DeltaNet decode: the gated norm; attention decode: the merge of the
+# splits), resetting its counter. One buffer per device, shared by every such kernel (they run one after another
+# on one stream); grown, never shrunk or freed: a captured CUDA graph holds the address it was captured with.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+
+
+def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
+    """At least n zeroed counters on `device` (grown outside graph capture only: a warm-up run makes them)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a kernel needs {n} arrival counters while a CUDA graph is being captured; run the "
+                               "same batch once outside the graph first (a warm-up) so that they exist")
+        if buf is not None:
+            _OUTGROWN.append(buf)
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
 def aligned_sizes(sizes: list[int], dtype: torch.dtype) -> list[int]:
     """`sizes` (elements) rounded up so that parts laid end to end each start on ALIGN_BYTES."""
     per = max(1, ALIGN_BYTES // dtype.itemsize)

@@ -146,7 +146,7 @@ def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     rep = Hv // Hk
     _decode_kernel[(Hv * n_split, B)](
         proj, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias, norm_weight, y,
-        _group_counters(B * Hk, proj.device),
+        backend.arrival_counters(B * Hk, proj.device),
         proj.stride(0), *conv_state.stride(), conv_weight.stride(0), conv_weight.stride(2), *ssm_state.stride(),
         y.stride(0), Hk * dk, 2 * Hk * dk, z_off, b_off, b_off + Hv, dk ** -0.5, L2_EPS, eps,
         KERNEL=conv_weight.shape[-1], REP=rep, REP_P2=triton.next_power_of_2(rep), N_SPLIT=n_split, DK=dk, DV=dv,
@@ -160,26 +160,6 @@ def decode_launch(dk: int, dv: int) -> tuple[int, int]:
     BK = triton.next_power_of_2(dk)
     BV = min(DECODE_CONFIG["block_v"], triton.next_power_of_2(dv))
     return BV, max(1, min(DECODE_CONFIG["warps"], BK * BV // 1024))
-
-
-# One int32 counter per (sequence row, qk-head) for decode_fast's groups, zero between launches (the last program of
-# a group resets its own). Shared by every layer (they run one after another on one stream) and grown, never shrunk
-# or freed: a captured CUDA graph holds the address of the buffer it was captured with.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []
-
-
-def _group_counters(n: int, device: torch.device) -> torch.Tensor:
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode_fast needs {n} group counters while a CUDA graph is being captured; run the "
-                               "same batch once outside the graph first (a warm-up) so that they exist")
-        if buf is not None:
-            _OUTGROWN.append(buf)
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 # -------------------------------------------------------------------------------------------------- the layer

@@ -125,7 +125,7 @@ def block_v(request, monkeypatch):
 
 
 def counters_clear():
-    return all(not buf.any() for buf in dn._COUNTERS.values())
+    return all(not buf.any() for buf in backend._COUNTERS.values())
 
 
 @pytest.mark.parametrize("hk,hv,dk,dv,kernel,rank,tp", SHAPES)
@@ -172,14 +172,14 @@ def test_decode_fast_splits_as_configured(monkeypatch):
     assert dn.decode_launch(16, 16) == (16, 1)
 
 
-def test_group_counters_grow_and_keep_old_buffers():
+def test_arrival_counters_grow_and_keep_old_buffers():
     """Grown, never freed (a captured graph keeps the address it was captured with), zero when handed out."""
-    first = dn._group_counters(1, torch.device("cpu"))
-    again = dn._group_counters(first.numel(), torch.device("cpu"))
+    first = backend.arrival_counters(1, torch.device("cpu"))
+    again = backend.arrival_counters(first.numel(), torch.device("cpu"))
     assert again is first and not first.any()
-    bigger = dn._group_counters(first.numel() + 1, torch.device("cpu"))
+    bigger = backend.arrival_counters(first.numel() + 1, torch.device("cpu"))
     assert bigger.numel() > first.numel() and not bigger.any()
-    assert any(old is first for old in dn._OUTGROWN)
+    assert any(old is first for old in backend._OUTGROWN)
 
 
 def test_decode_fast_softplus_and_beta_edges(block_v, monkeypatch):
