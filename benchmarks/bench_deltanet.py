@@ -17,7 +17,7 @@ Rows, for decode batches 1..64 (a DeltaNet step does not depend on the context l
 - mixed: an eager mixed step of `batch` decode rows plus one fresh 128-token prompt, mixed_torch (per sequence) vs
   mixed_fast (decode rows through decode_fast in one call, the prompt through the stacked chunked rule).
 "% copy" is GB/s against a device-to-device copy measured in the same run (the floor). --sweep also times
-decode_fast per launch setting (value columns per program x warps) at batches 1, 8, 32 and 64, and linear_fast per
+decode_fast per launch setting (value columns per program x warps) at every batch, and linear_fast per
 setting (output columns per program, K step, warps, stages) at M = 1, 8 and 16, each with GB/s and % of copy.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ from qwen35.synth import PRESETS
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 PROMPT = 128          # tokens of the fresh prompt in a mixed step
 CONTEXT = 1024        # start position of the decode rows (for the record: the step does not depend on it)
-SWEEP_BATCHES = (1, 8, 32, 64)
+SWEEP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 SWEEP_ROWS = (1, 8, 16)    # M of the skinny GEMM sweep
 
 
@@ -204,16 +204,18 @@ def mixed_times(layers, cfg, batch: int, gen: torch.Generator) -> tuple[float, f
 def sweep_decode(op_args, batch: int, nbytes: int, copy: float) -> list[dict]:
     """decode_fast per launch setting at this batch, best first (the default marked *)."""
     saved = dict(dn.DECODE_CONFIG)
+    prefix = "batched_" if batch >= saved["batched_from"] else ""  # the keys this batch's launch reads
     results = []
     try:
         for block_v, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8)):
             if block_v > 32 * warps:  # over 128 fp32 state elements per thread (at dk = 128): spills
                 continue
-            dn.DECODE_CONFIG.update(block_v=block_v, warps=warps)
-            results.append((bench_graph(lambda: dn.decode_fast(*op_args)), dict(dn.DECODE_CONFIG)))
+            dn.DECODE_CONFIG.update({prefix + "block_v": block_v, prefix + "warps": warps})
+            results.append((bench_graph(lambda: dn.decode_fast(*op_args)), {"block_v": block_v, "warps": warps}))
     finally:
         dn.DECODE_CONFIG.update(saved)
-    return report_sweep("decode_fast", batch, results, saved, nbytes, copy)
+    default = {"block_v": saved[prefix + "block_v"], "warps": saved[prefix + "warps"]}
+    return report_sweep("decode_fast", batch, results, default, nbytes, copy)
 
 
 def sweep_skinny(w: torch.Tensor, rows: int, gen: torch.Generator, copy: float) -> list[dict]:

@@ -36,8 +36,11 @@ from layers.norm import GatedRMSNorm, gated_rms_norm_torch
 # Launch settings of decode_fast (module level so that the benchmark can sweep them; the signatures stay equal).
 # block_v: value columns of a head per program (its fp32 state slab is [dk, block_v]; smaller slabs put more
 # programs in flight at small batches and more state loads in flight per SM at large ones); warps: per program,
-# capped so that every thread holds 32 slab elements or more (decode_launch).
-DECODE_CONFIG = {"block_v": 32, "warps": 4}
+# capped so that every thread holds 32 slab elements or more (decode_launch). From `batched_from` rows on, the
+# batched_* values: `python -m benchmarks.bench_deltanet --sweep` (1x H200, 2026-11-26, the state slab loaded first)
+# gave 32 x 4 warps at one row (5.4 us; 64 x 2 not in the best four) and 64 x 2 warps from 8 rows (11.2 against 13.8
+# us at 8, 45.0 / 52.0 at 32, 82.6 / 97.1 at 64: 79% of the copy rate against 67%).
+DECODE_CONFIG = {"block_v": 32, "warps": 4, "batched_from": 8, "batched_block_v": 64, "batched_warps": 2}
 
 
 # ------------------------------------------------------------------------------------------- shared torch math
@@ -139,7 +142,7 @@ def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     if B == 0:
         return y
     BK = triton.next_power_of_2(dk)
-    BV, warps = decode_launch(dk, dv)
+    BV, warps = decode_launch(dk, dv, B)
     n_split = triton.cdiv(dv, BV)
     z_off = conv_dim
     b_off = z_off + Hv * dv
@@ -154,12 +157,15 @@ def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     return y
 
 
-def decode_launch(dk: int, dv: int) -> tuple[int, int]:
-    """(value columns per program, warps) of decode_fast from DECODE_CONFIG and the head dims: the slab is capped at
-    the head, and the warps so that each thread holds at least 32 state elements."""
+def decode_launch(dk: int, dv: int, rows: int = 1) -> tuple[int, int]:
+    """(value columns per program, warps) of decode_fast for `rows` sequences from DECODE_CONFIG and the head dims:
+    the slab is capped at the head, and the warps so that each thread holds at least 32 state elements."""
+    c = DECODE_CONFIG
+    block_v, warps = (c["batched_block_v"], c["batched_warps"]) if rows >= c["batched_from"] else (c["block_v"],
+                                                                                                 c["warps"])
     BK = triton.next_power_of_2(dk)
-    BV = min(DECODE_CONFIG["block_v"], triton.next_power_of_2(dv))
-    return BV, max(1, min(DECODE_CONFIG["warps"], BK * BV // 1024))
+    BV = min(block_v, triton.next_power_of_2(dv))
+    return BV, max(1, min(warps, BK * BV // 1024))
 
 
 # -------------------------------------------------------------------------------------------------- the layer
