@@ -38,9 +38,10 @@ from layers.norm import GatedRMSNorm, gated_rms_norm_torch
 # programs in flight at small batches and more state loads in flight per SM at large ones); warps: per program,
 # capped so that every thread holds 32 slab elements or more (decode_launch). From `batched_from` rows on, the
 # batched_* values: `python -m benchmarks.bench_deltanet --sweep` (1x H200, 2026-11-26, the state slab loaded first)
-# gave 32 x 4 warps at one row (5.4 us; 64 x 2 not in the best four) and 64 x 2 warps from 8 rows (11.2 against 13.8
-# us at 8, 45.0 / 52.0 at 32, 82.6 / 97.1 at 64: 79% of the copy rate against 67%).
-DECODE_CONFIG = {"block_v": 32, "warps": 4, "batched_from": 8, "batched_block_v": 64, "batched_warps": 2}
+# gave 32 x 4 warps at one row (5.4 us; 64 x 2 not in the best four), the two within 0.1 us at 2 rows, and 64 x 2
+# best from 4 rows (7.8 against 8.1 us at 4, 11.1 / 13.8 at 8, 44.9 / 52.0 at 32, 82.7 / 97.1 at 64: 79% of the
+# copy rate against 67%).
+DECODE_CONFIG = {"block_v": 32, "warps": 4, "batched_from": 4, "batched_block_v": 64, "batched_warps": 2}
 
 
 # ------------------------------------------------------------------------------------------- shared torch math
