@@ -33,6 +33,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, fields
+from itertools import chain
 
 import torch
 
@@ -43,13 +44,17 @@ from layers.sampler import Sampler, SamplingStep, stream_key
 from qwen35.config import ModelConfig
 from qwen35.engine_config import DEFAULT_MAX_MODEL_LEN, DTYPES, resolve_device
 from scheduler.plan import StepPlan
-from scheduler.request import Request, RequestLimits, RequestOutput
+from scheduler.request import Request, RequestLimits, RequestOutput, ShortWay
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, ScheduledStep
 
 __all__ = ["EngineArgs", "LLMEngine", "RequestOutput"]
 log = logging.getLogger("qwen35.engine")
 GAP_EVERY = 8  # on a GPU, the device's idle time between steps is measured at every GAP_EVERY-th step
+# the postprocess takes the decode rows' tokens at once (ShortWay) from this many rows on: with fewer, a take_token per
+# row costs a host that has waited for the device no more (what the batched way saves per row is outweighed by the
+# more distinct code it runs once per step, which such a host finds out of its caches)
+SHORT_WAY_ROWS = 32
 
 
 @dataclass
@@ -154,6 +159,9 @@ class _Launched:
     ready: torch.cuda.Event | None  # recorded after that copy (GPU only)
     start: torch.cuda.Event | None = None  # recorded before the step's first device work (GPU, timed steps)
     after: torch.cuda.Event | None = None  # the end of the step queued just before this one, if back to back
+    # the decode batch's rows (the first rows; scheduler.DecodeBatch) when none of their tokens can be its
+    # request's last (max_tokens): the postprocess's short way for many rows at once (ShortWay) may take them
+    decode_rows: list[Request] | None = None
 
     def host_tokens(self) -> list[int]:
         if self.ready is not None:
@@ -247,6 +255,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._in_flight: _Launched | None = None
         self._batch_hints: tuple = (None, None)  # the decode rows _sampling_step saw last, and their hints
+        self._short_way: ShortWay | None = None  # the postprocess's, for the decode rows it saw last
         self._last_end: torch.cuda.Event | None = None  # end of the step queued last, while steps follow back to back
         self._failed: list[RequestOutput] = []  # requests that failed while their step was being queued
         self.total_prompt_tokens = 0      # prompt tokens prefilled
@@ -323,8 +332,9 @@ class LLMEngine:
         times.forward_s += time.perf_counter() - t0
         self.total_prompt_tokens += step.num_prompt_tokens
         self.num_steps = k
+        batch = None if step.decode_ends else step.decode_rows
         if not self._pin:
-            return _Launched(step.sampled, tokens, None)
+            return _Launched(step.sampled, tokens, None, decode_rows=batch)
         host = None
         if tokens is not None:
             key = (k % 2, len(step.sampled))
@@ -336,7 +346,7 @@ class LLMEngine:
         ready.record()
         # a gap to measure once both ends have run (in _postprocess), if the step queued before ran back to back
         after = self._last_end if start is not None and self._last_end is self._gap_end else None
-        launched = _Launched(step.sampled, host, ready, start, after)
+        launched = _Launched(step.sampled, host, ready, start, after, batch)
         self._last_end = ready
         return launched
 
@@ -396,7 +406,9 @@ class LLMEngine:
     def _postprocess(self, launched: _Launched) -> list[RequestOutput]:
         """The one place a sampled token reaches its request: appended once (detokenized, stop tokens, stop strings
         and max_tokens checked); a request that finishes is freed here. An error of one request (from its output
-        handling) ends that request alone with finish_reason "error"."""
+        handling) ends that request alone with finish_reason "error". The decode batch's rows, where none of them
+        can reach max_tokens, are taken together where they take the records' shortest way (ShortWay: the same
+        outputs as a take_token per row, in the same order), the others one by one."""
         t0 = time.perf_counter()
         tokens = launched.host_tokens()
         self.times.wait_s += time.perf_counter() - t0
@@ -405,8 +417,19 @@ class LLMEngine:
             self.times.gpu_gaps += 1
         outputs = []
         add = outputs.append
+        rows, short = launched.sampled, None
+        pairs = zip(rows, tokens)
+        batch = launched.decode_rows
+        if batch is not None and len(batch) >= SHORT_WAY_ROWS:  # the decode rows at once (ShortWay.take)
+            short = self._short_way
+            if short is None or short.rows is not batch:
+                short = self._short_way = ShortWay(batch)
+            n = len(batch)
+            pairs = short.take(tokens, outputs)  # the rows it leaves, each in its turn
+            if len(rows) > n:
+                pairs = chain(pairs, zip(rows[n:], tokens[n:]))
         taken = 0
-        for req, token in zip(launched.sampled, tokens):
+        for req, token in pairs:  # one by one
             if req.finish_reason is not None:  # aborted, failed or stopped while this step was queued: dropped
                 continue
             try:
@@ -421,7 +444,7 @@ class LLMEngine:
                 self.scheduler.free(req)
                 del self.requests[req.request_id]
             add(out)
-        self.total_completion_tokens += taken
+        self.total_completion_tokens += taken + (short.taken if short is not None else 0)
         return outputs
 
     def _fail(self, req: Request, error: Exception) -> None:

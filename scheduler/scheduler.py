@@ -50,6 +50,10 @@ class ScheduledStep:
     # (DecodeBatch); one list object for as long as the batch keeps its members, so that what is worked out once
     # for its requests (the engine's sampling hints) can be kept beside it
     decode_rows: list[Request] | None = None
+    # whether a decode row's token may be its request's last (max_tokens): from the step at which the batch's first
+    # member can end (DecodeBatch.ends_at) until it is worked out again; the engine's postprocess checks max_tokens
+    # for the decode rows only then
+    decode_ends: bool = True
     joining: list[Request] = field(default_factory=list)   # whose prefill ends in this step: they decode from the next
 
 
@@ -314,6 +318,7 @@ class Scheduler:
             decode.join(step.joining)
         # requests whose last token this step schedules: the decode rows' only once one of them can be
         sampled, batch_ends = step.sampled, n and decode.steps >= decode.ends_at
+        step.decode_ends = bool(batch_ends)
         if batch_ends or len(sampled) > n:
             ended = [r for r in (sampled if batch_ends else sampled[n:]) if r.num_scheduled == r.params.max_tokens]
             if ended:

@@ -5,11 +5,14 @@
   workloads in lockstep: every plan, every row's request, every count and every pool the same;
 - the engine's sampling hints kept with the decode rows against hints worked out from every row;
 - the postprocess's one call per token (Request.take_token) against append_token + take_output;
+- its shortest way for many rows at once (ShortWay, the decode rows) against a take_token per row, on records and
+  through the engine (random workloads: stop tokens and strings, max_tokens ends, stream or not, aborts);
 - the detokenizer's table of token texts filled at once against the one filled as tokens come.
 """
 import random
 
 import pytest
+import torch
 
 from qwen35.sampling_params import SamplingParams
 from qwen35.tokenizer import BYTE_TO_CHAR, IncrementalDetokenizer, load_tokenizer
@@ -231,6 +234,8 @@ def test_take_token_equals_append_then_take(tiny_dir, warm):
             assert out_a == out_b, (case, t)
             assert (a.text, a.output_ids, a.finish_reason) == (b.text, b.output_ids, b.finish_reason)
             check_whole(out_a, c.take_token(t))
+            if rng.random() < 0.2:  # (read between tokens: what c took on its short way is decoded then)
+                assert c.text == a.text, case
             if a.is_finished:
                 break
     assert shortest > 500  # the shortest way was taken, often
@@ -248,3 +253,149 @@ def test_detokenizer_table_filled_at_once_equals_filled_as_met(tiny_dir):
         a, b = IncrementalDetokenizer(warm, skip_special_tokens=skip), IncrementalDetokenizer(lazy, skip_special_tokens=skip)
         assert [a.add(i) for i in ids] == [b.add(i) for i in ids] and a.flush() == b.flush()
         assert a.text == b.text
+
+
+# ---- the postprocess's short way for the decode rows at once -----------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_short_way_rows_equal_take_token(tiny_dir, seed):
+    """ShortWay.take over rows of records against a take_token per row on twins of them that never take its
+    shortest way (their detokenizers keep no table), driven as the engine does: random tokens (plain text, stop
+    tokens, specials, bytes of split characters), rows that stream or not, stop strings, stop ids, min_tokens,
+    ignore_eos; aborted and failed rows that stay one more step in the rows (the step in flight), finished ones
+    leaving them (a new row list); a step where a row's token can be its last goes one by one, as the scheduler
+    says (decode_ends). Every step's outputs, in order, and every record's text, tokens and end are the same."""
+    from scheduler.request import ShortWay
+
+    tok = load_tokenizer(tiny_dir)
+    tok.warm_detokenizer()
+    rng = random.Random(seed)
+    table = tok._clean[True]
+    plain = [t for t in range(1000, 3000) if table[t]]
+    eos = (248046, 248044)
+    rare = tok.encode(" Q: 42") + list(eos) + [248045] + [tok.token_to_id(BYTE_TO_CHAR[b]) for b in "語🙂".encode()]
+
+    def record(i, params, prompt, stream, short=True):  # short=False: a detokenizer without a table, no short way
+        return Request(f"r{i}", list(prompt), params, eos, IncrementalDetokenizer(tok, prompt, keep_text=not short),
+                       stream)
+
+    pairs, n = [], 0  # (batched record, reference record)
+    taken = whole = 0
+    for step in range(400):
+        while len(pairs) < 24 and rng.random() < 0.3:
+            params = SamplingParams(max_tokens=rng.choice([2, 5, 20, 60]), ignore_eos=rng.random() < 0.2,
+                                    stop=rng.choice([[]] * 8 + [["Q:"], ["4"]]),
+                                    stop_token_ids=rng.choice([None] * 6 + [[plain[0]]]))
+            params.min_tokens = rng.randint(0, params.max_tokens) if rng.random() < 0.2 else 0
+            prompt, stream = [rng.choice(plain + rare) for _ in range(3)], rng.random() < 0.6
+            pairs.append((record(n, params, prompt, stream), record(n, params, prompt, stream, short=False)))
+            n += 1
+        if not pairs:
+            continue
+        rows, refs = [a for a, _ in pairs], [b for _, b in pairs]
+        short = ShortWay(rows)
+        for _ in range(rng.randint(1, 8)):  # steps of these rows, as long as none leaves
+            tokens = [rng.choice(rare) if rng.random() < 0.02 else rng.choice(plain) for _ in rows]
+            got, want = [], []
+            ends = any(len(r.output_ids) + 1 >= r.params.max_tokens for r in refs)
+            left = zip(rows, tokens) if ends else short.take(tokens, got)
+            for req, t in left:  # (the engine's loop)
+                if req.finish_reason is None:
+                    out = req.take_token(t)
+                    if out is not None:
+                        got.append(out)
+            for req, t in zip(refs, tokens):
+                if req.finish_reason is None:
+                    out = req.take_token(t)
+                    if out is not None:
+                        want.append(out)
+            assert got == want, (seed, step)
+            if not ends:
+                taken += short.taken
+                whole += short.taken == len(rows)
+            if rng.random() < 0.05:  # ended from outside, between steps; its row stays for the step in flight
+                i, abort = rng.randrange(len(rows)), rng.random() < 0.5
+                for req in (rows[i], refs[i]):
+                    req.abort() if abort else req.fail(ValueError("x"))
+                assert rows[i].take_output() == refs[i].take_output()
+            if any(r.finish_reason is not None for r in refs):
+                break
+        for a, b in pairs:
+            assert (a.text, a.output_ids, a.finish_reason, a.error) == (b.text, b.output_ids, b.finish_reason,
+                                                                        b.error)
+        pairs = [(a, b) for a, b in pairs if b.finish_reason is None]
+    assert taken > 1000 and whole > 100, (taken, whole)
+
+
+def _serve(tiny_dir, monkeypatch, batched: bool, seed: int, overlap: bool) -> tuple[list, dict]:
+    """One engine, its forward replaced by seeded random tokens (mostly plain text; now and then a stop token, a
+    special token, a byte of a split character, a piece of a stop string), serving random requests (stream or not,
+    stop strings, stop ids, min_tokens, ignore_eos, max_tokens from 1) that arrive in bursts and are sometimes
+    aborted: every step's outputs, and how the short way went (rows it took, steps it took whole and in part)."""
+    from qwen35 import engine as engine_module
+    from qwen35.engine import EngineArgs, LLMEngine
+    from scheduler.request import ShortWay
+
+    used = {"rows": 0, "whole": 0, "part": 0, "none": 0}
+
+    class Counted(ShortWay):
+        __slots__ = ()
+
+        def take(self, tokens, outputs):
+            yield from super().take(tokens, outputs)
+            used["rows"] += self.taken
+            used["whole" if self.taken == len(self.rows) else "part" if self.taken else "none"] += 1
+
+    monkeypatch.setattr(engine_module, "ShortWay", Counted)
+    monkeypatch.setattr(engine_module, "SHORT_WAY_ROWS", 2 if batched else 1 << 30)
+    eng = LLMEngine(EngineArgs(model=tiny_dir, max_num_seqs=12, max_model_len=128, max_num_batched_tokens=48,
+                               dtype="float32", device="cpu", overlap=overlap))
+    tok = eng.tokenizer
+    table = tok._clean[True]
+    plain = [t for t in range(1000, 3000) if table[t]]
+    rare = (tok.encode(" Q: 42") + list(eng.eos_token_ids) + [248045]
+            + [tok.token_to_id(BYTE_TO_CHAR[b]) for b in "語🙂".encode()])
+    rng = random.Random(seed)
+    forward = random.Random(seed + 1)
+
+    def run_step(plan, sampling):
+        n = sum(plan.want_logits)
+        picks = [forward.choice(rare) if forward.random() < 0.015 else forward.choice(plain) for _ in range(n)]
+        return torch.tensor(picks) if n else None
+
+    eng._run_step = run_step
+    steps = []
+    n = 0
+    while (n < 150 or eng.has_unfinished()) and len(steps) < 3000:  # (ends by then: a request that never ends fails)
+        if n < 150 and (rng.random() < 0.2 or not eng.has_unfinished()):
+            for _ in range(rng.choice([1, 1, 3, 8])):
+                params = SamplingParams(max_tokens=rng.choice([1, 2, 7, 20, 40, 60, 100]),
+                                        ignore_eos=rng.random() < 0.2,
+                                        stop=rng.choice([[]] * 18 + [["Q:"], ["4", "xyz"]]),
+                                        stop_token_ids=rng.choice([None] * 6 + [[plain[0], plain[1]]]))
+                params.min_tokens = rng.randint(0, params.max_tokens) if rng.random() < 0.2 else 0
+                prompt = [rng.randrange(1000, 5000) for _ in range(rng.randint(1, 12))]
+                eng.add_request(f"q{n}", prompt, params, stream=rng.random() < 0.6)
+                n += 1
+        if eng.has_unfinished() and rng.random() < 0.03:
+            rid = rng.choice(sorted(eng.requests))
+            steps.append(("abort", rid, eng.abort_request(rid)))
+        steps.append(eng.step())
+    steps.append(("total", eng.total_completion_tokens, eng.has_unfinished()))
+    return steps, used
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_short_way_for_many_rows_equals_one_by_one(tiny_dir, monkeypatch, seed, overlap):
+    """The postprocess taking the decode rows' tokens at once (ShortWay) against a take_token per row, on the same
+    random workload: every step's outputs (text, token ids, counts, finish reasons, which and in what order), every
+    abort's output and the tokens counted are the same; the short way took most rows, some steps whole and some in
+    part (around rows it left to take_token)."""
+    ref, unused = _serve(tiny_dir, monkeypatch, False, seed, overlap)
+    got, used = _serve(tiny_dir, monkeypatch, True, seed, overlap)
+    assert unused["rows"] == 0
+    assert len(got) == len(ref)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert a == b, i
+    assert used["rows"] > 1000 and used["whole"] > 10 and used["part"] > 50, used
