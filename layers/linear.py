@@ -125,7 +125,7 @@ class Linear(nn.Module):
 
 @dataclass(eq=False)
 class PendingNorm:
-    """A layer norm of a few rows not computed yet (RMSNorm.defer): norm(x + residual) (residual None: norm(x)),
+    """A layer norm of a few rows not computed yet (RMSNorm.boundary): norm(x + residual) (residual None: norm(x)),
     into `out`, and the sum x + residual into `residual_out`. The GEMV that reads it first (linear_fast) computes
     the norm in each program's prologue and its first program stores both, so the norm costs no launch of its own;
     any other reader calls tensor(), which runs `compute` (the norm kernel) once. Either way both outputs hold

@@ -129,11 +129,6 @@ if triton is not None:
                  mask=mask)
 
 
-# RMSNorm.boundary leaves a layer norm of a few rows to the GEMV that reads it (layers/linear.py, PendingNorm) with
-# the fast kernels at one rank: one launch less per layer boundary. Module level, so that a benchmark can compare.
-FOLD_INTO_GEMV = True
-
-
 def _compute_pending(p: PendingNorm) -> None:
     _launch(p.x, p.residual, p.weight, p.eps, p.plain, p.out, p.residual_out)
 
@@ -169,11 +164,12 @@ class RMSNorm(nn.Module):
 
     def boundary(self, x: torch.Tensor, residual: torch.Tensor | None):
         """all_reduce_add(x, residual), or (self(x), x) for the first layer's input (residual None: the embeddings,
-        whole on every rank); where the sublayer's first GEMV can compute the norm itself (FOLD_INTO_GEMV, the fast
-        kernels at one rank, at most GEMV_MAX_M rows) the normed rows are a PendingNorm, its sum allocated and
-        written by that GEMV. Every reader of a PendingNorm goes through linear_fast or linear.computed()."""
+        whole on every rank); where the sublayer's first GEMV can compute the norm itself (the fast kernels at one
+        rank, at most GEMV_MAX_M rows: one launch less per layer boundary) the normed rows are a PendingNorm, its
+        sum allocated and written by that GEMV. Every reader of a PendingNorm goes through linear_fast or
+        linear.computed()."""
         rows = x.numel() // x.shape[-1]
-        if not (FOLD_INTO_GEMV and self._fast and parallel.tp_size() == 1 and 0 < rows <= linear.GEMV_MAX_M
+        if not (self._fast and parallel.tp_size() == 1 and 0 < rows <= linear.GEMV_MAX_M
                 and x.dtype == self.weight.dtype and x.is_contiguous()):
             return (self(x), x) if residual is None else self.all_reduce_add(x, residual)
         out = torch.empty_like(x)
