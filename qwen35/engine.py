@@ -8,12 +8,12 @@ also owns the tokenizer, the scheduler and the request records; its step() is
 while the other ranks sit in run_worker_loop(), executing each plan they receive. Every rank samples from its own
 vocabulary slice of the logits (layers/sampler.py: a few candidates per row cross the ranks, never the logits)
 and ends with the same tokens. Sampled tokens stay on the device: every rank writes them into its per-slot input
-buffer, where the next step's decode rows read them; rank 0 copies them to the host without waiting (pinned
-memory, an event). With overlap (the default), step() queues step N+1 before it takes step N's tokens, so the
-host's scheduling, broadcast and postprocess run while the device computes. Results are the same as without
-overlap (--no-overlap): the scheduler counts tokens when it schedules them, so it never waits for a value; a
-request that stops on a stop token or string at step N has one more row queued at N+1, whose token is dropped
-(its slot and blocks are reused only by steps queued after that one).
+buffer, where the next step's decode rows read them; on rank 0 the same launch writes them into pinned host memory,
+which the host reads after an event (no copy of its own, no wait). With overlap (the default), step() queues step
+N+1 before it takes step N's tokens, so the host's scheduling, broadcast and postprocess run while the device
+computes. Results are the same as without overlap (--no-overlap): the scheduler counts tokens when it schedules
+them, so it never waits for a value; a request that stops on a stop token or string at step N has one more row
+queued at N+1, whose token is dropped (its slot and blocks are reused only by steps queued after that one).
 
 The one postprocess (_postprocess) takes each sampled token once: it appends it to its request's record, which
 detokenizes and checks stop tokens, stop strings and max_tokens; a finished request is freed there. A request that
@@ -155,7 +155,7 @@ class StepTimes:
 class _Launched:
     """A step queued on the device: the requests of its logits rows, and their tokens on the way to the host."""
     sampled: list[Request]
-    tokens: torch.Tensor | None     # [n] int64 on the host (pinned on a GPU), filled by a non-blocking copy
+    tokens: torch.Tensor | None     # [n] int64 on the host (pinned on a GPU), written by the device (feed kernel)
     ready: torch.cuda.Event | None  # recorded after that copy (GPU only)
     start: torch.cuda.Event | None = None  # recorded before the step's first device work (GPU, timed steps)
     after: torch.cuda.Event | None = None  # the end of the step queued just before this one, if back to back
@@ -246,6 +246,11 @@ class LLMEngine:
             # after the step that used it last has been taken (postprocessed): overlap holds two steps at most.
             # Every GAP_EVERY-th pair of back-to-back steps is also timed (the end of the one, the start of the
             # next: how long the device idled between them); a CUDA call costs the host 5-25 us, so not every step.
+            # The events are recorded on the stream the engine was built on (the device's default stream, which
+            # the thread calling step() uses too): torch.cuda.current_stream() at every record cost the host ~20 us
+            # a step (H200 host, 2026-11-26). The tokens reach the pinned buffer from the device (runner.
+            # accept_tokens: the feed kernel writes them there), no copy queued by the host.
+            self._stream = torch.cuda.current_stream(self.device)
             n = self.scheduler.max_num_seqs
             self._token_buffers = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self._token_views: dict[tuple[int, int], torch.Tensor] = {}
@@ -324,29 +329,28 @@ class LLMEngine:
         start = None
         if self._pin and k % GAP_EVERY == 0:
             start = self._gap_start
-            start.record()
+            start.record(self._stream)
         sampling = self._sampling_step(step, self._bind(step) if step.admitted else [])
         _send(plan, sampling)
+        host = None
+        if self._pin and step.sampled:  # where the step's tokens land on the host
+            key = (k % 2, len(step.sampled))
+            host = self._token_views.get(key)
+            if host is None:
+                host = self._token_views[key] = self._token_buffers[key[0]][:key[1]]
         t0 = time.perf_counter()
-        tokens = self._run_step(plan, sampling)
+        tokens = self._run_step(plan, sampling, host)
         times.forward_s += time.perf_counter() - t0
         self.total_prompt_tokens += step.num_prompt_tokens
         self.num_steps = k
         batch = None if step.decode_ends else step.decode_rows
         if not self._pin:
             return _Launched(step.sampled, tokens, None, decode_rows=batch)
-        host = None
-        if tokens is not None:
-            key = (k % 2, len(step.sampled))
-            host = self._token_views.get(key)
-            if host is None:
-                host = self._token_views[key] = self._token_buffers[key[0]][:key[1]]
-            host.copy_(tokens, non_blocking=True)
         ready = self._gap_end if k % GAP_EVERY == GAP_EVERY - 1 else self._ready[k % 2]
-        ready.record()
+        ready.record(self._stream)
         # a gap to measure once both ends have run (in _postprocess), if the step queued before ran back to back
         after = self._last_end if start is not None and self._last_end is self._gap_end else None
-        launched = _Launched(step.sampled, host, ready, start, after, batch)
+        launched = _Launched(step.sampled, host if tokens is not None else None, ready, start, after, batch)
         self._last_end = ready
         return launched
 
@@ -392,15 +396,17 @@ class LLMEngine:
             out.suppress += [(i, t) for t in req.suppressed_ids(req.num_scheduled - 1)]
         return out
 
-    def _run_step(self, plan: StepPlan, sampling: SamplingStep) -> torch.Tensor | None:
+    def _run_step(self, plan: StepPlan, sampling: SamplingStep, host: torch.Tensor | None = None
+                  ) -> torch.Tensor | None:
         """Every rank: the forward, then sampling from this rank's vocabulary slice; the tokens ([n] int64 on the
-        device, the same on every rank) become the slots' next input. Queued, no host sync."""
+        device, the same on every rank) become the slots' next input, and on rank 0 (`host`: pinned, [n]) go to the
+        host. Queued, no host sync."""
         self.sampler.admit(sampling)
         logits = self.runner.execute(plan, gather="none")
         if not any(plan.want_logits):
             return None
         tokens = self.sampler.sample(logits, self.runner.logit_slots, sampling)
-        self.runner.accept_tokens(tokens)
+        self.runner.accept_tokens(tokens, host)
         return tokens
 
     def _postprocess(self, launched: _Launched) -> list[RequestOutput]:

@@ -3,6 +3,7 @@ record` (profile_steps: the engine's own timers, LLMEngine.times) without a GPU,
 
     python -m qwen35.host_time [--model tiny] [--batch-sizes 1,8,64] [--steps 200] [--reps 3] [--forward real|none|sleep]
     python -m qwen35.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy --cprofile 30
+    python -m qwen35.host_time --forward sleep --breakdown  # the host time split into phases, us per step
     torchrun --nproc-per-node 2 -m qwen35.host_time --forward sleep  # rank 0's host time at TP=2 (plans sent)
 
 Per batch size: `batch` requests of 16 random prompt tokens, greedy, ignore_eos, max_tokens steps + 1; the prefill
@@ -32,13 +33,67 @@ def stub_forward(engine: LLMEngine, sleep_s: float = 0.0, seed: int = 0) -> None
     after a sleep of `sleep_s`."""
     gen = torch.Generator().manual_seed(seed)
 
-    def run_step(plan, sampling):
+    def run_step(plan, sampling, host=None):
         if sleep_s:
             time.sleep(sleep_s)
         n = sum(plan.want_logits)
-        return torch.randint(1000, 50000, (n,), generator=gen) if n else None
+        tokens = torch.randint(1000, 50000, (n,), generator=gen) if n else None
+        if host is not None and tokens is not None:
+            host.copy_(tokens)
+        return tokens
 
     engine._run_step = run_step  # (on a worker rank: what it runs for each plan it receives)
+
+
+class Breakdown:
+    """Where rank 0's host time per step goes, phase by phase: timers wrapped around the engine's own parts
+    (schedule, the sampling step, the plan broadcast, the postprocess less its wait; `launch other`: the rest of
+    _launch outside the forward, the token copy and its event; `step other`: the rest of step()). Each wrapper
+    costs ~0.1-0.2 us, so the phases sum to a little more than cpu_ms. The sums restart with the engine's timers
+    (a new StepTimes: profile_steps sets one after its untimed prefill steps)."""
+
+    PHASES = ("schedule", "sampling_step", "bind", "send", "postprocess", "launch_other", "step_other")
+
+    def __init__(self, engine: LLMEngine):
+        import qwen35.engine as engine_module
+        self.engine, self.sums, self._times = engine, {}, None
+        self._module, self._send = engine_module, engine_module._send
+        sched = engine.scheduler
+        self._saved = [(sched, "schedule", sched.schedule), (engine, "_sampling_step", engine._sampling_step),
+                       (engine, "_bind", engine._bind), (engine, "_postprocess", engine._postprocess),
+                       (engine, "_launch", engine._launch)]
+        for obj, name, fn in self._saved:
+            setattr(obj, name, self._timed(fn, name.lstrip("_")))
+        engine_module._send = self._timed(self._send, "send")
+
+    def _timed(self, fn, key: str):
+        clock, engine = time.perf_counter, self.engine
+
+        def run(*a, **k):
+            if engine.times is not self._times:
+                self._times, self.sums = engine.times, dict.fromkeys(self.PHASES + ("launch",), 0.0)
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.sums[key] += clock() - t0
+        return run
+
+    def close(self) -> None:
+        for obj, name, _ in self._saved:
+            delattr(obj, name)  # back to the class's method
+        self._module._send = self._send
+
+    def per_step_us(self) -> dict:
+        """us per step of each phase, over the steps the engine's timers count now."""
+        d, times = dict(self.sums), self.engine.times
+        n = max(1, times.steps)
+        d["forward"], d["wait"], d["host"] = times.forward_s, times.wait_s, times.host_s
+        d["postprocess"] -= d["wait"]
+        d["launch_other"] = d["launch"] - d["schedule"] - d["sampling_step"] - d["bind"] - d["send"] - d["forward"]
+        d["step_other"] = d["host"] - d["launch_other"] - d["schedule"] - d["sampling_step"] - d["bind"] - \
+            d["send"] - d["postprocess"]
+        return {k: round(1e6 * d[k] / n, 2) for k in self.PHASES + ("host",)}
 
 
 def main(argv=None) -> None:
@@ -55,6 +110,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda for the host time around a GPU's forward")
     ap.add_argument("--load-format", default=None, help="dummy: random weights (a full-size preset on a GPU)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="then one more run per batch size with the host time split into phases (us per step)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="then one more run at the largest batch under cProfile: the N functions of most own time")
     args = ap.parse_args(argv)
@@ -79,6 +136,12 @@ def main(argv=None) -> None:
         rows.append({"batch": b, "cpu_ms": round(best["cpu_ms"], 4), "steps": best["steps"],
                      "runs_cpu_ms": [round(r["cpu_ms"], 4) for r in runs]})
         print(json.dumps(rows[-1]), flush=True)
+    if args.breakdown:
+        parts = Breakdown(engine)
+        for b in sizes:
+            profile_steps(engine, b, 16, args.steps, rng, args.stream)
+            print(json.dumps({"batch": b, "us_per_step": parts.per_step_us()}), flush=True)
+        parts.close()
     if args.cprofile:  # where the host's time per step goes (the forward and the wait for tokens show too)
         import cProfile
         import pstats

@@ -23,6 +23,7 @@ from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
 from layers.deltanet_prefill import CHUNK
 from layers.forward_batch import ForwardBatch
+from layers.sampler import feed_tokens_fast, feed_tokens_torch
 from layers.varlen import SEQ_TILE
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
@@ -68,6 +69,7 @@ class ModelRunner:
         # the kernel set is chosen once, here: the layers bind their implementations as they are built
         self.kernels = backend.resolve(kernels, self.device)
         backend.set_kernels(self.kernels)
+        self._feed_tokens = feed_tokens_fast if backend.use_fast() else feed_tokens_torch
         torch.manual_seed(seed)
         self.model = Qwen35Model(config, dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
         if load_format == "dummy":
@@ -348,16 +350,24 @@ class ModelRunner:
         plans = self.warm_up_plans(max_tokens)
         for plan in plans:
             self.execute(plan, gather="none")
+        if self._feed_tokens is feed_tokens_fast and self.device.type == "cuda":
+            # the feed kernel's two variants (rank 0's also writes the host's buffer), on the scratch slot
+            token = torch.zeros(1, dtype=torch.int64, device=self.device)
+            slot = torch.full((1,), self.scratch_slot, dtype=torch.int64, device=self.device)
+            host = torch.empty(1, dtype=torch.int64, pin_memory=True)  # (held until the synchronize below)
+            self._feed_tokens(token, slot, self.slot_tokens)
+            self._feed_tokens(token, slot, self.slot_tokens, host)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return len(plans)
 
     @torch.inference_mode()
-    def accept_tokens(self, tokens: torch.Tensor) -> None:
+    def accept_tokens(self, tokens: torch.Tensor, host: torch.Tensor | None = None) -> None:
         """Every rank, after execute(): the tokens sampled for the last step's logits rows ([n] int64 on the device,
-        the same on every rank: every rank samples) become their slots' next input. Queued, no host sync."""
+        the same on every rank: every rank samples) become their slots' next input; rank 0 also has them written
+        into `host` ([n] int64, pinned) for its postprocess. Queued, no host sync."""
         if self.logit_slots.numel():
-            self.slot_tokens[self.logit_slots] = tokens
+            self._feed_tokens(tokens, self.logit_slots, self.slot_tokens, host)
 
 
 def _copy_waves(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from layers.sampler import (SampleBatch, Sampler, SamplingStep, gumbel_scores, masses, row_seeds, sample_fast,
-                            sample_torch, shard_pass_fast, shard_pass_torch, stream_key)
+from layers.sampler import (SampleBatch, Sampler, SamplingStep, feed_tokens_fast, feed_tokens_torch, gumbel_scores,
+                            masses, row_seeds, sample_fast, sample_torch, shard_pass_fast, shard_pass_torch,
+                            stream_key)
 from qwen35.sampling_params import SamplingParams
 
 V = 1000        # vocab columns of the logits
@@ -348,3 +349,45 @@ def test_sampler_slots_draw_their_own_streams():
     alone = tokens(0, [])
     assert tokens(4, [1, 2]) == alone
     assert len(set(alone)) > 1
+
+
+def _feed_case(n: int, num_slots: int, device="cpu"):
+    g = torch.Generator().manual_seed(n)
+    tokens = torch.randint(0, 250_000, (n,), generator=g)
+    slots = torch.randperm(num_slots, generator=g)[:n]
+    inputs = torch.randint(0, 250_000, (num_slots,), generator=g)
+    return tokens.to(device), slots.to(device), inputs.to(device)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 130])
+def test_feed_tokens_fast_equals_torch(n):
+    """The feed kernel (interpreter) writes each sampled token into its slot's input and into the host buffer, as
+    the torch way does (index_put + copy); the other slots keep theirs; 130 rows take two programs."""
+    tokens, slots, inputs = _feed_case(n, 300)
+    want, got, got_no_host = inputs.clone(), inputs.clone(), inputs.clone()
+    host_want, host_got = torch.full((n,), -1), torch.full((n,), -1)
+    feed_tokens_torch(tokens, slots, want, host_want)
+    feed_tokens_fast(tokens, slots, got, host_got)
+    feed_tokens_fast(tokens, slots, got_no_host)
+    assert torch.equal(got, want) and torch.equal(got_no_host, want)
+    assert torch.equal(host_want, tokens) and torch.equal(host_got, tokens)
+    assert (want != inputs).sum() <= n
+
+
+@pytest.mark.gpu
+def test_gpu_feed_tokens_reach_pinned_host_memory():
+    """On a GPU the feed kernel stores the tokens straight into pinned host memory (a view at an offset of a larger
+    buffer, as the engine's are), readable once an event recorded behind it has completed; the slots' inputs on
+    the device as the torch way leaves them."""
+    pinned = torch.full((300,), -1, dtype=torch.int64, pin_memory=True)
+    for n in (1, 5, 64, 200):
+        tokens, slots, inputs = _feed_case(n, 256, "cuda")
+        want, got = inputs.clone(), inputs.clone()
+        feed_tokens_torch(tokens, slots, want)
+        host = pinned[100 - n % 7:][:n]
+        feed_tokens_fast(tokens, slots, got, host)
+        ready = torch.cuda.Event()
+        ready.record()
+        ready.synchronize()
+        assert host.tolist() == tokens.tolist()
+        assert torch.equal(got, want)
