@@ -378,16 +378,17 @@ def test_feed_tokens_fast_equals_torch(n):
 def test_gpu_feed_tokens_reach_pinned_host_memory():
     """On a GPU the feed kernel stores the tokens straight into pinned host memory (a view at an offset of a larger
     buffer, as the engine's are), readable once an event recorded behind it has completed; the slots' inputs on
-    the device as the torch way leaves them."""
+    the device as the torch way leaves them, with or without the host buffer."""
     pinned = torch.full((300,), -1, dtype=torch.int64, pin_memory=True)
     for n in (1, 5, 64, 200):
         tokens, slots, inputs = _feed_case(n, 256, "cuda")
-        want, got = inputs.clone(), inputs.clone()
+        want, got, got_no_host = inputs.clone(), inputs.clone(), inputs.clone()
         feed_tokens_torch(tokens, slots, want)
         host = pinned[100 - n % 7:][:n]
         feed_tokens_fast(tokens, slots, got, host)
+        feed_tokens_fast(tokens, slots, got_no_host)  # (the other ranks' variant)
         ready = torch.cuda.Event()
         ready.record()
         ready.synchronize()
         assert host.tolist() == tokens.tolist()
-        assert torch.equal(got, want)
+        assert torch.equal(got, want) and torch.equal(got_no_host, want)
