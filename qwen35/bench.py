@@ -59,11 +59,14 @@ def _ints(s: str) -> list[int]:
 def run_to_completion(engine: LLMEngine) -> dict[str, dict]:
     """Step until every request finished; per request: first-token time and finish time (perf_counter)."""
     seen: dict[str, dict] = {}
+    get = seen.get
     while engine.has_unfinished():
         outs = engine.step()
         now = time.perf_counter()
         for o in outs:
-            rec = seen.setdefault(o.request_id, {"first": now, "tokens": 0})
+            rec = get(o.request_id)
+            if rec is None:  # (setdefault would build a dict per output)
+                rec = seen[o.request_id] = {"first": now, "tokens": 0}
             rec["tokens"] = o.num_completion_tokens
             if o.finished:
                 rec["done"] = now
