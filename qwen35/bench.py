@@ -150,14 +150,17 @@ def record_runner_rows(runner, args, max_num_batched_tokens: int) -> dict:
 
 def record(engine: LLMEngine, args, results: dict, runner_rows: dict, rng: random.Random) -> None:
     """The rows of record (issue #8/#9 schema): the runner's rows, and per decode row the host time per engine step
-    outside the forward, from real engine steps (short prompts: the context is irrelevant to it)."""
+    outside the forward (cpu_ms) and queueing it (forward_queue_ms: the step's metadata, the graph replay or
+    eager launches, sampling, the feed), from real engine steps (short prompts: the context is irrelevant to them)."""
     results.update(runner_rows)
-    print(f"{'batch':>5} {'cpu ms':>7} {'idle ms':>8}  (engine steps)")
+    print(f"{'batch':>5} {'cpu ms':>7} {'queue ms':>9} {'idle ms':>8}  (engine steps)")
     for row in results["decode"]:
         prof = profile_steps(engine, row["batch"], 16, args.profile_steps, rng)
         row["cpu_ms"], row["gpu_idle_ms"] = round(prof["cpu_ms"], 4), round(prof["gpu_idle_ms"], 4)
+        row["forward_queue_ms"] = round(prof["forward_queue_ms"], 4)
         row["overlap"] = prof["overlap"]
-        print(f"{row['batch']:5d} {row['cpu_ms']:7.3f} {row['gpu_idle_ms']:8.3f}", flush=True)
+        print(f"{row['batch']:5d} {row['cpu_ms']:7.3f} {row['forward_queue_ms']:9.3f} {row['gpu_idle_ms']:8.3f}",
+              flush=True)
 
 
 def chat_prompts(engine: LLMEngine, n: int, input_len: int, rng: random.Random) -> list[list[int]]:
