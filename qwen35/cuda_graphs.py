@@ -3,7 +3,14 @@ static input tensors. A decode step is ~3,000 small kernels for the 40-layer mod
 
 Padded rows (a batch of 5 runs the graph of 8) point at the scratch state slot and the scratch KV block that the
 runner allocates one extra of, so they never touch a real request's state. The graph covers embedding -> final
-norm; the LM head and the logits gather run eagerly after the replay, on the real rows only.
+norm (`run`). The engine's steps go on with a tail graph (`run_tail`): the LM head over the graph's rows, sampling
+from this rank's vocabulary slice, and the tokens fed to the slots' next inputs and, on rank 0, into one half of
+the runner's pinned host ring: one tail per graph size, sampling mode (TAIL_MODES: what a step's sampling asks of
+the kernels is fixed by its hints) and ring half (a graph's host address is fixed). Queued eagerly, that tail was
+~25 launches, 0.5-0.6 ms of host time per step on an H200 host (2026-11-26); a replay is one. Padded rows sample
+the scratch slot's settings and feed its token, which nothing reads. Steps whose sampling a tail does not hold
+(top-k, top-p, suppressed ids) and `runner.execute` (logits for the caller) run the LM head eagerly after the replay,
+on the real rows only.
 
 The host may queue step N+1 while step N still runs (the engine's overlap): N+1's copies into the static buffers
 are queued on the same stream behind N's replay, so they never overwrite inputs that N has yet to read.
@@ -18,6 +25,7 @@ import torch
 
 from dist import parallel
 from layers.forward_batch import ForwardBatch
+from layers.sampler import SamplingStep
 
 log = logging.getLogger("qwen35.graphs")
 
@@ -27,6 +35,20 @@ def pad_values(runner) -> dict[str, int]:
     scratch KV block and the scratch state slot."""
     return {"input_ids": 0, "positions": 0, "slot_mapping": runner.num_kv_blocks * runner.block_size,
             "block_tables": runner.num_kv_blocks, "context_lens": 1, "state_slots": runner.scratch_slot}
+
+
+TAIL_MODES = ("greedy", "sampled")
+
+
+def tail_mode(step: SamplingStep) -> str | None:
+    """The tail graph mode a step's sampling fits: every row greedy, or sampled rows with neither top-k nor top-p
+    and no suppressed ids (the filters' rounds and the suppressed pairs depend on what the host sends); else None
+    (eager)."""
+    if step.suppress:
+        return None
+    if step.greedy_only:
+        return "greedy"
+    return None if step.any_top_k or step.any_top_p else "sampled"
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -49,6 +71,9 @@ class DecodeGraphs:
         self.context_lens = torch.ones(maxb, **i32)
         self.state_slots = torch.zeros(maxb, **i64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (size, mode, ring half or None) -> (graph, its tokens [size]); captured once the engine's sampler exists
+        self.tails: dict[tuple[int, str, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.size = 0  # the graph size run() picked last
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
@@ -101,4 +126,43 @@ class DecodeGraphs:
             self._pad(n, b)
         graph, out = self.graphs[b]
         graph.replay()
+        self.size = b
         return out[:n]
+
+    @torch.inference_mode()
+    def capture_tails(self, sample, feed, ring: list[torch.Tensor] | None) -> None:
+        """A tail graph per graph size, mode and ring half: sample(logits, slots, step) -> tokens and feed(tokens,
+        slots, slot_tokens, host) are the engine's sampler and the runner's feed; ring the host's halves (rank 0)
+        or None. Every rank captures the same tails (sampling is collective at TP > 1)."""
+        t0 = time.time()
+        runner = self.runner
+        self._pad(0, runner.max_num_seqs)  # the warm-ups sample and feed the scratch slot only
+        halves = list(range(len(ring))) if ring else [None]
+        for b in sorted(self.graphs, reverse=True):
+            hidden, slots = self.graphs[b][1], self.state_slots[:b]
+            for mode in TAIL_MODES:
+                step = SamplingStep(greedy_only=mode == "greedy")
+
+                def tail(half):
+                    logits = runner.model.compute_logits(hidden, gather="none")
+                    tokens = sample(logits, slots, step)
+                    feed(tokens, slots, runner.slot_tokens, None if half is None else ring[half][:b])
+                    return tokens
+
+                tail(halves[0])  # warm-up outside the graph (lazy inits, compiles): on the scratch slot's state
+                torch.cuda.synchronize()
+                for half in halves:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        tokens = tail(half)
+                    self.tails[b, mode, half] = (graph, tokens)
+        torch.cuda.synchronize()
+        parallel.barrier()
+        if parallel.is_driver():
+            log.info("captured %d sampling tail graphs in %.1f s", len(self.tails), time.time() - t0)
+
+    def run_tail(self, n: int, mode: str, half: int | None) -> torch.Tensor:
+        """After run() of an n-row batch: its tail for `mode` (and rank 0's ring `half`); the real rows' tokens."""
+        graph, tokens = self.tails[self.size, mode, half]
+        graph.replay()
+        return tokens[:n]

@@ -134,7 +134,7 @@ class StepTimes:
     """Host time of rank 0's steps, summed since the last reset (seconds); per step = per step queued."""
     steps: int = 0           # steps queued on the device
     host_s: float = 0.0      # outside the forward: schedule, plan broadcast, sampling, postprocess
-    forward_s: float = 0.0   # queueing the forward (runner.execute)
+    forward_s: float = 0.0   # queueing the forward, sampling and the feed (runner.sample_step)
     wait_s: float = 0.0      # waiting for a step's tokens to reach the host
     # GPU only: time the device sat idle between the end of a step and the start of the next one queued right
     # after it (CUDA events, at every GAP_EVERY-th step): the part of the host's time that the overlap did not hide
@@ -224,6 +224,9 @@ class LLMEngine:
                                self.runner.num_state_slots, self.device)
         if warm_up:
             self.sampler.warm_up()
+        # the sampling tails of the decode graphs are captured with it; rank 0's tokens reach the host through the
+        # runner's pinned ring
+        self.runner.attach_sampler(self.sampler, host_ring=parallel.is_driver() and self.device.type == "cuda")
         if compiles and parallel.is_driver():
             self._stop_compile_log = on_compile(self._log_late_compile)
         if warm_up:  # serving: what start-up leaves alive (the model's modules and parameters, the compiled
@@ -248,12 +251,10 @@ class LLMEngine:
             # next: how long the device idled between them); a CUDA call costs the host 5-25 us, so not every step.
             # The events are recorded on the stream the engine was built on (the device's default stream, which
             # the thread calling step() uses too): torch.cuda.current_stream() at every record cost the host ~20 us
-            # a step (H200 host, 2026-11-26). The tokens reach the pinned buffer from the device (runner.
-            # accept_tokens: the feed kernel writes them there), no copy queued by the host.
+            # a step (H200 host, 2026-11-26). The tokens reach the runner's pinned ring from the device (the feed
+            # kernel writes them there, in the tail graph or after eager sampling), no copy queued by the host.
             self._stream = torch.cuda.current_stream(self.device)
-            n = self.scheduler.max_num_seqs
-            self._token_buffers = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-            self._token_views: dict[tuple[int, int], torch.Tensor] = {}
+            self._token_views: dict[tuple[int, int], torch.Tensor] = {}  # (ring half, rows) -> its first rows
             self._ready = [torch.cuda.Event() for _ in range(2)]
             self._gap_end, self._gap_start = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         self.overlap = args.overlap
@@ -332,14 +333,9 @@ class LLMEngine:
             start.record(self._stream)
         sampling = self._sampling_step(step, self._bind(step) if step.admitted else [])
         _send(plan, sampling)
-        host = None
-        if self._pin and step.sampled:  # where the step's tokens land on the host
-            key = (k % 2, len(step.sampled))
-            host = self._token_views.get(key)
-            if host is None:
-                host = self._token_views[key] = self._token_buffers[key[0]][:key[1]]
+        half = k % 2 if self._pin and step.sampled else None  # the ring half the step's tokens land in
         t0 = time.perf_counter()
-        tokens = self._run_step(plan, sampling, host)
+        tokens = self._run_step(plan, sampling, half)
         times.forward_s += time.perf_counter() - t0
         self.total_prompt_tokens += step.num_prompt_tokens
         self.num_steps = k
@@ -350,7 +346,13 @@ class LLMEngine:
         ready.record(self._stream)
         # a gap to measure once both ends have run (in _postprocess), if the step queued before ran back to back
         after = self._last_end if start is not None and self._last_end is self._gap_end else None
-        launched = _Launched(step.sampled, host if tokens is not None else None, ready, start, after, batch)
+        host = None
+        if tokens is not None:
+            key = (half, len(step.sampled))
+            host = self._token_views.get(key)
+            if host is None:
+                host = self._token_views[key] = self.runner.host_ring[half][:key[1]]
+        launched = _Launched(step.sampled, host, ready, start, after, batch)
         self._last_end = ready
         return launched
 
@@ -396,18 +398,12 @@ class LLMEngine:
             out.suppress += [(i, t) for t in req.suppressed_ids(req.num_scheduled - 1)]
         return out
 
-    def _run_step(self, plan: StepPlan, sampling: SamplingStep, host: torch.Tensor | None = None
-                  ) -> torch.Tensor | None:
+    def _run_step(self, plan: StepPlan, sampling: SamplingStep, half: int | None = None) -> torch.Tensor | None:
         """Every rank: the forward, then sampling from this rank's vocabulary slice; the tokens ([n] int64 on the
-        device, the same on every rank) become the slots' next input, and on rank 0 (`host`: pinned, [n]) go to the
-        host. Queued, no host sync."""
+        device, the same on every rank) become the slots' next input, and on rank 0 (`half`) land in that half of
+        the runner's host ring (runner.sample_step). Queued, no host sync."""
         self.sampler.admit(sampling)
-        logits = self.runner.execute(plan, gather="none")
-        if not any(plan.want_logits):
-            return None
-        tokens = self.sampler.sample(logits, self.runner.logit_slots, sampling)
-        self.runner.accept_tokens(tokens, host)
-        return tokens
+        return self.runner.sample_step(plan, sampling, half)
 
     def _postprocess(self, launched: _Launched) -> list[RequestOutput]:
         """The one place a sampled token reaches its request: appended once (detokenized, stop tokens, stop strings

@@ -4,9 +4,10 @@ Every rank holds one. The caches are allocated once, at fixed addresses: per ful
 [blocks, block_size, kv_heads, head_dim]; per DeltaNet layer a conv tail [slots, conv_dim, kernel-1] and an fp32
 recurrent state [slots, v_heads, dk, dv]. A StepPlan addresses them by state slot only: per slot, the runner keeps
 on the device the slot's KV block table (set by the plans that change it) and the token last sampled for it
-(accept_tokens), which a row without tokens feeds. Preparing a step is one host-to-device copy of the plan's
+(sample_step feeds it), which a row without tokens feeds. Preparing a step is one host-to-device copy of the plan's
 integers (from pinned memory, asynchronous: the host never waits for the device) and a few device ops, so the host
-can queue step N+1 while the device still runs step N.
+can queue step N+1 while the device still runs step N. `execute` returns a step's logits (the logits-level API,
+benchmarks, tests); `sample_step` is the engine's step: forward, sampling and the tokens fed back, on every rank.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from layers.sampler import feed_tokens_fast, feed_tokens_torch
 from layers.varlen import SEQ_TILE
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
+from qwen35.cuda_graphs import tail_mode
 from qwen35.engine_config import EngineConfig
 from qwen35.model import Qwen35Model
 from scheduler.plan import StepPlan
@@ -95,6 +97,7 @@ class ModelRunner:
             else:
                 from qwen35.cuda_graphs import DecodeGraphs
                 self.graphs = DecodeGraphs(self)
+        self.sampler, self.host_ring = None, None  # attach_sampler
 
     # ---------------------------------------------------------------- caches
     def _allocate_caches(self, utilization: float, num_kv_blocks: int | None) -> None:
@@ -266,18 +269,52 @@ class ModelRunner:
                 for t in tensors:
                     t.index_copy_(0, dst, t.index_select(0, src))
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan, gather: str = "driver", eager: bool = False) -> torch.Tensor | None:
-        """Queue one step on the device; logits [n_want_logits, vocab] float32 on rank 0 (gather "driver"), on every
-        rank ("all"), or each rank's vocabulary slice [n_want_logits, vocab / tp] ("none": the engine's sampling).
-        `eager` skips the CUDA graphs (kernel counts)."""
+    def _forward(self, plan: StepPlan, eager: bool = False) -> tuple[torch.Tensor, ForwardBatch, bool]:
+        """Queue the step's copies and forward: final-norm hidden states of its rows, its batch, and whether a CUDA
+        graph ran it."""
         self._apply_copies(plan)
         batch = self.prepare(plan)
         if not eager and self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch)
-        else:
-            hidden = self.model(batch)
+            return self.graphs.run(batch), batch, True
+        return self.model(batch), batch, False
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, gather: str = "driver", eager: bool = False) -> torch.Tensor | None:
+        """Queue one step on the device; logits [n_want_logits, vocab] float32 on rank 0 (gather "driver"), on every
+        rank ("all"), or each rank's vocabulary slice [n_want_logits, vocab / tp] ("none").
+        `eager` skips the CUDA graphs (kernel counts)."""
+        hidden, batch, _ = self._forward(plan, eager)
         return self.model.compute_logits(hidden[batch.logits_indices], gather=gather)
+
+    def attach_sampler(self, sampler, host_ring: bool) -> None:
+        """Every rank, once: the engine's sampler (layers/sampler.py Sampler), and on rank 0 (`host_ring`, CUDA) the
+        pinned ring the step's tokens reach the host through: two halves, step k's tokens in half k % 2 (with
+        overlap the host reads one step's while the device writes the next one's). With CUDA graphs, the sampling
+        tails of every graph size are captured here (cuda_graphs.DecodeGraphs.capture_tails)."""
+        self.sampler = sampler
+        self.host_ring = [torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
+            if host_ring else None
+        if self.graphs is not None:
+            self.graphs.capture_tails(sampler.sample, self._feed_tokens, self.host_ring)
+
+    @torch.inference_mode()
+    def sample_step(self, plan: StepPlan, sampling, half: int | None = None) -> torch.Tensor | None:
+        """Every rank, the engine's step (after attach_sampler): the forward, sampling from this rank's vocabulary
+        slice (collective; `sampling` a SamplingStep), and the tokens ([n] int64 on the device, the same on every
+        rank) fed to their slots' next inputs and, on rank 0, into host_ring[half][:n]. A pure-decode step that a
+        graph runs, with sampling a tail holds (cuda_graphs.tail_mode), is two replays. Queued, no host sync."""
+        hidden, batch, graphed = self._forward(plan)
+        if graphed:
+            mode = tail_mode(sampling)
+            if mode is not None:
+                return self.graphs.run_tail(batch.num_seqs, mode, half)
+        if not self.logit_slots.numel():
+            return None
+        logits = self.model.compute_logits(hidden[batch.logits_indices], gather="none")
+        tokens = self.sampler.sample(logits, self.logit_slots, sampling)
+        self._feed_tokens(tokens, self.logit_slots, self.slot_tokens,
+                          None if half is None else self.host_ring[half][:len(tokens)])
+        return tokens
 
     # ---------------------------------------------------------------- warm-up
     def rows_plan(self, rows: list[tuple[int, int]], ids, checkpoint: int = 0) -> StepPlan | None:
@@ -360,14 +397,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return len(plans)
-
-    @torch.inference_mode()
-    def accept_tokens(self, tokens: torch.Tensor, host: torch.Tensor | None = None) -> None:
-        """Every rank, after execute(): the tokens sampled for the last step's logits rows ([n] int64 on the device,
-        the same on every rank: every rank samples) become their slots' next input; rank 0 also has them written
-        into `host` ([n] int64, pinned) for its postprocess. Queued, no host sync."""
-        if self.logit_slots.numel():
-            self._feed_tokens(tokens, self.logit_slots, self.slot_tokens, host)
 
 
 def _copy_waves(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:

@@ -70,12 +70,12 @@ def small_engine(tiny_dir):
 
 def record_plans(engine, monkeypatch):
     plans = []
-    execute = engine.runner.execute
+    sample_step = engine.runner.sample_step
 
-    def wrapped(plan, **kw):
+    def wrapped(plan, *args, **kw):
         plans.append(plan)
-        return execute(plan, **kw)
-    monkeypatch.setattr(engine.runner, "execute", wrapped)
+        return sample_step(plan, *args, **kw)
+    monkeypatch.setattr(engine.runner, "sample_step", wrapped)
     return plans
 
 
@@ -641,9 +641,9 @@ def test_step_loop_failure_ends_the_process(tiny_dir, cache_dir):
         from qwen35.engine import EngineArgs, LLMEngine
         from qwen35.sampling_params import SamplingParams
         eng = LLMEngine(EngineArgs(model={tiny_dir!r}, max_num_seqs=2, max_model_len=64, device="cpu"))
-        def broken(plan, **kw):
+        def broken(plan, *args, **kw):
             raise RuntimeError("boom in the forward")
-        eng.runner.execute = broken
+        eng.runner.sample_step = broken
         async def main():
             async for _ in AsyncEngine(eng).generate("r", [1, 2, 3], SamplingParams(max_tokens=4)):
                 pass
@@ -682,3 +682,30 @@ def test_llm_generate(tiny_dir, tok):
     with pytest.raises(ValueError, match="exceeds max_model_len"):  # all or nothing
         llm.generate(["hi", "fine, thanks a lot"], SamplingParams(max_tokens=253))
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.gpu
+def test_gpu_sampling_tails_give_the_eager_tokens(tiny_dir, monkeypatch):
+    """The engine's pure-decode steps run their sampling as tail graphs (greedy and plain temperature rows; no
+    min_tokens, so nothing is suppressed): the same tokens as with every tail sampled eagerly. Four prompts of one
+    length arrive together, so every decode step has four rows, the graph's own size (no padded row changes a GEMM's
+    row count between the two runs)."""
+    import qwen35.runner as runner_module
+    prompts = [[(7 * i + j) % 5000 + 100 for j in range(24)] for i in range(4)]
+    params = [SamplingParams(max_tokens=N_NEW, ignore_eos=True),
+              SamplingParams(max_tokens=N_NEW, ignore_eos=True, temperature=0.8, seed=3)]
+    got = {}
+    for tails in (True, False):
+        eng = LLMEngine(EngineArgs(model=tiny_dir, device="cuda", max_num_seqs=4, max_model_len=256,
+                                   max_num_batched_tokens=256))
+        assert eng.runner.graphs is not None and eng.runner.graphs.tails
+        replays = []
+        run_tail = eng.runner.graphs.run_tail
+        monkeypatch.setattr(eng.runner.graphs, "run_tail", lambda *a: replays.append(a) or run_tail(*a))
+        if not tails:
+            monkeypatch.setattr(runner_module, "tail_mode", lambda step: None)
+        for p in params:
+            got[tails, p.temperature], _ = run(eng, [(f"r{i}", q, p) for i, q in enumerate(prompts)])
+        assert len(replays) >= (2 * (N_NEW - 2) if tails else 0)
+        monkeypatch.undo()
+    assert got[True, 0.0] == got[False, 0.0] and got[True, 0.8] == got[False, 0.8]

@@ -174,3 +174,40 @@ def test_cuda_graph_decode_equals_eager_tp2(moe_dir, tmp_path):
     mp.start_processes(_tp_graph_worker, args=(2, free_port(), moe_dir, out_file), nprocs=2, join=True,
                        start_method="spawn")
     assert max(torch.load(out_file)) <= 3e-2
+
+
+@pytest.mark.gpu
+def test_sampling_tail_graph_equals_eager_sampling(moe_dir):
+    """A decode step's tail graph (3 rows run by the graph of 4) gives, in both modes, the tokens eager sampling
+    gives from the same hidden rows at the same row count, bit for bit; it feeds them to the slots' inputs and into
+    its host ring half, and moves the sampled slots' draw counters on by one, as eager sampling does."""
+    from layers.sampler import Sampler, SamplingStep
+    runner = make_runner(moe_dir, device="cuda", dtype="bfloat16")
+    vocab = runner.config.vocab_size
+    sampler = Sampler(vocab, vocab, runner.num_state_slots, "cuda")
+    runner.attach_sampler(sampler, host_ring=True)
+    assert {(b, m, h) for b, m, h in runner.graphs.tails} == {(b, m, h) for b in (1, 2, 4, 8)
+                                                                 for m in ("greedy", "sampled") for h in (0, 1)}
+    prefill, decodes = decode_schedule(7)
+    runner.execute(prefill)
+    plans = [p for p in decodes if p.num_seqs == 3][:2]
+    slots = plans[1].state_slots
+    sampler.admit(SamplingStep(False, False, False, [(s, (0.9, 0.0, 1.0), 100 + s) for s in slots]))
+    for plan, mode, half in zip(plans, ("greedy", "sampled"), (0, 1)):
+        with torch.inference_mode():
+            runner.graphs.run(runner.prepare(plan))
+            size = runner.graphs.size
+            assert size == 4
+            draws = sampler.draws.clone()
+            tokens = runner.graphs.run_tail(3, mode, half)
+            torch.cuda.synchronize()
+            ring, inputs = runner.host_ring[half][:3].tolist(), runner.slot_tokens[plan.state_slots].tolist()
+            tail_draws = sampler.draws.clone()
+            sampler.draws.copy_(draws)
+            hidden = runner.graphs.graphs[size][1]
+            logits = runner.model.compute_logits(hidden, gather="none")
+            want = sampler.sample(logits, runner.graphs.state_slots[:size], SamplingStep(greedy_only=mode == "greedy"))
+            want = want[:3].tolist()
+        assert tokens.tolist() == want and ring == want and inputs == want
+        assert torch.equal(tail_draws, sampler.draws)
+        assert (tail_draws - draws)[plan.state_slots].tolist() == [1, 1, 1]

@@ -358,7 +358,7 @@ def _serve(tiny_dir, monkeypatch, batched: bool, seed: int, overlap: bool) -> tu
     rng = random.Random(seed)
     forward = random.Random(seed + 1)
 
-    def run_step(plan, sampling, host=None):  # (a CPU engine: no host buffer)
+    def run_step(plan, sampling, half=None):  # (a CPU engine: no host ring)
         n = sum(plan.want_logits)
         picks = [forward.choice(rare) if forward.random() < 0.015 else forward.choice(plain) for _ in range(n)]
         return torch.tensor(picks) if n else None

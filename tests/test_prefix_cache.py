@@ -133,8 +133,8 @@ def test_chunks_cut_across_snapshot_positions(tiny_dir, expected):
     anywhere else), one from a chunk multiple takes it inside; the tokens stay those of an engine without the
     cache, with the first prompt prefilled by several requests at once."""
     eng = make(tiny_dir, max_num_batched_tokens=100)
-    plans, execute = [], eng.runner.execute
-    eng.runner.execute = lambda plan, **kw: plans.append(plan) or execute(plan, **kw)
+    plans, sample_step = [], eng.runner.sample_step
+    eng.runner.sample_step = lambda plan, *args, **kw: plans.append(plan) or sample_step(plan, *args, **kw)
     reqs = [(f"{kind}f{i}", p, params) for i, p in enumerate(FEW_SHOT[:3]) for kind, params in KINDS]
     assert run(eng, reqs, arrive_every=2) == {rid: expected[rid] for rid, _, _ in reqs}
     checkpoints = [(plan.start_pos[r], plan.seq_lens[r], p) for plan in plans for r, p, _ in plan.checkpoints]
