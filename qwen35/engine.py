@@ -219,9 +219,10 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(self.model_dir)
             self.tokenizer.warm_detokenizer()  # no token's text is worked out for the first time while streaming
             num_real = min(self.tokenizer.num_real_tokens, self.config.vocab_size)
-        # every rank samples its vocabulary slice (the tokens then feed the next step on every rank)
+        # every rank samples its vocabulary slice (the tokens then feed the next step on every rank); per-slot
+        # settings for every slot a row may name, the scratch slot of padded graph rows included
         self.sampler = Sampler(parallel.broadcast_object(num_real), self.config.vocab_size,
-                               self.runner.num_state_slots, self.device)
+                               self.runner.scratch_slot + 1, self.device)
         if warm_up:
             self.sampler.warm_up()
         # the sampling tails of the decode graphs are captured with it; rank 0's tokens reach the host through the

@@ -291,6 +291,9 @@ class ModelRunner:
         pinned ring the step's tokens reach the host through: two halves, step k's tokens in half k % 2 (with
         overlap the host reads one step's while the device writes the next one's). With CUDA graphs, the sampling
         tails of every graph size are captured here (cuda_graphs.DecodeGraphs.capture_tails)."""
+        if sampler.params.shape[0] <= self.scratch_slot:  # padded graph rows sample the scratch slot
+            raise ValueError(f"the sampler holds {sampler.params.shape[0]} slots; the runner names "
+                             f"{self.scratch_slot + 1} (its scratch slot included)")
         self.sampler = sampler
         self.host_ring = [torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
             if host_ring else None

@@ -184,7 +184,7 @@ def test_sampling_tail_graph_equals_eager_sampling(moe_dir):
     from layers.sampler import Sampler, SamplingStep
     runner = make_runner(moe_dir, device="cuda", dtype="bfloat16")
     vocab = runner.config.vocab_size
-    sampler = Sampler(vocab, vocab, runner.num_state_slots, "cuda")
+    sampler = Sampler(vocab, vocab, runner.scratch_slot + 1, "cuda")
     runner.attach_sampler(sampler, host_ring=True)
     assert {(b, m, h) for b, m, h in runner.graphs.tails} == {(b, m, h) for b in (1, 2, 4, 8)
                                                                  for m in ("greedy", "sampled") for h in (0, 1)}
