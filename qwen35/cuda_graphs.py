@@ -1,24 +1,27 @@
-"""CUDA graphs for pure-decode steps: one graph per padded batch size, replayed with the step's values copied into
-static input tensors. A decode step is ~3,000 small kernels for the 40-layer model; a replay launches them as one.
+"""CUDA graphs for pure-decode steps: one graph per padded batch size. A decode step is ~3,000 small kernels for the
+40-layer model; a replay launches them as one. The host copies the step's rows (slot, position, token) into the
+graphs' static rows in one transfer; the graph itself works out the rest (decode_batch: input ids, the slots' block
+tables, KV slots, context lengths), which runner.prepare's ~20 eager ops and the copies into static inputs did
+before (~0.3 ms of host time per step on an H200 host, 2026-11-26).
 
-Padded rows (a batch of 5 runs the graph of 8) point at the scratch state slot and the scratch KV block that the
-runner allocates one extra of, so they never touch a real request's state. The graph covers embedding -> final
-norm (`run`). The engine's steps go on with a tail graph (`run_tail`): the LM head over the graph's rows, sampling
-from this rank's vocabulary slice, and the tokens fed to the slots' next inputs and, on rank 0, into one half of
-the runner's pinned host ring: one tail per graph size, sampling mode (TAIL_MODES: what a step's sampling asks of
-the kernels is fixed by its hints) and ring half (a graph's host address is fixed). Queued eagerly, that tail was
-~25 launches, 0.5-0.6 ms of host time per step on an H200 host (2026-11-26); a replay is one. Padded rows sample
-the scratch slot's settings and feed its token, which nothing reads. Steps whose sampling a tail does not hold
-(top-k, top-p, suppressed ids) and `runner.execute` (logits for the caller) run the LM head eagerly after the replay,
-on the real rows only.
+Padded rows (a batch of 5 runs the graph of 8) name the scratch state slot, whose block table holds only the scratch
+KV block that the runner allocates one extra of, so they never touch a real request's state. The graph covers the
+rows -> final norm (`run`). The engine's steps go on with a tail graph (`run_tail`): the LM head over the graph's
+rows, sampling from this rank's vocabulary slice, and the tokens fed to the slots' next inputs and, on rank 0, into
+one half of the runner's pinned host ring: one tail per graph size, sampling mode (TAIL_MODES: what a step's
+sampling asks of the kernels is fixed by its hints) and ring half (a graph's host address is fixed). Queued
+eagerly, that tail was ~25 launches, 0.5-0.6 ms of host time per step on an H200 host (2026-11-26); a replay is
+one. Padded rows sample the scratch slot's settings and feed its token, which nothing reads. Steps whose sampling
+no tail holds (top-k, top-p, suppressed ids) and `runner.execute` (logits for the caller) run the LM head eagerly
+after the replay, on the real rows only.
 
-The host may queue step N+1 while step N still runs (the engine's overlap): N+1's copies into the static buffers
-are queued on the same stream behind N's replay, so they never overwrite inputs that N has yet to read.
+The host may queue step N+1 while step N still runs (the engine's overlap): N+1's copy into the static rows is
+queued on the same stream behind N's replays, so it never overwrites rows that N has yet to read (and the pinned
+memory it copies from comes from torch's caching host allocator, which hands it out again only once the copy ran).
 """
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import torch
@@ -30,11 +33,25 @@ from layers.sampler import SamplingStep
 log = logging.getLogger("qwen35.graphs")
 
 
-def pad_values(runner) -> dict[str, int]:
-    """What a padded row of a decode batch holds, per input: token 0 at position 0, reading and writing only the
-    scratch KV block and the scratch state slot."""
-    return {"input_ids": 0, "positions": 0, "slot_mapping": runner.num_kv_blocks * runner.block_size,
-            "block_tables": runner.num_kv_blocks, "context_lens": 1, "state_slots": runner.scratch_slot}
+def pad_row(runner) -> tuple[int, int, int]:
+    """A padded row of a decode graph: (slot, position, token) = the scratch slot at position 0, fed the token last
+    sampled for it. Its block table (runner: every entry the scratch KV block) and state are scratch only."""
+    return runner.scratch_slot, 0, -1
+
+
+def decode_batch(runner, rows: torch.Tensor) -> ForwardBatch:
+    """A pure-decode batch's inputs, as device ops only (so that a CUDA graph holds them), from its rows [3, b]
+    int64: slot, position (tokens already cached) and token (-1: the one sampled for the slot, on the device). What
+    runner.prepare gives such a step, except that block tables are the slots' whole rows."""
+    slots, positions, tokens = rows[0], rows[1], rows[2]
+    b, bs = rows.shape[1], runner.block_size
+    tables = runner.block_table[slots]
+    blocks = tables.gather(1, (positions // bs)[:, None])[:, 0]
+    return ForwardBatch(
+        input_ids=torch.where(tokens < 0, runner.slot_tokens[slots], tokens), positions=positions,
+        slot_mapping=blocks.long() * bs + positions % bs, cu_seqlens=None, start_pos=None,
+        context_lens=(positions + 1).to(torch.int32), block_tables=tables, state_slots=slots, logits_indices=None,
+        seq_lens_cpu=[1] * b, start_pos_cpu=[1] * b, state_slots_cpu=[runner.scratch_slot] * b, is_decode=True)
 
 
 TAIL_MODES = ("greedy", "sampled")
@@ -59,17 +76,8 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, runner):
         self.runner = runner
-        dev, maxb = runner.device, runner.max_num_seqs
-        width = math.ceil(runner.max_model_len / runner.block_size)
-        self.pad = pad_values(runner)
-        i64 = dict(dtype=torch.int64, device=dev)
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.input_ids = torch.zeros(maxb, **i64)
-        self.positions = torch.zeros(maxb, **i64)
-        self.slot_mapping = torch.zeros(maxb, **i64)
-        self.block_tables = torch.zeros(maxb, width, **i32)
-        self.context_lens = torch.ones(maxb, **i32)
-        self.state_slots = torch.zeros(maxb, **i64)
+        # the rows of the step, [3, max_num_seqs] (decode_batch): written by one copy per step, padded rows included
+        self.rows = self._padded_rows().to(runner.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # (size, mode, ring half or None) -> (graph, its tokens [size]); captured once the engine's sampler exists
         self.tails: dict[tuple[int, str, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -77,53 +85,43 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
-    def _batch(self, b: int) -> ForwardBatch:
-        return ForwardBatch(
-            input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
-            cu_seqlens=None, start_pos=None, context_lens=self.context_lens[:b], block_tables=self.block_tables[:b],
-            state_slots=self.state_slots[:b], logits_indices=None, seq_lens_cpu=[1] * b, start_pos_cpu=[1] * b,
-            state_slots_cpu=[self.pad["state_slots"]] * b, is_decode=True)
-
-    def _pad(self, start: int, end: int) -> None:
-        """Rows [start, end) read and write only scratch state."""
-        for name, value in self.pad.items():
-            getattr(self, name)[start:end] = value
-
     @torch.inference_mode()
     def _capture_all(self) -> None:
         t0 = time.time()
-        model = self.runner.model
-        self._pad(0, self.runner.max_num_seqs)
-        for b in sorted(capture_sizes(self.runner.max_num_seqs), reverse=True):  # largest first: pool reuse
-            batch = self._batch(b)
-            model(batch)  # warm-up outside the graph (lazy inits, NCCL communicators, Triton compiles)
+        runner, model = self.runner, self.runner.model
+        for b in sorted(capture_sizes(runner.max_num_seqs), reverse=True):  # largest first: pool reuse
+            model(decode_batch(runner, self.rows[:, :b]))  # warm-up outside the graph (lazy inits, NCCL, compiles)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = model(batch)
+                out = model(decode_batch(runner, self.rows[:, :b]))
             self.graphs[b] = (graph, out)
+        self._size_for = [min(s for s in self.graphs if s >= n) for n in range(max(self.graphs) + 1)]
         torch.cuda.synchronize()
         parallel.barrier()
         if parallel.is_driver():
             log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
                      sorted(self.graphs), time.time() - t0)
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode and batch.num_seqs <= max(self.graphs) \
-            and batch.block_tables.shape[1] <= self.block_tables.shape[1]
+    def _padded_rows(self) -> torch.Tensor:
+        return torch.tensor([pad_row(self.runner)] * self.runner.max_num_seqs, dtype=torch.int64).T.contiguous()
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Final-norm hidden states [B, H] of the batch's B decode tokens, by graph replay."""
-        n = batch.num_seqs
-        b = min(s for s in self.graphs if s >= n)
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
-        self.block_tables[:n, : batch.block_tables.shape[1]].copy_(batch.block_tables)
-        self.context_lens[:n].copy_(batch.context_lens)
-        self.state_slots[:n].copy_(batch.state_slots)
-        if b > n:
-            self._pad(n, b)
+    @property
+    def max_size(self) -> int:
+        return max(self.graphs)
+
+    def run(self, slots: list[int], positions: list[int], tokens: list[int] | None) -> torch.Tensor:
+        """Final-norm hidden states [n, H] of n decode rows (slot, position, token: None = every row fed the token
+        sampled for its slot), by one copy of the rows and a replay of the smallest graph that holds them. The
+        caller has checked the rows (runner: slots in range, positions inside their block tables)."""
+        n = len(slots)
+        b = self._size_for[n]
+        slot, pos, tok = pad_row(self.runner)
+        pad = b - n
+        host = torch.tensor([*slots, *[slot] * pad, *positions, *[pos] * pad,
+                             *(tokens if tokens is not None else [tok] * n), *[tok] * pad],
+                            dtype=torch.int64, pin_memory=True)
+        self.rows[:, :b].copy_(host.view(3, b), non_blocking=True)
         graph, out = self.graphs[b]
         graph.replay()
         self.size = b
@@ -136,10 +134,10 @@ class DecodeGraphs:
         or None. Every rank captures the same tails (sampling is collective at TP > 1)."""
         t0 = time.time()
         runner = self.runner
-        self._pad(0, runner.max_num_seqs)  # the warm-ups sample and feed the scratch slot only
+        self.rows.copy_(self._padded_rows())  # the warm-ups sample and feed the scratch slot only
         halves = list(range(len(ring))) if ring else [None]
         for b in sorted(self.graphs, reverse=True):
-            hidden, slots = self.graphs[b][1], self.state_slots[:b]
+            hidden, slots = self.graphs[b][1], self.rows[0, :b]
             for mode in TAIL_MODES:
                 step = SamplingStep(greedy_only=mode == "greedy")
 

@@ -15,6 +15,8 @@ import itertools
 import logging
 import math
 import zlib
+from itertools import repeat
+from operator import add, le, mul
 
 import torch
 
@@ -143,6 +145,7 @@ class ModelRunner:
         slots = self.scratch_slot + 1
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.block_table = torch.zeros(slots, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        self.block_table[self.scratch_slot] = self.num_kv_blocks  # padded graph rows: the scratch KV block only
         self.slot_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self._table_len = [0] * slots  # blocks set per slot, on the host: plans are checked against it
         # a host tensor copied to the device asynchronously must stay untouched until the copy has run: pinned
@@ -174,12 +177,8 @@ class ModelRunner:
         self._set_tables(plan)
         bs = self.block_size
         slots, starts, lens = plan.state_slots, plan.start_pos, plan.seq_lens
-        ctx = [s + n for s, n in zip(starts, lens)]
-        for i, (slot, c) in enumerate(zip(slots, ctx)):
-            if not 0 <= slot < self.num_state_slots or c > self._table_len[slot] * bs:
-                raise ValueError(f"bad step plan for row {i}: {lens[i]} tokens at {starts[i]} in slot {slot}, whose "
-                                 f"block table holds {self._table_len[slot] if 0 <= slot < len(self._table_len) else 0}"
-                                 f" blocks of {bs}")
+        ctx = list(map(add, starts, lens))
+        self._check_rows(slots, starts, lens, ctx)
         self._check_checkpoints(plan)
         cu = [0, *itertools.accumulate(lens)]
         want = [i for i, w in enumerate(plan.want_logits) if w]
@@ -234,6 +233,19 @@ class ModelRunner:
             checkpoints_cpu=list(plan.checkpoints),
         )
 
+    def _check_rows(self, slots: list[int], starts: list[int], lens: list[int], ctx: list[int]) -> None:
+        """Each row's slot is a state slot and its context (start + tokens) inside the slot's block table: C-level
+        passes, then the first bad row named."""
+        table_len, bs = self._table_len, self.block_size
+        if slots and 0 <= min(slots) and max(slots) < self.num_state_slots and \
+                all(map(le, ctx, map(mul, map(table_len.__getitem__, slots), repeat(bs)))):
+            return
+        for i, (slot, c) in enumerate(zip(slots, ctx)):
+            if not 0 <= slot < self.num_state_slots or c > table_len[slot] * bs:
+                raise ValueError(f"bad step plan for row {i}: {lens[i]} tokens at {starts[i]} in slot {slot}, whose "
+                                 f"block table holds {table_len[slot] if 0 <= slot < len(table_len) else 0}"
+                                 f" blocks of {bs}")
+
     def _check_checkpoints(self, plan: StepPlan) -> None:
         """Each checkpoint names a row that runs the prefill kernels (not one token on a state), a position those
         can stop at (a chunk multiple from the row's start, or its end), once, and a snapshot slot no other
@@ -269,22 +281,32 @@ class ModelRunner:
                 for t in tensors:
                     t.index_copy_(0, dst, t.index_select(0, src))
 
-    def _forward(self, plan: StepPlan, eager: bool = False) -> tuple[torch.Tensor, ForwardBatch, bool]:
-        """Queue the step's copies and forward: final-norm hidden states of its rows, its batch, and whether a CUDA
-        graph ran it."""
+    def _forward(self, plan: StepPlan, eager: bool = False) -> tuple[torch.Tensor, ForwardBatch | None]:
+        """Queue the step's copies and forward: final-norm hidden states, and the step's batch (None: a CUDA graph
+        ran it, from its rows alone, and every row wants logits: the hidden states are theirs)."""
         self._apply_copies(plan)
+        graphs = self.graphs
+        n = plan.num_seqs
+        if not eager and graphs is not None and 0 < n <= graphs.max_size and not plan.checkpoints \
+                and plan.is_pure_decode and all(plan.want_logits):
+            # a pure-decode step: its rows go to the graph as they are (it computes what prepare would)
+            self._set_tables(plan)
+            slots, starts, toks = plan.state_slots, plan.start_pos, plan.token_ids
+            self._check_rows(slots, starts, [1] * n, [p + 1 for p in starts])
+            tokens = None if not any(toks) else [t[0] if t else -1 for t in toks]
+            hidden = graphs.run(slots, starts, tokens)
+            self.logit_slots = graphs.rows[0, :n]
+            return hidden, None
         batch = self.prepare(plan)
-        if not eager and self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch), batch, True
-        return self.model(batch), batch, False
+        return self.model(batch), batch
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, gather: str = "driver", eager: bool = False) -> torch.Tensor | None:
         """Queue one step on the device; logits [n_want_logits, vocab] float32 on rank 0 (gather "driver"), on every
         rank ("all"), or each rank's vocabulary slice [n_want_logits, vocab / tp] ("none").
         `eager` skips the CUDA graphs (kernel counts)."""
-        hidden, batch, _ = self._forward(plan, eager)
-        return self.model.compute_logits(hidden[batch.logits_indices], gather=gather)
+        hidden, batch = self._forward(plan, eager)
+        return self.model.compute_logits(hidden if batch is None else hidden[batch.logits_indices], gather=gather)
 
     def attach_sampler(self, sampler, host_ring: bool) -> None:
         """Every rank, once: the engine's sampler (layers/sampler.py Sampler), and on rank 0 (`host_ring`, CUDA) the
@@ -306,14 +328,14 @@ class ModelRunner:
         slice (collective; `sampling` a SamplingStep), and the tokens ([n] int64 on the device, the same on every
         rank) fed to their slots' next inputs and, on rank 0, into host_ring[half][:n]. A pure-decode step that a
         graph runs, with sampling a tail holds (cuda_graphs.tail_mode), is two replays. Queued, no host sync."""
-        hidden, batch, graphed = self._forward(plan)
-        if graphed:
+        hidden, batch = self._forward(plan)
+        if batch is None:  # a graph ran it
             mode = tail_mode(sampling)
             if mode is not None:
-                return self.graphs.run_tail(batch.num_seqs, mode, half)
-        if not self.logit_slots.numel():
+                return self.graphs.run_tail(plan.num_seqs, mode, half)
+        elif not self.logit_slots.numel():
             return None
-        logits = self.model.compute_logits(hidden[batch.logits_indices], gather="none")
+        logits = self.model.compute_logits(hidden if batch is None else hidden[batch.logits_indices], gather="none")
         tokens = self.sampler.sample(logits, self.logit_slots, sampling)
         self._feed_tokens(tokens, self.logit_slots, self.slot_tokens,
                           None if half is None else self.host_ring[half][:len(tokens)])

@@ -60,7 +60,8 @@ class StepPlan:
 
     @property
     def is_pure_decode(self) -> bool:
-        return all(len(t) <= 1 and p > 0 for t, p in zip(self.token_ids, self.start_pos))
+        # (C-level passes: a check of every step's rows)
+        return bool(self.token_ids) and max(map(len, self.token_ids)) <= 1 and min(self.start_pos) > 0
 
     def encode(self) -> list[int]:
         """The plan as a list of integers (columns, so that every part is one C-level extend, not a loop per row)."""

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from layers.forward_batch import ForwardBatch
 from qwen35.config import ModelConfig
-from qwen35.cuda_graphs import pad_values
+from qwen35.cuda_graphs import decode_batch, pad_row
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
 from tests.compare import max_diff
@@ -102,28 +102,31 @@ def test_model_decode_steps_fast_equal_reference(moe_dir):
             assert max_diff(a, b) <= TOL
 
 
-def pad_decode_batch(batch: ForwardBatch, b: int, runner) -> ForwardBatch:
-    """`batch` grown to b rows with the padding rule of qwen35/cuda_graphs.py (pad_values)."""
-    extra = b - batch.num_seqs
-    grown = {name: torch.cat([getattr(batch, name), torch.full((extra, *getattr(batch, name).shape[1:]), value,
-                                                               dtype=getattr(batch, name).dtype)])
-             for name, value in pad_values(runner).items()}
-    return dataclasses.replace(batch, **grown, seq_lens_cpu=[1] * b, start_pos_cpu=batch.start_pos_cpu + [1] * extra,
-                               state_slots_cpu=batch.state_slots_cpu + [runner.scratch_slot] * extra)
+def graph_rows(plan: StepPlan, b: int, runner) -> torch.Tensor:
+    """The decode graphs' rows [3, b] for a pure-decode plan, padded to b with pad_row (qwen35/cuda_graphs.py)."""
+    rows = list(zip(plan.state_slots, plan.start_pos, [t[0] if t else -1 for t in plan.token_ids]))
+    return torch.tensor(rows + [pad_row(runner)] * (b - plan.num_seqs), dtype=torch.int64).T.contiguous()
 
 
-def test_padded_rows_touch_only_scratch(moe_dir):
-    """What makes padded graph replays safe, checked on the CPU: a decode batch of 3 padded to 8 gives the real rows
-    the same logits and writes the same real cache entries as the batch alone; pad rows write scratch only."""
+def test_graph_rows_make_prepares_batch_and_pads_touch_only_scratch(moe_dir):
+    """What the decode graphs compute from their rows (decode_batch) is what runner.prepare gives the same step
+    (block tables: the same entries, then the rest of each slot's row); and what makes padded replays safe, checked
+    on the CPU: the 3 rows padded to 8 give the real rows the logits of the 3 alone and write the same real cache
+    entries; pad rows write scratch only."""
     runner = make_runner(moe_dir, device="cpu", dtype="float32")
     prefill, decodes = decode_schedule(seed=2)
     runner.execute(prefill)
     plan = next(p for p in decodes if p.num_seqs == 3)
     batch = runner.prepare(plan)
-    alone, after_alone, padded = from_same_caches(
-        runner, lambda: model_logits(runner, batch, fast=True),
-        lambda: model_logits(runner, pad_decode_batch(batch, MAX_SEQS, runner), fast=True))
-    assert max_diff(padded[:3], alone) <= TOL
+    mine = decode_batch(runner, graph_rows(plan, 3, runner))
+    for name in ("input_ids", "positions", "slot_mapping", "context_lens", "state_slots"):
+        assert torch.equal(getattr(mine, name), getattr(batch, name)), name
+    width = batch.block_tables.shape[1]
+    assert torch.equal(mine.block_tables[:, :width], batch.block_tables)
+    padded = decode_batch(runner, graph_rows(plan, MAX_SEQS, runner))
+    alone, after_alone, with_pads = from_same_caches(
+        runner, lambda: model_logits(runner, batch, fast=True), lambda: model_logits(runner, padded, fast=True))
+    assert max_diff(with_pads[:3], alone) <= TOL
     for a, b in zip(after_alone, caches(runner)):  # scratch is the last slot / block of every cache
         assert max_diff(a[:-1], b[:-1]) <= TOL
 
@@ -195,7 +198,7 @@ def test_sampling_tail_graph_equals_eager_sampling(moe_dir):
     sampler.admit(SamplingStep(False, False, False, [(s, (0.9, 0.0, 1.0), 100 + s) for s in slots]))
     for plan, mode, half in zip(plans, ("greedy", "sampled"), (0, 1)):
         with torch.inference_mode():
-            runner.graphs.run(runner.prepare(plan))
+            assert runner._forward(plan)[1] is None  # the graph ran it
             size = runner.graphs.size
             assert size == 4
             draws = sampler.draws.clone()
@@ -206,7 +209,7 @@ def test_sampling_tail_graph_equals_eager_sampling(moe_dir):
             sampler.draws.copy_(draws)
             hidden = runner.graphs.graphs[size][1]
             logits = runner.model.compute_logits(hidden, gather="none")
-            want = sampler.sample(logits, runner.graphs.state_slots[:size], SamplingStep(greedy_only=mode == "greedy"))
+            want = sampler.sample(logits, runner.graphs.rows[0, :size], SamplingStep(greedy_only=mode == "greedy"))
             want = want[:3].tolist()
         assert tokens.tolist() == want and ring == want and inputs == want
         assert torch.equal(tail_draws, sampler.draws)
