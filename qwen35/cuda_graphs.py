@@ -131,7 +131,7 @@ class DecodeGraphs:
     def capture_tails(self, sample, feed, ring: list[torch.Tensor] | None) -> None:
         """A tail graph per graph size, mode and ring half: sample(logits, slots, step) -> tokens and feed(tokens,
         slots, slot_tokens, host) are the engine's sampler and the runner's feed; ring the host's halves (rank 0)
-        or None. Every rank captures the same tails (sampling is collective at TP > 1)."""
+        or None. The runner captures tails at TP=1 only (attach_sampler)."""
         t0 = time.time()
         runner = self.runner
         self.rows.copy_(self._padded_rows())  # the warm-ups sample and feed the scratch slot only
