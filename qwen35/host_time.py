@@ -48,22 +48,30 @@ def stub_forward(engine: LLMEngine, sleep_s: float = 0.0, seed: int = 0) -> None
 class Breakdown:
     """Where rank 0's host time per step goes, phase by phase: timers wrapped around the engine's own parts
     (schedule, the sampling step, the plan broadcast, the postprocess less its wait; `launch other`: the rest of
-    _launch outside the forward, the token copy and its event; `step other`: the rest of step()). Each wrapper
-    costs ~0.1-0.2 us, so the phases sum to a little more than cpu_ms. The sums restart with the engine's timers
-    (a new StepTimes: profile_steps sets one after its untimed prefill steps)."""
+    _launch outside the forward, its event records; `step other`: the rest of step()), and the parts of queueing
+    the forward (forward_ms; the runner's: prepare, the decode graph with its rows, the tail graph, the eager LM
+    head, sampling and feed where no tail ran them). Each wrapper costs the host ~0.1-1 us (more when its code is
+    out of the caches), so the phases sum to more than cpu_ms. The sums restart with the engine's timers (a new
+    StepTimes: profile_steps sets one after its untimed prefill steps)."""
 
     PHASES = ("schedule", "sampling_step", "bind", "send", "postprocess", "launch_other", "step_other")
+    FORWARD = ("prepare", "graph", "tail", "logits", "sample", "feed")
 
     def __init__(self, engine: LLMEngine):
         import qwen35.engine as engine_module
         self.engine, self.sums, self._times = engine, {}, None
         self._module, self._send = engine_module, engine_module._send
         sched = engine.scheduler
-        self._saved = [(sched, "schedule", sched.schedule), (engine, "_sampling_step", engine._sampling_step),
-                       (engine, "_bind", engine._bind), (engine, "_postprocess", engine._postprocess),
-                       (engine, "_launch", engine._launch)]
-        for obj, name, fn in self._saved:
-            setattr(obj, name, self._timed(fn, name.lstrip("_")))
+        runner, graphs = engine.runner, engine.runner.graphs
+        parts = [(sched, "schedule", "schedule"), (engine, "_sampling_step", "sampling_step"), (engine, "_bind", "bind"),
+                 (engine, "_postprocess", "postprocess"), (engine, "_launch", "launch"),
+                 (runner, "prepare", "prepare"), (runner.model, "compute_logits", "logits"),
+                 (engine.sampler, "sample", "sample"), (runner, "_feed_tokens", "feed")]
+        if graphs is not None:
+            parts += [(graphs, "run", "graph"), (graphs, "run_tail", "tail")]
+        self._saved = [(obj, name) for obj, name, _ in parts]
+        for obj, name, key in parts:
+            setattr(obj, name, self._timed(getattr(obj, name), key))
         engine_module._send = self._timed(self._send, "send")
 
     def _timed(self, fn, key: str):
@@ -71,7 +79,7 @@ class Breakdown:
 
         def run(*a, **k):
             if engine.times is not self._times:
-                self._times, self.sums = engine.times, dict.fromkeys(self.PHASES + ("launch",), 0.0)
+                self._times, self.sums = engine.times, dict.fromkeys(self.PHASES + self.FORWARD + ("launch",), 0.0)
             t0 = clock()
             try:
                 return fn(*a, **k)
@@ -80,7 +88,7 @@ class Breakdown:
         return run
 
     def close(self) -> None:
-        for obj, name, _ in self._saved:
+        for obj, name in self._saved:
             delattr(obj, name)  # back to the class's method
         self._module._send = self._send
 
@@ -93,7 +101,7 @@ class Breakdown:
         d["launch_other"] = d["launch"] - d["schedule"] - d["sampling_step"] - d["bind"] - d["send"] - d["forward"]
         d["step_other"] = d["host"] - d["launch_other"] - d["schedule"] - d["sampling_step"] - d["bind"] - \
             d["send"] - d["postprocess"]
-        return {k: round(1e6 * d[k] / n, 2) for k in self.PHASES + ("host",)}
+        return {k: round(1e6 * d[k] / n, 2) for k in self.PHASES + ("host", "forward") + self.FORWARD}
 
 
 def main(argv=None) -> None:
