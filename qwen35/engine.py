@@ -156,7 +156,7 @@ class _Launched:
     """A step queued on the device: the requests of its logits rows, and their tokens on the way to the host."""
     sampled: list[Request]
     tokens: torch.Tensor | None     # [n] int64 on the host (pinned on a GPU), written by the device (feed kernel)
-    ready: torch.cuda.Event | None  # recorded after that copy (GPU only)
+    ready: torch.cuda.Event | None  # recorded after the step (its tokens written: GPU only)
     start: torch.cuda.Event | None = None  # recorded before the step's first device work (GPU, timed steps)
     after: torch.cuda.Event | None = None  # the end of the step queued just before this one, if back to back
     # the decode batch's rows (the first rows; scheduler.DecodeBatch) when none of their tokens can be its
