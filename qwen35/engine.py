@@ -246,8 +246,9 @@ class LLMEngine:
         self._admissions = 0  # requests admitted so far: an unseeded request's noise key mixes in its number
         self._pin = self.device.type == "cuda"
         if self._pin:
-            # allocated once: a step's tokens land in a pinned buffer and an event marks their arrival, each reused
-            # after the step that used it last has been taken (postprocessed): overlap holds two steps at most.
+            # allocated once: a step's tokens land in a half of the runner's pinned ring and an event marks their
+            # arrival, each reused after the step that used it last has been taken (postprocessed): overlap holds
+            # two steps at most.
             # Every GAP_EVERY-th pair of back-to-back steps is also timed (the end of the one, the start of the
             # next: how long the device idled between them); a CUDA call costs the host 5-25 us, so not every step.
             # The events are recorded on the stream the engine was built on (the device's default stream, which
@@ -255,7 +256,6 @@ class LLMEngine:
             # a step (H200 host, 2026-11-26). The tokens reach the runner's pinned ring from the device (the feed
             # kernel writes them there, in the tail graph or after eager sampling), no copy queued by the host.
             self._stream = torch.cuda.current_stream(self.device)
-            self._token_views: dict[tuple[int, int], torch.Tensor] = {}  # (ring half, rows) -> its first rows
             self._ready = [torch.cuda.Event() for _ in range(2)]
             self._gap_end, self._gap_start = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         self.overlap = args.overlap
@@ -347,12 +347,7 @@ class LLMEngine:
         ready.record(self._stream)
         # a gap to measure once both ends have run (in _postprocess), if the step queued before ran back to back
         after = self._last_end if start is not None and self._last_end is self._gap_end else None
-        host = None
-        if tokens is not None:
-            key = (half, len(step.sampled))
-            host = self._token_views.get(key)
-            if host is None:
-                host = self._token_views[key] = self.runner.host_ring[half][:key[1]]
+        host = self.runner.host_view(half, len(step.sampled)) if tokens is not None else None
         launched = _Launched(step.sampled, host, ready, start, after, batch)
         self._last_end = ready
         return launched

@@ -39,7 +39,7 @@ def stub_forward(engine: LLMEngine, sleep_s: float = 0.0, seed: int = 0) -> None
         n = sum(plan.want_logits)
         tokens = torch.randint(1000, 50000, (n,), generator=gen) if n else None
         if half is not None and tokens is not None:  # (a GPU engine reads them from the runner's host ring)
-            engine.runner.host_ring[half][:n].copy_(tokens)
+            engine.runner.host_view(half, n).copy_(tokens)
         return tokens
 
     engine._run_step = run_step  # (on a worker rank: what it runs for each plan it receives)

@@ -99,7 +99,7 @@ class ModelRunner:
             else:
                 from qwen35.cuda_graphs import DecodeGraphs
                 self.graphs = DecodeGraphs(self)
-        self.sampler, self.host_ring = None, None  # attach_sampler
+        self.sampler, self.host_ring, self._host_views = None, None, {}  # attach_sampler
 
     # ---------------------------------------------------------------- caches
     def _allocate_caches(self, utilization: float, num_kv_blocks: int | None) -> None:
@@ -319,10 +319,18 @@ class ModelRunner:
         self.sampler = sampler
         self.host_ring = [torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
             if host_ring else None
+        self._host_views: dict[tuple[int, int], torch.Tensor] = {}
         # at TP > 1 the tails' sampling exchanges candidates inside the graph; the TP=2 GPU test of that hung on
         # 2026-11-26 (WRITEUP, issue #10) and has not been run again since, so tails are captured at TP=1 only
         if self.graphs is not None and parallel.tp_size() == 1:
             self.graphs.capture_tails(sampler.sample, self._feed_tokens, self.host_ring)
+
+    def host_view(self, half: int, n: int) -> torch.Tensor:
+        """Rank 0: the first n entries of host_ring[half], where a step's n tokens land (one view per shape, kept)."""
+        view = self._host_views.get((half, n))
+        if view is None:
+            view = self._host_views[half, n] = self.host_ring[half][:n]
+        return view
 
     @torch.inference_mode()
     def sample_step(self, plan: StepPlan, sampling, half: int | None = None) -> torch.Tensor | None:
@@ -340,7 +348,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden if batch is None else hidden[batch.logits_indices], gather="none")
         tokens = self.sampler.sample(logits, self.logit_slots, sampling)
         self._feed_tokens(tokens, self.logit_slots, self.slot_tokens,
-                          None if half is None else self.host_ring[half][:len(tokens)])
+                          None if half is None else self.host_view(half, len(tokens)))
         return tokens
 
     # ---------------------------------------------------------------- warm-up
