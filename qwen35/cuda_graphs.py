@@ -55,6 +55,7 @@ def decode_batch(runner, rows: torch.Tensor) -> ForwardBatch:
 
 
 TAIL_MODES = ("greedy", "sampled")
+RING_HALVES = 2  # the host ring's halves (runner.host_ring): step k's tokens land in half k % 2
 
 
 def tail_mode(step: SamplingStep) -> str | None:
@@ -79,8 +80,8 @@ class DecodeGraphs:
         # the rows of the step, [3, max_num_seqs] (decode_batch): written by one copy per step, padded rows included
         self.rows = self._padded_rows().to(runner.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # (size, mode, ring half or None) -> (graph, its tokens [size]); captured once the engine's sampler exists
-        self.tails: dict[tuple[int, str, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (size, mode, ring half) -> (graph, its tokens [size]); captured once the engine's sampler exists
+        self.tails: dict[tuple[int, str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.size = 0  # the graph size run() picked last
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
@@ -131,11 +132,12 @@ class DecodeGraphs:
     def capture_tails(self, sample, feed, ring: list[torch.Tensor] | None) -> None:
         """A tail graph per graph size, mode and ring half: sample(logits, slots, step) -> tokens and feed(tokens,
         slots, slot_tokens, host) are the engine's sampler and the runner's feed; ring the host's halves (rank 0)
-        or None. The runner captures tails at TP=1 only (attach_sampler)."""
+        or None. Every rank captures a tail per half, the same graphs in the same order (at TP > 1 each holds the
+        sampling's collective); where no ring is given, both halves' tails feed the device only."""
         t0 = time.time()
         runner = self.runner
         self.rows.copy_(self._padded_rows())  # the warm-ups sample and feed the scratch slot only
-        halves = list(range(len(ring))) if ring else [None]
+        halves = range(RING_HALVES)
         for b in sorted(self.graphs, reverse=True):
             hidden, slots = self.graphs[b][1], self.rows[0, :b]
             for mode in TAIL_MODES:
@@ -144,10 +146,10 @@ class DecodeGraphs:
                 def tail(half):
                     logits = runner.model.compute_logits(hidden, gather="none")
                     tokens = sample(logits, slots, step)
-                    feed(tokens, slots, runner.slot_tokens, None if half is None else ring[half][:b])
+                    feed(tokens, slots, runner.slot_tokens, ring[half][:b] if ring else None)
                     return tokens
 
-                tail(halves[0])  # warm-up outside the graph (lazy inits, compiles): on the scratch slot's state
+                tail(0)  # warm-up outside the graph (lazy inits, compiles): on the scratch slot's state
                 torch.cuda.synchronize()
                 for half in halves:
                     graph = torch.cuda.CUDAGraph()
@@ -160,7 +162,8 @@ class DecodeGraphs:
             log.info("captured %d sampling tail graphs in %.1f s", len(self.tails), time.time() - t0)
 
     def run_tail(self, n: int, mode: str, half: int | None) -> torch.Tensor:
-        """After run() of an n-row batch: its tail for `mode` (and rank 0's ring `half`); the real rows' tokens."""
-        graph, tokens = self.tails[self.size, mode, half]
+        """After run() of an n-row batch: its tail for `mode` and ring `half` (None: a rank without a ring, whose
+        tails of either half are the same); the real rows' tokens."""
+        graph, tokens = self.tails[self.size, mode, half or 0]
         graph.replay()
         return tokens[:n]

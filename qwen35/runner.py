@@ -30,7 +30,7 @@ from layers.sampler import feed_tokens_fast, feed_tokens_torch
 from layers.varlen import SEQ_TILE
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
-from qwen35.cuda_graphs import tail_mode
+from qwen35.cuda_graphs import RING_HALVES, tail_mode
 from qwen35.engine_config import EngineConfig
 from qwen35.model import Qwen35Model
 from scheduler.plan import StepPlan
@@ -311,18 +311,16 @@ class ModelRunner:
     def attach_sampler(self, sampler, host_ring: bool) -> None:
         """Every rank, once: the engine's sampler (layers/sampler.py Sampler), and on rank 0 (`host_ring`, CUDA) the
         pinned ring the step's tokens reach the host through: two halves, step k's tokens in half k % 2 (with
-        overlap the host reads one step's while the device writes the next one's). With CUDA graphs at TP=1, the
+        overlap the host reads one step's while the device writes the next one's). With CUDA graphs, the
         sampling tails of every graph size are captured here (cuda_graphs.DecodeGraphs.capture_tails)."""
         if sampler.params.shape[0] <= self.scratch_slot:  # padded graph rows sample the scratch slot
             raise ValueError(f"the sampler holds {sampler.params.shape[0]} slots; the runner names "
                              f"{self.scratch_slot + 1} (its scratch slot included)")
         self.sampler = sampler
-        self.host_ring = [torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
-            if host_ring else None
+        self.host_ring = [torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=True)
+                          for _ in range(RING_HALVES)] if host_ring else None
         self._host_views: dict[tuple[int, int], torch.Tensor] = {}
-        # at TP > 1 the tails' sampling exchanges candidates inside the graph; the TP=2 GPU test of that hung on
-        # 2026-11-26 (WRITEUP, issue #10) and has not been run again since, so tails are captured at TP=1 only
-        if self.graphs is not None and parallel.tp_size() == 1:
+        if self.graphs is not None:
             self.graphs.capture_tails(sampler.sample, self._feed_tokens, self.host_ring)
 
     def host_view(self, half: int, n: int) -> torch.Tensor:

@@ -709,3 +709,50 @@ def test_gpu_sampling_tails_give_the_eager_tokens(tiny_dir, monkeypatch):
         assert len(replays) >= (2 * (N_NEW - 2) if tails else 0)
         monkeypatch.undo()
     assert got[True, 0.0] == got[False, 0.0] and got[True, 0.8] == got[False, 0.8]
+
+
+def _tp_tails_worker(rank, port, tiny_dir, cache_dir, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), QWEN35_CACHE=cache_dir)
+    import faulthandler
+    faulthandler.dump_traceback_later(240, exit=True)  # a rank stuck in a collective says where, then the test fails
+    import qwen35.runner as runner_module
+    from dist import parallel
+    parallel.init_distributed("cuda")
+    prompts = [[(7 * i + j) % 5000 + 100 for j in range(24)] for i in range(4)]
+    params = [SamplingParams(max_tokens=N_NEW, ignore_eos=True),
+              SamplingParams(max_tokens=N_NEW, ignore_eos=True, temperature=0.8, seed=3)]
+    got, tail_mode = {}, runner_module.tail_mode
+    try:
+        for tails in (True, False):
+            runner_module.tail_mode = tail_mode if tails else (lambda step: None)
+            eng = LLMEngine(EngineArgs(model=tiny_dir, device="cuda", tp=2, max_num_seqs=4, max_model_len=256,
+                                       max_num_batched_tokens=256))
+            replays = []
+            run_tail = eng.runner.graphs.run_tail
+            eng.runner.graphs.run_tail = lambda *a: replays.append(a) or run_tail(*a)
+            if rank == 0:
+                for p in params:
+                    got[tails, p.temperature] = run(eng, [(f"r{i}", q, p) for i, q in enumerate(prompts)])[0]
+                eng.shutdown()
+            else:
+                eng.run_worker_loop()
+            got[tails, "replays"] = len(replays)
+            del eng
+        torch.save(got, f"{out_path}.{rank}")
+    finally:
+        parallel.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_tp2_sampling_tails_give_the_eager_tokens(tiny_dir, cache_dir, tmp_path):
+    """The same at TP=2: each rank replays its tails (the sampling's candidates cross the ranks inside the graphs;
+    rank 0's alternate between the host ring's halves, the other rank's feed the device only), and the tokens are
+    those of eager sampling after the same decode graphs."""
+    out = tmp_path / "tails"
+    torch.multiprocessing.spawn(_tp_tails_worker, args=(free_port(), tiny_dir, cache_dir, str(out)), nprocs=2)
+    driver, worker = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert driver[True, 0.0] == driver[False, 0.0] and driver[True, 0.8] == driver[False, 0.8]
+    assert driver[True, "replays"] == worker[True, "replays"] >= 2 * (N_NEW - 2)
+    assert driver[False, "replays"] == worker[False, "replays"] == 0
