@@ -9,6 +9,10 @@ graphs capture (the addresses never change, nothing waits for the host):
     two-shot   stage; barrier; rank r sums slice r of all buffers into its own buffer (reduce-scatter); barrier;
                every rank copies each slice from its owner (all-gather): 2 hops, about 2x the bytes read
 
+The same pieces gather: `all_gather_` stages each rank's message in its buffer; after one barrier every rank reads
+all P of them (the sampler's per-row candidates: a few KB, inside the decode step's CUDA graphs, where a captured
+NCCL collective would cost more and keep destroy_process_group from returning, pytorch/pytorch#115388).
+
 Both sum in rank order 0..P-1 in fp32 and round once, so every rank gets identical bits (the residual stream must
 stay identical across ranks) whatever its own rank. Messages larger than the workspace go to the process group's
 collective (NCCL; gloo on the CPU). `choose` decides from the message alone (size, dtype, layout), so every rank
@@ -190,6 +194,23 @@ def all_reduce_(x: torch.Tensor, ws: Workspace | None) -> bool:
     return method != "collective"
 
 
+def all_gather_(x: torch.Tensor, out: torch.Tensor, ws: Workspace | None) -> bool:
+    """out [P, *x.shape] = every rank's `x` in rank order, through the buffers (one hop, every rank reading every
+    buffer), when x is small enough (one_shot_max_bytes) and contiguous on the workspace's device; False: the
+    caller runs the process group's collective. Every rank passes the same shape and dtype, so all take one path."""
+    nbytes = x.numel() * x.element_size()
+    if (ws is None or ws.world == 1 or not x.is_contiguous() or not out.is_contiguous() or x.device != ws.device
+            or nbytes > min(ws.one_shot_max_bytes, ws.data_bytes)):
+        return False
+    n = x.numel()
+    if n:
+        grid = min(triton.cdiv(n, FLAT_BLOCK), MAX_BLOCKS)
+        _all_gather_kernel[(grid,)](x, out, ws.table, ws.flag_offset, ws.rank, n, P=ws.world,
+                                    PP=triton.next_power_of_2(ws.world), MAX_BLOCKS=MAX_BLOCKS, BLOCK=FLAT_BLOCK,
+                                    num_warps=4)
+    return True
+
+
 # ---------------------------------------------------------------------------------------------- kernels
 if triton is not None:
     @triton.jit
@@ -243,6 +264,23 @@ if triton is not None:
         for start in range(tl.program_id(0) * BLOCK, n, step):
             i = start + cols
             tl.store(x_ptr + i, sum_peers(table, i, i < n, P, dt).to(dt), mask=i < n)
+        block_barrier(table, flag_off, rank, 1, P, PP, MAX_BLOCKS)  # peers are done reading my buffer
+
+    @triton.jit
+    def _all_gather_kernel(x_ptr, out_ptr, table, flag_off, rank, n, P: tl.constexpr, PP: tl.constexpr,
+                           MAX_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+        dt = x_ptr.dtype.element_ty
+        mine = peer_buffer(table, rank, dt)
+        cols = tl.arange(0, BLOCK)
+        step = tl.num_programs(0) * BLOCK
+        for start in range(tl.program_id(0) * BLOCK, n, step):
+            i = start + cols
+            tl.store(mine + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+        block_barrier(table, flag_off, rank, 0, P, PP, MAX_BLOCKS)
+        for start in range(tl.program_id(0) * BLOCK, n, step):
+            i = start + cols
+            for p in tl.static_range(P):
+                tl.store(out_ptr + p * n + i, tl.load(peer_buffer(table, p, dt) + i, mask=i < n), mask=i < n)
         block_barrier(table, flag_off, rank, 1, P, PP, MAX_BLOCKS)  # peers are done reading my buffer
 
     @triton.jit

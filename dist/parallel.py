@@ -173,11 +173,14 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 def all_gather(x: torch.Tensor) -> torch.Tensor:
     """Every rank's `x` (same shape and dtype everywhere), stacked in rank order: [tp, *x.shape]. For small
-    messages (vocab-parallel sampling's candidates and histograms)."""
+    messages (vocab-parallel sampling's candidates and histograms): through the symmetric-memory workspace when
+    there is one and the message fits (no NCCL call inside the decode graphs), else the process group's."""
     if _WORLD == 1:
         return x[None]
     x = x.contiguous()
     out = torch.empty((_WORLD, *x.shape), dtype=x.dtype, device=x.device)
+    if allreduce.all_gather_(x, out, allreduce.current()):  # through the symmetric-memory buffers
+        return out
     if x.device.type == "cuda":
         torch_dist.all_gather_into_tensor(out, x)
     else:  # gloo has no all_gather_into_tensor

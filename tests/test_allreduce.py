@@ -12,6 +12,7 @@ CPU, through Triton's interpreter, fp32:
   for the bigger messages) equals TP=1 to 1e-5.
 GPU: the same kernels compiled (bf16, one GPU, simulated peers: residual bit-exact, output within one bf16 ulp), and
 with 2+ GPUs real symmetric memory against an fp32 reference sum, eager and inside CUDA graphs.
+The all-gather through the same buffers (simulated peers, P processes, 2 GPUs eager and in a graph): exact.
 """
 import os
 
@@ -176,8 +177,30 @@ def test_one_shot_simulated_peers(world):
         check_flags(pads, rank, grid=3)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_all_gather_simulated_peers(world, dtype):
+    """Every rank's part, stacked in rank order, exact (fp32 candidates, int64 counts)."""
+    numel = allreduce.FLAT_BLOCK + 7  # two blocks, the second partial
+    parts = [(p * 1000).to(dtype) for p in parts_of(world, (numel,), seed=world)]
+    for rank in range(world):
+        ws, pads = simulated_peers(parts, rank, grid=2)
+        out = torch.full((world, numel), -1, dtype=dtype)
+        assert allreduce.all_gather_(parts[rank].clone(), out, ws) == (world > 1)
+        if world > 1:
+            assert torch.equal(out, torch.stack(parts))
+            check_flags(pads, rank, grid=2)
+
+
+def test_all_gather_leaves_big_or_strided_messages_to_the_process_group():
+    ws = fake_workspace(world=2, data_bytes=4096, one_shot=1024)
+    assert not allreduce.all_gather_(torch.empty(257), torch.empty(2, 257), ws)          # 1028 bytes > 1024
+    assert not allreduce.all_gather_(torch.empty(8, 4).T, torch.empty(2, 4, 8), ws)      # not contiguous
+    assert not allreduce.all_gather_(torch.empty(8), torch.empty(2, 8), None)            # no workspace
+
+
 # ---------------------------------------------------------------------------------------------- P processes
-def _processes_worker(rank, world, bufs, data_bytes, parts, residual, w, out):
+def _processes_worker(rank, world, bufs, data_bytes, parts, residual, w, out, gathered):
     torch.set_num_threads(1)
     ws = allreduce.Workspace([b.data_ptr() for b in bufs], rank, data_bytes, torch.device("cpu"), keep=bufs)
     for it in range(2):  # the second round overwrites buffers that every rank has read in the first
@@ -186,6 +209,7 @@ def _processes_worker(rank, world, bufs, data_bytes, parts, residual, w, out):
         out[it, 1, rank] = allreduce.two_shot_(x.clone(), ws)
         y, s = fused_all_reduce_add_rms_norm(x.clone(), residual, w, EPS, ws)
         out[it, 2, rank], out[it, 3, rank] = y, s
+        assert allreduce.all_gather_(x, gathered[it, rank], ws)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -196,10 +220,12 @@ def test_kernels_across_processes(world):
     parts = [p.share_memory_() for p in parts_of(world, (rows, n), seed=world)]
     residual, w = torch.randn(rows, n), torch.randn(n) * 0.2
     out = torch.zeros(2, 4, world, rows, n).share_memory_()
+    gathered = torch.zeros(2, world, world, rows, n).share_memory_()
     bufs = shared_buffers(world, data_bytes, share=True)
-    mp.start_processes(_processes_worker, args=(world, bufs, data_bytes, parts, residual, w, out), nprocs=world,
-                       join=True, start_method="spawn")
+    mp.start_processes(_processes_worker, args=(world, bufs, data_bytes, parts, residual, w, out, gathered),
+                       nprocs=world, join=True, start_method="spawn")
     for it in range(2):
+        assert all(torch.equal(gathered[it, rank], torch.stack(parts) * (it + 1)) for rank in range(world))
         total = rank_order_sum([p * (it + 1) for p in parts])
         y0, s0 = add_rms_norm_torch(total, residual, w, EPS)
         for rank in range(world):
@@ -311,6 +337,11 @@ def _gpu_worker(rank, world, port, out_file):
         torch_dist.all_gather(parts, x)
         return rank_order_sum(parts)
 
+    def reference_gather(x):
+        out = torch.empty(world, *x.shape, dtype=x.dtype, device=x.device)
+        torch_dist.all_gather_into_tensor(out, x)
+        return out
+
     def same_on_all_ranks(t):
         parts = [torch.empty_like(t) for _ in range(world)]
         torch_dist.all_gather(parts, t)
@@ -347,6 +378,20 @@ def _gpu_worker(rank, world, port, out_file):
         y0, s0 = add_rms_norm_torch(reference(x), residual, w, EPS)
         if not torch.equal(gs, s0) or max_diff(gy, y0) > 2 ** -7 * 8 or not torch.equal(gsum, reference(gy)):
             errors.append(f"graph replay {step}: residual {max_diff(gs, s0)}, output {max_diff(gy, y0)}")
+    # the all-gather (vocab-parallel sampling's candidates), eager and replayed from a CUDA graph
+    c = torch.randn(64, 4, device="cuda", generator=gen)
+    if not torch.equal(parallel.all_gather(c), reference_gather(c)):
+        errors.append("all-gather eager")
+    parallel.all_gather(c)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gathered = parallel.all_gather(c)
+    for step in range(3):
+        c.copy_(torch.randn(64, 4, device="cuda", generator=gen))
+        graph.replay()
+        if not torch.equal(gathered, reference_gather(c)):
+            errors.append(f"all-gather graph replay {step}")
     if rank == 0:
         torch.save(errors, out_file)
     parallel.destroy()
