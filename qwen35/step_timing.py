@@ -1,7 +1,8 @@
 """Runner-level timings of record for `qwen35.bench`: decode steps and prefill, measured the same way every time.
 
 decode rows (one per batch size, every sequence at context `ctx`):
-  kernels_per_step  CUDA kernels launched by one eager forward + LM head (torch.profiler; memcpy/memset not counted)
+  kernels_per_step  CUDA kernels launched by one eager forward + LM head (torch.profiler; memcpy/memset not counted;
+                    counted after everything else is timed: decode_kernels)
   step_ms           one step as the engine runs it (CUDA graph where captured), CUDA events, mean over many steps
   floor_ms          bytes the step must move / the copy rate measured in the same run (see decode_bytes)
 prefill rows: `seqs` fresh prompts of `len` tokens, run in steps of at most `max_tokens` tokens, wall time on the GPU.
@@ -107,15 +108,29 @@ def graph_ms(body, replays: int = 10) -> float:
     return time_cuda(graph.replay, replays)
 
 
-def decode_row(runner, batch: int, ctx: int, rate: float, steps: int = 50) -> dict:
+def _decode_plan_set(runner, batch: int, ctx: int) -> StepPlan:
+    """decode_plan after one run of it (warm-up: graph pick, lazy inits; the slots' block tables set), then without
+    its block tables (kept, as in an engine decode step)."""
     plan = decode_plan(runner, batch, ctx)
-    runner.execute(plan)  # warm-up (graph pick, lazy inits); sets the slots' block tables
-    plan = dataclasses.replace(plan, block_tables=[[] for _ in range(batch)])  # kept, as in an engine decode step
-    kernels = count_kernels(lambda: runner.execute(plan, eager=True))
+    runner.execute(plan)
+    return dataclasses.replace(plan, block_tables=[[] for _ in range(batch)])
+
+
+def decode_row(runner, batch: int, ctx: int, rate: float, steps: int = 50) -> dict:
+    """Step time (CUDA graph where there is one) and the memory floor of a decode step at `batch`, context `ctx`."""
+    plan = _decode_plan_set(runner, batch, ctx)
     step_ms = time_cuda(lambda: runner.execute(plan), steps)
     nbytes = decode_bytes(runner, batch, ctx)
-    return {"batch": batch, "ctx": ctx, "kernels_per_step": kernels, "step_ms": round(step_ms, 4),
-            "floor_ms": round(1e3 * nbytes / rate, 4), "bytes": nbytes, "graph": runner.graphs is not None}
+    return {"batch": batch, "ctx": ctx, "step_ms": round(step_ms, 4), "floor_ms": round(1e3 * nbytes / rate, 4),
+            "bytes": nbytes, "graph": runner.graphs is not None}
+
+
+def decode_kernels(runner, batch: int, ctx: int) -> int:
+    """CUDA kernels of one eager decode step at `batch` (torch.profiler). The profiler leaves this process's CUDA
+    calls slower after it (on an H200 host, 2026-11-26: queueing a graph-replayed engine step 0.11 -> 0.41 ms at
+    batch 64, host time per step 0.08 -> 0.13-0.16 ms), so callers count kernels after everything they time."""
+    plan = _decode_plan_set(runner, batch, ctx)
+    return count_kernels(lambda: runner.execute(plan, eager=True))
 
 
 def prefill_row(runner, seqs: int, length: int, max_tokens: int, reps: int = 2) -> dict:
