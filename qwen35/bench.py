@@ -132,6 +132,9 @@ def record_runner_rows(runner, args, max_num_batched_tokens: int) -> dict:
               f"copy {rate / 1e12:.2f} TB/s (read + write)")
         print(f"{'batch':>5} {'step ms':>8} {'floor ms':>9} {'x floor':>8}")
     decode = []
+    # one row untimed first: the first timed row of a run came out slower than the same row timed again (2x H200,
+    # TP=2, batch 1: 3.23 ms first, 2.80 ms twice after it; 2026-11-26)
+    step_timing.decode_row(runner, _ints(args.batch_sizes)[0], args.context, rate)
     for b in _ints(args.batch_sizes):
         row = step_timing.decode_row(runner, b, args.context, rate)
         decode.append(row)
