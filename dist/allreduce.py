@@ -266,7 +266,8 @@ if triton is not None:
             tl.store(x_ptr + i, sum_peers(table, i, i < n, P, dt).to(dt), mask=i < n)
         block_barrier(table, flag_off, rank, 1, P, PP, MAX_BLOCKS)  # peers are done reading my buffer
 
-    @triton.jit
+    # one variant per dtype whatever the message length: the sampler's one-row warm-up compiles what later steps use
+    @triton.jit(do_not_specialize=["n"])
     def _all_gather_kernel(x_ptr, out_ptr, table, flag_off, rank, n, P: tl.constexpr, PP: tl.constexpr,
                            MAX_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
         dt = x_ptr.dtype.element_ty
