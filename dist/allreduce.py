@@ -251,17 +251,22 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def stage_flat(x_ptr, mine, n, BLOCK: tl.constexpr):
+        """This block's share of x[0:n] into my buffer: elements start..start+BLOCK for start = its index * BLOCK,
+        stepping by the grid (the same elements it reads back from every buffer after the barrier)."""
+        cols = tl.arange(0, BLOCK)
+        for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+            i = start + cols
+            tl.store(mine + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+    @triton.jit
     def _one_shot_kernel(x_ptr, table, flag_off, rank, n, P: tl.constexpr, PP: tl.constexpr,
                          MAX_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
         dt = x_ptr.dtype.element_ty
-        mine = peer_buffer(table, rank, dt)
-        cols = tl.arange(0, BLOCK)
-        step = tl.num_programs(0) * BLOCK
-        for start in range(tl.program_id(0) * BLOCK, n, step):
-            i = start + cols
-            tl.store(mine + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+        stage_flat(x_ptr, peer_buffer(table, rank, dt), n, BLOCK)
         block_barrier(table, flag_off, rank, 0, P, PP, MAX_BLOCKS)
-        for start in range(tl.program_id(0) * BLOCK, n, step):
+        cols = tl.arange(0, BLOCK)
+        for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
             i = start + cols
             tl.store(x_ptr + i, sum_peers(table, i, i < n, P, dt).to(dt), mask=i < n)
         block_barrier(table, flag_off, rank, 1, P, PP, MAX_BLOCKS)  # peers are done reading my buffer
@@ -271,14 +276,10 @@ if triton is not None:
     def _all_gather_kernel(x_ptr, out_ptr, table, flag_off, rank, n, P: tl.constexpr, PP: tl.constexpr,
                            MAX_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
         dt = x_ptr.dtype.element_ty
-        mine = peer_buffer(table, rank, dt)
-        cols = tl.arange(0, BLOCK)
-        step = tl.num_programs(0) * BLOCK
-        for start in range(tl.program_id(0) * BLOCK, n, step):
-            i = start + cols
-            tl.store(mine + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+        stage_flat(x_ptr, peer_buffer(table, rank, dt), n, BLOCK)
         block_barrier(table, flag_off, rank, 0, P, PP, MAX_BLOCKS)
-        for start in range(tl.program_id(0) * BLOCK, n, step):
+        cols = tl.arange(0, BLOCK)
+        for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
             i = start + cols
             for p in tl.static_range(P):
                 tl.store(out_ptr + p * n + i, tl.load(peer_buffer(table, p, dt) + i, mask=i < n), mask=i < n)
