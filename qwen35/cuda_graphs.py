@@ -132,8 +132,8 @@ class DecodeGraphs:
     def capture_tails(self, sample, feed, ring: list[torch.Tensor] | None) -> None:
         """A tail graph per graph size, mode and ring half: sample(logits, slots, step) -> tokens and feed(tokens,
         slots, slot_tokens, host) are the engine's sampler and the runner's feed; ring the host's halves (rank 0)
-        or None. Every rank captures a tail per half, the same graphs in the same order (at TP > 1 each holds the
-        sampling's collective); where no ring is given, both halves' tails feed the device only."""
+        or None. Every rank captures a tail per half (one way on every rank, keyed the same; where no ring is given,
+        both halves' tails feed the device only)."""
         t0 = time.time()
         runner = self.runner
         self.rows.copy_(self._padded_rows())  # the warm-ups sample and feed the scratch slot only

@@ -59,12 +59,23 @@ def run_tp2(make_runner, path: str, plans, kernels: str, out_file: str) -> list[
     return torch.load(out_file)
 
 
-def _tp_worker(rank, world, port, make_runner, path, plans, out_file, kernels):
+def join_ranks(rank: int, world: int, port: int, device: str, hang_s: float | None = None, **env: str) -> None:
+    """A spawned rank's start: the launcher's environment (and `env`), then the process group (device "cpu": gloo;
+    "cuda": NCCL and this rank's GPU). With hang_s, a rank still running after that many seconds (stuck in a
+    collective) prints every thread's stack and exits, so that the test fails instead of hanging."""
     import os
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), **env)
+    if hang_s is not None:
+        import faulthandler
+        faulthandler.dump_traceback_later(hang_s, exit=True)
     from dist import parallel
-    parallel.init_distributed("cpu")
+    parallel.init_distributed(device)
+
+
+def _tp_worker(rank, world, port, make_runner, path, plans, out_file, kernels):
+    from dist import parallel
+    join_ranks(rank, world, port, "cpu")
     torch.set_num_threads(1)
     runner = make_runner(path, kernels=kernels)
     results = [runner.execute(p) for p in plans]

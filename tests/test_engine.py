@@ -21,7 +21,7 @@ from qwen35.sampling_params import SamplingParams
 from qwen35.tokenizer import BYTE_TO_CHAR, IncrementalDetokenizer, load_tokenizer
 from scheduler.request import Request
 
-from hf_reference import free_port
+from hf_reference import free_port, join_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS = [248046, 248044]  # <|im_end|>, <|endoftext|>
@@ -712,13 +712,9 @@ def test_gpu_sampling_tails_give_the_eager_tokens(tiny_dir, monkeypatch):
 
 
 def _tp_tails_worker(rank, port, tiny_dir, cache_dir, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), QWEN35_CACHE=cache_dir)
-    import faulthandler
-    faulthandler.dump_traceback_later(240, exit=True)  # a rank stuck in a collective says where, then the test fails
     import qwen35.runner as runner_module
     from dist import parallel
-    parallel.init_distributed("cuda")
+    join_ranks(rank, 2, port, "cuda", hang_s=240, QWEN35_CACHE=cache_dir)
     prompts = [[(7 * i + j) % 5000 + 100 for j in range(24)] for i in range(4)]
     params = [SamplingParams(max_tokens=N_NEW, ignore_eos=True),
               SamplingParams(max_tokens=N_NEW, ignore_eos=True, temperature=0.8, seed=3)]

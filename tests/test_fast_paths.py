@@ -14,19 +14,17 @@ replay vs eager decode with a batch that changes every step (sequences leave and
 """
 import dataclasses
 import math
-import os
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from layers.forward_batch import ForwardBatch
 from qwen35.config import ModelConfig
 from qwen35.cuda_graphs import decode_batch, pad_row
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
 from tests.compare import max_diff
-from tests.hf_reference import build_hf_model, caches, free_port, from_same_caches
+from tests.hf_reference import build_hf_model, caches, free_port, from_same_caches, join_ranks
 
 TOL = 1e-5
 BLOCK = 16
@@ -159,10 +157,8 @@ def test_cuda_graph_decode_equals_eager_changing_batch_fp32_dense(tmp_path):
 
 
 def _tp_graph_worker(rank, world, port, path, out_file):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
     from dist import parallel
-    parallel.init_distributed("cuda")
+    join_ranks(rank, world, port, "cuda")
     eager = run_schedule(make_runner(path, device="cuda", dtype="bfloat16", enforce_eager=True), 4)
     graphs = run_schedule(make_runner(path, device="cuda", dtype="bfloat16"), 4)  # NCCL all-reduces captured
     if rank == 0:
@@ -227,12 +223,8 @@ def test_sampling_tail_graph_equals_eager_sampling(moe_dir):
 
 
 def _tp_tail_worker(rank, world, port, path, out_file):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    import faulthandler
-    faulthandler.dump_traceback_later(240, exit=True)  # a rank stuck in a collective says where, then the test fails
     from dist import parallel
-    parallel.init_distributed("cuda")
+    join_ranks(rank, world, port, "cuda", hang_s=240)
     bad = tail_vs_eager(path)
     torch.save(bad, f"{out_file}.{rank}")
     parallel.destroy()
