@@ -160,7 +160,7 @@ def _tp_graph_worker(rank, world, port, path, out_file):
     from dist import parallel
     join_ranks(rank, world, port, "cuda")
     eager = run_schedule(make_runner(path, device="cuda", dtype="bfloat16", enforce_eager=True), 4)
-    graphs = run_schedule(make_runner(path, device="cuda", dtype="bfloat16"), 4)  # NCCL all-reduces captured
+    graphs = run_schedule(make_runner(path, device="cuda", dtype="bfloat16"), 4)  # the all-reduces captured
     if rank == 0:
         torch.save([max_diff(a, b) for a, b in zip(eager, graphs)], out_file)
     parallel.destroy()
