@@ -1,0 +1,51 @@
+"""benchmarks/profile_step.py's trace reading on made-up events: kernels placed by the range that launched them,
+graph kernels matched to the eager ones by name, per-kind layer tables and the parts outside the layers."""
+from benchmarks import profile_step as ps
+
+
+def _k(name, ts, dur, corr=None):
+    e = {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    if corr is not None:
+        e["args"] = {"correlation": corr}
+    return e
+
+
+def test_eager_kernels_take_the_innermost_range_of_their_launch():
+    events = [
+        {"cat": "user_annotation", "name": "model:embedding", "ts": 0, "dur": 5},
+        {"cat": "user_annotation", "name": "L0:deltanet", "ts": 10, "dur": 20},
+        {"cat": "user_annotation", "name": "L1:attention", "ts": 40, "dur": 20},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "args": {"correlation": 1}},
+        {"cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 12, "args": {"correlation": 2}},
+        {"cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 45, "args": {"correlation": 3}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 70, "args": {"correlation": 4}},
+        _k("embed", 100, 2, 1), _k("gemv", 110, 3, 2), _k("attn", 120, 4, 3), _k("lm_head", 130, 5, 4),
+    ]
+    assert ps.label_eager(events) == [("embed", "model:embedding"), ("gemv", "L0:deltanet"),
+                                      ("attn", "L1:attention"), ("lm_head", "other")]
+
+
+def test_graph_steps_are_placed_by_name_and_summarised_per_kind():
+    eager = [("embed", "model:embedding"), ("ar_norm_boundary", "L0:deltanet"), ("gemv", "L0:deltanet"),
+             ("ar_norm_boundary", "L1:deltanet"), ("gemv", "L1:deltanet"), ("ar_norm_boundary", "L2:attention"),
+             ("attn", "L2:attention"), ("lm_head", "model:lm_head")]
+    # one replayed step: an extra input kernel first (the graph computes its inputs), then the eager sequence
+    names = ["rows"] + [n for n, _ in eager]
+    step, t = [], 0.0
+    for n in names:
+        step.append(_k(n, t, 2.0))
+        t += 3.0  # a 1 us gap after every kernel
+    steps = ps.split_steps(step + [_k("rows", t + 1000, 2.0)])
+    assert len(steps) == 2 and len(steps[0]) == len(names)
+    placed = ps.place_graph_kernels(steps[0], eager)
+    assert [p for _, p, _, _ in placed] == ["other"] + [p for _, p in eager]
+    assert placed[0][3] == 0.0 and all(abs(g - 1.0) < 1e-9 for _, _, _, g in placed[1:])
+    s = ps.summarize([placed], {0: "deltanet", 1: "deltanet", 2: "attention"})
+    d = s["kinds"]["deltanet"]
+    assert d["layers_per_step"] == 2 and d["kernels_per_layer"] == 2
+    assert [r["kernel"] for r in d["kernels"]] == ["ar_norm_boundary", "gemv"]
+    assert d["comm_us"] == 2.0 and d["layer_us"] == 6.0 and d["gaps_us"] == 2.0
+    assert s["kinds"]["attention"]["kernels_per_layer"] == 2
+    assert s["kernels_per_step"] == len(names)
+    assert abs(s["step_span_us"] - (len(names) * 3.0 - 1.0)) < 1e-9
+    assert set(s["outside"]) == {"other rows", "model:embedding embed", "model:lm_head lm_head"}
