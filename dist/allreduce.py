@@ -49,7 +49,8 @@ NUM_CHANNELS = 3                   # barriers per kernel (two-shot: after stagin
 ONE_SHOT_MAX_BYTES = 256 * 1024    # decode at batch 64 x hidden 2048 x bf16; above this two-shot reads fewer bytes
 TWO_SHOT_MAX_BYTES = 4 * 1024 * 1024  # default data region; larger messages (prefill) go to NCCL
 FLAT_BLOCK = 1024                  # elements per block step of the flat kernels
-ENV = "QWEN35_ALLREDUCE"           # "auto" (default): symmetric memory where it fits; "nccl": never
+ENV = "QWEN35_ALLREDUCE"  # "auto" (default): symmetric memory where it fits, push at decode boundaries
+                          # (dist/push.py); "oneshot": no push; "nccl": never symmetric memory
 
 
 @dataclass

@@ -22,7 +22,7 @@ import socket
 import torch
 import torch.distributed as torch_dist
 
-from dist import allreduce, host_channel
+from dist import allreduce, host_channel, push
 
 log = logging.getLogger("qwen35.dist")
 
@@ -110,8 +110,8 @@ def setup_symmetric_all_reduce(max_graph_bytes: int, device: torch.device) -> bo
     An existing workspace that is big enough is kept (several runners in one process). Returns whether one is in
     use; when it cannot be set up (no peer access, an old torch) the log says why and NCCL does every all-reduce."""
     choice = os.environ.get(allreduce.ENV, "auto")
-    if choice not in ("auto", "nccl"):
-        raise ValueError(f"{allreduce.ENV} must be auto or nccl; got {choice!r}")
+    if choice not in ("auto", "nccl", "oneshot"):
+        raise ValueError(f"{allreduce.ENV} must be auto, oneshot or nccl; got {choice!r}")
     if _WORLD == 1 or torch.device(device).type != "cuda" or choice == "nccl" or allreduce.triton is None:
         return False
     data_bytes = max(max_graph_bytes, allreduce.TWO_SHOT_MAX_BYTES)
@@ -130,9 +130,29 @@ def setup_symmetric_all_reduce(max_graph_bytes: int, device: torch.device) -> bo
     return True
 
 
+def setup_push(slots: int, max_rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Give decode steps' layer boundaries an inbox per rank (dist/push.py: producers push their partial sums,
+    consumers pull), where the symmetric-memory all-reduce is set up (collective; before any CUDA graph capture).
+    $QWEN35_ALLREDUCE=oneshot keeps the one-shot kernel at every boundary (for comparisons). Returns whether one
+    is in use."""
+    if allreduce.current() is None or os.environ.get(allreduce.ENV, "auto") == "oneshot":
+        return False
+    try:
+        box = push.symmetric_inbox(slots, max_rows, hidden, dtype, device)
+    except Exception as e:
+        log.warning("push boundaries unavailable on rank %d (%s: %s)", _RANK, type(e).__name__, e)
+        box = None
+    if all_reduce_min_int(int(box is not None)) == 0:
+        log.warning("push boundaries off: the one-shot all-reduce at every boundary")
+        return False
+    push.install(box)
+    return True
+
+
 def destroy() -> None:
     global _WORLD, _RANK, _CPU_GROUP, _CHANNEL
     allreduce.install(None)
+    push.install(None)
     if _CHANNEL is not None:
         _CHANNEL.close()
         _CHANNEL = None

@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist import parallel
+from dist import parallel, push
+from dist.push import Pushed
 from layers import backend
-from layers.backend import rms_norm_row, tl, triton
+from layers.backend import rms_norm_row, round_to, tl, triton
 
 # linear_fast's GEMV: up to GEMV_MAX_M rows and GEMV_MAX_K features; a program holds BLOCK_N x next_pow2(K) <= tile
 # weight elements ("tile_1" at one row, "tile" at more; BLOCK_N a power of two, halved from the most that fits until
@@ -109,7 +110,9 @@ class Linear(nn.Module):
     the bias sliced the same way), `cols` picks input columns (row parallel; the caller all-reduces the partial sums,
     so every rank holds the whole bias and only rank 0 adds it). The layers call it for their out projections
     (DeltaNet out_proj, attention o_proj) and the dense models for their projections; linear_fast with the fast
-    kernel set (the GEMV at decode sizes)."""
+    kernel set (the GEMV at decode sizes). A row-parallel Linear's output is a layer boundary's partial sums
+    (`partial`): under TP, at decode sizes, the fast path pushes them to every rank's inbox (dist/push.py) and
+    returns a Pushed for the boundary's norm to sum."""
 
     def __init__(self, in_features: int, out_features: int, *, rows: Ranges = None, cols: Ranges = None,
                  bias: bool = False, dtype=None, device=None):
@@ -117,10 +120,11 @@ class Linear(nn.Module):
         self.weight = make_param((out_features, in_features), [rows, cols], dtype, device)
         self.bias = make_param((out_features,), [rows], dtype, device) if bias else None
         self.adds_bias = bias and (cols is None or parallel.tp_rank() == 0)
+        self.partial = cols is not None  # row parallel: its output is a layer boundary's partial sums
         self._op = linear_fast if backend.use_fast() else linear_torch
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._op(x, self.weight, self.bias if self.adds_bias else None)
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Pushed:
+        return self._op(x, self.weight, self.bias if self.adds_bias else None, partial=self.partial)
 
 
 @dataclass(eq=False)
@@ -130,7 +134,7 @@ class PendingNorm:
     the norm in each program's prologue and its first program stores both, so the norm costs no launch of its own;
     any other reader calls tensor(), which runs `compute` (the norm kernel) once. Either way both outputs hold
     their values once the first reader has run, on the stream, before anything after it reads them."""
-    x: torch.Tensor
+    x: torch.Tensor | Pushed
     residual: torch.Tensor | None
     weight: torch.Tensor
     eps: float
@@ -164,22 +168,30 @@ def computed(x: torch.Tensor | PendingNorm) -> torch.Tensor:
     return x.tensor() if isinstance(x, PendingNorm) else x
 
 
-def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 partial: bool = False) -> torch.Tensor:
+    """F.linear (partial: the output is a boundary's partial sums, which the caller's boundary all-reduces)."""
     return F.linear(x, weight, bias)
 
 
 def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                gemv_rows: int | None = None) -> torch.Tensor:
+                gemv_rows: int | None = None, partial: bool = False) -> torch.Tensor | Pushed:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype: the GEMV kernel for 1..gemv_rows rows
     (GEMV_MAX_M by default), F.linear otherwise (and for K > GEMV_MAX_K, a weight whose rows are not contiguous,
-    mixed dtypes). A PendingNorm not yet computed is computed inside the GEMV (see the module's docstring)."""
+    mixed dtypes). A PendingNorm not yet computed is computed inside the GEMV (see the module's docstring), its sum
+    pulled from the inbox where it is a Pushed. With `partial` (the output is a boundary's partial sums) where the
+    inbox takes them (TP > 1, decode sizes), they are pushed to every rank (from the GEMV's epilogue, else by
+    push_ after the GEMM) and a Pushed is returned."""
     norm = x if isinstance(x, PendingNorm) and not x.done else None
-    x = norm.x if norm is not None else computed(x)
+    pulled = norm is not None and isinstance(norm.x, Pushed)
+    x = (norm.out if pulled else norm.x) if norm is not None else computed(x)  # (pulled: its shape and dtype)
     M, N, K = _gemm_shape(x, weight)
+    box = push.pushes((*x.shape[:-1], N), x.dtype) if partial else None
     max_rows = GEMV_MAX_M if gemv_rows is None else gemv_rows
     if not 0 < M <= max_rows or K > GEMV_MAX_K or weight.stride(1) != 1 or x.dtype != weight.dtype \
             or (bias is not None and (bias.dtype != weight.dtype or bias.stride(0) != 1)):
-        return F.linear(x if norm is None else norm.tensor(), weight, bias)
+        y = F.linear(x if norm is None else norm.tensor(), weight, bias)
+        return push.push_(y, box) if box is not None else y
     block_k = triton.next_power_of_2(K)
     if norm is not None and M == 1:
         tile, warps = GEMV_CONFIG["norm_tile_1"], GEMV_CONFIG["norm_warps_1"]
@@ -188,7 +200,7 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
     block_n = gemv_block_n(N, block_k, tile, x.device)
     warps *= max(1, block_n * block_k // tile)  # (K > tile: one row a program, more warps)
     if norm is not None and M > 1 and triton.cdiv(N, block_n) > FOLD_MAX_PROGRAMS_PER_SM * _sm_count(x.device):
-        x, norm = norm.tensor(), None  # too many programs to each pay the norm: the norm kernel, then the GEMV
+        x, norm, pulled = norm.tensor(), None, False  # too many programs to each pay the norm: the norm kernel first
     x2, y = _rows_and_output(x, M, N, K)
     if norm is None:
         r, r_out, nw, h, sr, eps = x2, x2, weight, x2, 0, 0.0  # placeholders, never touched without NORM
@@ -196,14 +208,32 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
         r = x2 if norm.residual is None else norm.residual.reshape(M, K)
         r_out = x2 if norm.residual_out is None else norm.residual_out
         nw, h, sr, eps = norm.weight, norm.out, r.stride(0), norm.eps
+    inbox = box if box is not None else (norm.x.inbox if pulled else None)
+    slot = box.claim() if box is not None else 0
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x2, weight, weight if bias is None else bias, y, r, r_out, nw, h, M, N, K, x2.stride(0), weight.stride(0),
-        y.stride(0), sr, eps, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+        y.stride(0), sr, eps, norm.x.slot if pulled else 0, slot, *_inbox_args(inbox, x.device),
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        PLAIN=norm is not None and norm.plain, num_warps=min(warps, 16))
+        PLAIN=norm is not None and norm.plain, PULL=pulled, PUSH=box is not None,
+        P=inbox.world if inbox is not None else 1,
+        PP=triton.next_power_of_2(inbox.world) if inbox is not None else 1, num_warps=min(warps, 16))
     if norm is not None:
         norm.done = True
+    if box is not None:
+        return push.Pushed(box, slot, torch.Size((*x.shape[:-1], N)), x.dtype)
     return y.view(*x.shape[:-1], N)
+
+
+def _inbox_args(box: push.Inbox | None, device: torch.device) -> tuple:
+    """dist/push.py's launch arguments of a kernel that pushes or pulls; placeholders (never read) for one that
+    does neither."""
+    return push.launch_args(box) if box is not None else (_no_table(device), 0, 0, 0, 0, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_table(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int64, device=device)
 
 
 def _gemm_shape(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
@@ -308,17 +338,22 @@ def fuse_rows(*linears: Linear, attr: str = "weight", pad_rows_to: int = 1) -> t
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["M"])  # one compile per row tile, whatever the rows in it
+    @triton.jit(do_not_specialize=["M", "pull_slot", "push_slot"])  # one compile per row tile and mode
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, h_ptr, M, N, K, sx, sw, sy, sr, eps,
+                     pull_slot, push_slot, table, rank, flags_off, counters_off, regions_off, region_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PLAIN: tl.constexpr):
+                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PLAIN: tl.constexpr, PULL: tl.constexpr,
+                     PUSH: tl.constexpr, P: tl.constexpr, PP: tl.constexpr):
         """Columns [n0, n0 + BLOCK_N) of y = x @ w^T (+ b) for M <= BLOCK_M rows: the program loads its BLOCK_N weight
         rows whole (K <= BLOCK_K) in one go, so all of its bytes are in flight at once, then for each row sums the
         fp32 products along K and rounds once to y's dtype (the bias added in fp32 before, as cuBLAS's epilogue does).
         No loop over K, no shared memory: a grid of many small programs streams the weight at the memory's rate.
         With NORM the rows are a layer norm's inputs: each program computes the norm of every row (rms_norm_row:
         the residual r added, the norm weight nw) and uses it as x; program 0 stores the sums (ro) and the normed
-        rows (h). The weight loads are issued first: the norm's arithmetic runs while they are in flight."""
+        rows (h). The weight loads are issued first: the norm's arithmetic runs while they are in flight.
+        PULL (with NORM): the rows are a boundary's sum, waited for and summed from the inbox (dist/push.py) after
+        the weight loads are issued. PUSH: y is this rank's partial sums of a boundary, stored into every rank's
+        inbox instead of y_ptr; the last program to finish raises the flags."""
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
@@ -327,18 +362,31 @@ if triton is not None:
                     other=0.0).to(tl.float32)
         if HAS_BIAS:
             b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+        dt = y_ptr.dtype.element_ty
+        if PULL:
+            push.pull_wait(pull_slot, table, rank, flags_off, P, PP)
         for m in tl.static_range(BLOCK_M):
             # rows past M (the tile is a power of two) read and write nothing: their limits are <= 0
             limit = tl.minimum(K, (M - m) * K)
             xm = k < limit
-            x = tl.load(x_ptr + m * sx + k, mask=xm, other=0.0)
+            if PULL:
+                x = round_to(push.pull_sum(pull_slot, m, k, xm, table, rank, regions_off, region_stride, K, P, dt),
+                             dt)
+            else:
+                x = tl.load(x_ptr + m * sx + k, mask=xm, other=0.0)
             if NORM:  # (program 0 stores: its limit is the row's)
                 x = rms_norm_row(x, r_ptr + m * sr, ro_ptr + m * K, nw_ptr, h_ptr + m * K, k, xm,
                                  k < tl.where(pid == 0, limit, 0), K, eps, HAS_RESIDUAL, PLAIN)
             y = tl.sum(w * x.to(tl.float32)[None, :], 1)
             if HAS_BIAS:
                 y += b
-            tl.store(y_ptr + m * sy + n, y.to(y_ptr.dtype.element_ty), mask=n < tl.minimum(N, (M - m) * N))
+            ym = n < tl.minimum(N, (M - m) * N)
+            if PUSH:
+                push.push_rows(y.to(dt), m, n, ym, push_slot, table, rank, regions_off, region_stride, N, P)
+            else:
+                tl.store(y_ptr + m * sy + n, y.to(dt), mask=ym)
+        if PUSH:
+            push.push_done(push_slot, table, rank, flags_off, counters_off, tl.num_programs(0), P, PP)
 
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr,

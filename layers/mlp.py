@@ -21,14 +21,15 @@ from layers.linear import Linear, even_split, fuse_rows, linear_fast
 
 
 def mlp_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
-              down_bias: torch.Tensor | None = None) -> torch.Tensor:
+              down_bias: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor:
     gate, up = F.linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, down, down_bias)
 
 
 def mlp_fast(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
-             down_bias: torch.Tensor | None = None) -> torch.Tensor:
-    return linear_fast(silu_mul_fast(linear_fast(x, gate_up, gate_up_bias)), down, down_bias)
+             down_bias: torch.Tensor | None = None, partial: bool = False):
+    """partial: the output is a layer boundary's partial sums (linear_fast may push them: a Pushed)."""
+    return linear_fast(silu_mul_fast(linear_fast(x, gate_up, gate_up_bias)), down, down_bias, partial=partial)
 
 
 def silu_mul_fast(h: torch.Tensor) -> torch.Tensor:
@@ -72,4 +73,4 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down_bias = self.down_proj.bias if self.down_proj.adds_bias else None
-        return self._mlp(x, self.gate_up, self.down_proj.weight, self.gate_up_bias, down_bias)
+        return self._mlp(x, self.gate_up, self.down_proj.weight, self.gate_up_bias, down_bias, partial=True)

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist import allreduce, parallel
+from dist import allreduce, parallel, push
+from dist.push import Pushed
 from layers import backend, linear
 from layers.backend import rms_norm_row, round_to, tl, triton
 from layers.linear import PendingNorm, make_param
@@ -130,7 +131,10 @@ if triton is not None:
 
 
 def _compute_pending(p: PendingNorm) -> None:
-    _launch(p.x, p.residual, p.weight, p.eps, p.plain, p.out, p.residual_out)
+    if isinstance(p.x, Pushed):
+        pull_add_rms_norm(p.x, p.residual, p.weight, p.eps, p.plain, p.out, p.residual_out)
+    else:
+        _launch(p.x, p.residual, p.weight, p.eps, p.plain, p.out, p.residual_out)
 
 
 class RMSNorm(nn.Module):
@@ -168,12 +172,13 @@ class RMSNorm(nn.Module):
         rank, at most GEMV_MAX_M rows: one launch less per layer boundary) the normed rows are a PendingNorm, its
         sum allocated and written by that GEMV. Every reader of a PendingNorm goes through linear_fast or
         linear.computed()."""
-        rows = x.numel() // x.shape[-1]
-        if not (self._fast and parallel.tp_size() == 1 and 0 < rows <= linear.GEMV_MAX_M
-                and x.dtype == self.weight.dtype and x.is_contiguous()):
+        pushed = isinstance(x, Pushed)
+        rows = x.rows if pushed else x.numel() // x.shape[-1]
+        if not (self._fast and (pushed or parallel.tp_size() == 1) and 0 < rows <= linear.GEMV_MAX_M
+                and x.dtype == self.weight.dtype and (pushed or x.is_contiguous())):
             return (self(x), x) if residual is None else self.all_reduce_add(x, residual)
-        out = torch.empty_like(x)
-        res_out = None if residual is None else torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        res_out = None if residual is None else torch.empty_like(residual)
         pending = PendingNorm(x, residual, self.weight, self.eps, self.plain, out, res_out, _compute_pending)
         return pending, (x if residual is None else res_out)
 
@@ -208,7 +213,9 @@ def all_reduce_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weigh
 def all_reduce_add_rms_norm_fast(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                                  plain: bool = False):
     """One kernel when the one-shot path takes the message (zero-centred norms: the fused kernel has no plain
-    variant yet), else the all-reduce and then add_rms_norm_fast."""
+    variant yet), else the all-reduce and then add_rms_norm_fast; from the inbox when x is a Pushed."""
+    if isinstance(x, Pushed):
+        return pull_add_rms_norm(x, residual, weight, eps, plain)
     ws = allreduce.current()
     if plain or allreduce.choose(x, ws) != "one_shot":
         return add_rms_norm_fast(parallel.all_reduce(x), residual, weight, eps, plain)
@@ -256,3 +263,34 @@ if triton is not None:
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + row * n + cols, (s * inv * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
         allreduce.block_barrier(table, flag_off, rank, 1, P, PP, MAX_BLOCKS)  # every rank has read my buffer
+
+
+def pull_add_rms_norm(p: Pushed, residual: torch.Tensor, weight: torch.Tensor, eps: float, plain: bool = False,
+                      out: torch.Tensor | None = None, res_out: torch.Tensor | None = None):
+    """The boundary from the inbox (dist/push.py), one kernel: wait for every rank's partial sums, sum them in rank
+    order (fp32, rounded once: the one-shot kernel's bits), add the residual, norm. Into out / res_out where given."""
+    box, H = p.inbox, p.shape[-1]
+    r2 = residual.reshape(-1, H)
+    out = torch.empty(p.shape, dtype=p.dtype, device=p.device) if out is None else out
+    res_out = torch.empty_like(residual) if res_out is None else res_out
+    block = triton.next_power_of_2(H)
+    _pull_add_rms_norm_kernel[(p.rows,)](r2, r2.stride(0), res_out, weight, out, H, eps, p.slot,
+                                         *push.launch_args(box), P=box.world, PP=triton.next_power_of_2(box.world),
+                                         PLAIN=plain, BLOCK=block, num_warps=max(1, min(8, block // 256)))
+    return out.view(p.shape), res_out.view(residual.shape)
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["slot"])
+    def _pull_add_rms_norm_kernel(res_ptr, sr, res_out_ptr, w_ptr, out_ptr, H, eps, slot, table, rank, flags_off,
+                                  counters_off, regions_off, region_stride, P: tl.constexpr, PP: tl.constexpr,
+                                  PLAIN: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: the inbox's sum rounded to the model dtype once, then rms_norm_row's add and norm."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        push.pull_wait(slot, table, rank, flags_off, P, PP)
+        dt = out_ptr.dtype.element_ty
+        s = round_to(push.pull_sum(slot, row, cols, mask, table, rank, regions_off, region_stride, H, P, dt), dt)
+        rms_norm_row(s, res_ptr + row * sr, res_out_ptr + row * H, w_ptr, out_ptr + row * H, cols, mask, mask, H,
+                     eps, True, PLAIN)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dist import push
 from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
 from layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -69,6 +70,7 @@ class Qwen35Model(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [N, H] of every token of the batch."""
+        push.begin_step()  # (under TP, at decode sizes: a new epoch of the boundaries' inboxes, dist/push.py)
         x, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, batch)

@@ -20,7 +20,7 @@ from operator import add, le, mul
 
 import torch
 
-from dist import parallel
+from dist import parallel, push
 from layers import backend
 from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
@@ -36,6 +36,11 @@ from qwen35.model import Qwen35Model
 from scheduler.plan import StepPlan
 
 log = logging.getLogger("qwen35.runner")
+
+
+def push_slots(config: ModelConfig) -> int:
+    """Boundaries a forward pushes at most (dist/push.py): after every mixer and every feed-forward."""
+    return 2 * config.num_hidden_layers
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
@@ -88,7 +93,9 @@ class ModelRunner:
         if self.device.type == "cuda" and self.kernels == "fast":
             # small all-reduces over peer buffers (dist/allreduce.py), set up before the KV budget is measured
             elt = torch.empty((), dtype=self.dtype).element_size()
-            parallel.setup_symmetric_all_reduce(max_num_seqs * config.hidden_size * elt, self.device)
+            if parallel.setup_symmetric_all_reduce(max_num_seqs * config.hidden_size * elt, self.device):
+                parallel.setup_push(push_slots(config), min(push.MAX_ROWS, max_num_seqs), config.hidden_size,
+                                    self.dtype, self.device)
         self._allocate_caches(gpu_memory_utilization, num_kv_blocks)
         self._allocate_slot_inputs()
         self.graphs = None
