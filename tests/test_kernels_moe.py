@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from layers import backend, moe
 from layers.moe import block as moe_block, layout as moe_layout
-from layers.mlp import MLP, mlp_fast, mlp_torch
+from layers.mlp import MLP, mlp_fast, mlp_torch, silu_mul_fast, silu_mul_torch
 from tests.compare import max_diff, rel
 
 TOL_ROUTE = 1e-6
@@ -223,6 +223,32 @@ def test_experts_fast_int32_ids_deterministic_and_padding_free():
     padded = moe.experts_fast(x, ids.int(), wts, gate, w)
     assert torch.equal(a, b)
     assert max_diff(padded[:5], a) <= 1e-6
+
+
+@pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local,routed", EXPERT_CASES)
+def test_grouped_steps_fast_equal_torch(T, E, k, H, I, I_s, start, num_local, routed):
+    """Each grouped kernel against its torch twin on the same inputs and the layout align_fast builds (the
+    one-program builder's row order included), on the entries the kernel writes (gate_up: the shared rows and the
+    routed rows in use; down: the valid rows; combine: all) within TOL, with tiles of several N and K steps; chained,
+    the twins give experts_torch's output within TOL."""
+    gen = torch.Generator().manual_seed(T * 5 + start)
+    w = make_weights(num_local, H, I, I_s, start, gen)
+    x = torch.randn(T, H, generator=gen)
+    ids, wts, gate = make_routing(T, E, k, gen, routed)
+    lay = moe.align_fast(ids, start, num_local, 16)
+    tile = dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)
+    rows = lay.inverse[lay.inverse >= 0].long()  # the routed rows in use
+    assert not len(rows) if routed == "low" else len(rows) or T == 1  # (one token may miss this rank's experts)
+    act = moe.gate_up_torch(x, w, lay)
+    fast_act = moe.gate_up_fast(x, w, lay, tile)
+    assert act[:T, :I_s].abs().max() > 0.1 and max_diff(fast_act[:T, :I_s], act[:T, :I_s]) <= TOL
+    assert not len(rows) or (act[rows, :I].abs().max() > 0.1 and max_diff(fast_act[rows, :I], act[rows, :I]) <= TOL)
+    y = moe.down_torch(act, w, lay, wts, gate)
+    fast_y = moe.down_fast(act, w, lay, wts, gate, tile)
+    assert max_diff(fast_y[:T], y[:T]) <= TOL and (not len(rows) or max_diff(fast_y[rows], y[rows]) <= TOL)
+    out = moe.combine_torch(y, lay, T)
+    assert max_diff(moe.combine_fast(y, lay, T), out) <= TOL
+    assert out.abs().max() > 0.05 and max_diff(out, moe.experts_torch(x, ids, wts, gate, w)) <= TOL
 
 
 # ---------------------------------------------------------------------------------------- decode down+combine
@@ -457,6 +483,16 @@ def test_mlp_fast_equals_torch(T, H, I):
     assert max_diff(want, manual) <= TOL
     assert max_diff(fast_mlp(x), want) <= TOL
     assert max_diff(mlp_fast(x, fast_mlp.gate_up, fast_mlp.down_proj.weight), want) <= TOL
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (7, 80), (3, 2, 2100)])
+def test_silu_mul_fast_equals_torch(shape):
+    """silu(gate half) * up half: the kernel (several column blocks at 2 x 1050, leading dims flattened) within
+    1e-6 of the torch twin relative to the largest output (fp32: a few ulps, as sigmoid's last bits differ)."""
+    h = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[-1])) * 3
+    want = silu_mul_torch(h)
+    assert want.shape == (*shape[:-1], shape[-1] // 2) and want.abs().max() > 1
+    assert max_diff(silu_mul_fast(h), want) <= 1e-6 * want.abs().max()
 
 
 # ------------------------------------------------------------------------------------------------- tile configs

@@ -13,7 +13,8 @@ so one GEMM gives the logits [T, E + 1] (column E is the shared gate's). Two imp
     experts.py  this rank's expert weights: Experts (parameters, loading), ExpertWeights (what the kernels take)
     routing.py  router_logits_torch / _fast (the GEMM), route_torch / route_fast (softmax, top-k, renormalise)
     layout.py   align_torch / align_fast: each rank's (token, slot) pairs grouped by expert, the sorted layout
-    grouped.py  experts_torch / experts_fast: the grouped (prefill) kernels on that layout
+    grouped.py  experts_torch / experts_fast: the grouped (prefill) kernels on that layout, each step a pair too
+                (gate_up_, down_, combine_ torch / fast)
     gemv.py     gate_up_gemv_torch / _fast, down_combine_torch / _fast: the decode kernels, a program per token
     tiles.py    tiles and path choices per power-of-two bucket of T (layers/moe_configs.json, else defaults)
     block.py    moe_torch, moe_fast (which kernels, by T) and the SparseMoE module
@@ -31,8 +32,8 @@ kernels round to the model dtype where the oracle does (GEMM outputs, silu, the 
 from layers.moe.block import SparseMoE, decode_path, moe_fast, moe_torch
 from layers.moe.experts import ExpertWeights, Experts
 from layers.moe.gemv import GemvAct, down_combine_fast, down_combine_torch, gate_up_gemv_fast, gate_up_gemv_torch
-from layers.moe.grouped import (combine_fast, down_fast, experts_fast, experts_on_layout, experts_torch,
-                                gate_up_fast)
+from layers.moe.grouped import (combine_fast, combine_torch, down_fast, down_torch, experts_fast, experts_on_layout,
+                                experts_torch, gate_up_fast, gate_up_torch)
 from layers.moe.layout import (ALIGN_CHUNK, ALIGN_SERIAL_MAX_T, Layout, align_chunked, align_fast, align_serial,
                                align_torch, max_rows)
 from layers.moe.routing import (ROUTER_GEMV_MAX_T, ROUTER_PAD_ROWS, padded_router_gemm, route_fast, route_torch,
@@ -42,9 +43,9 @@ from layers.moe.tiles import (CONFIG_FILE, DECODE_MAX_T, DOWN_COMBINE_MAX_T, DOW
 
 __all__ = ["SparseMoE", "decode_path", "moe_fast", "moe_torch", "ExpertWeights", "Experts", "GemvAct",
            "down_combine_fast", "down_combine_torch", "gate_up_gemv_fast", "gate_up_gemv_torch",
-           "combine_fast", "down_fast", "experts_fast", "experts_on_layout", "experts_torch", "gate_up_fast",
-           "ALIGN_CHUNK", "ALIGN_SERIAL_MAX_T", "Layout", "align_chunked", "align_fast", "align_serial",
-           "align_torch", "max_rows", "ROUTER_GEMV_MAX_T", "ROUTER_PAD_ROWS", "padded_router_gemm",
-           "route_fast", "route_torch", "router_logits_fast", "router_logits_torch", "CONFIG_FILE",
-           "DECODE_MAX_T", "DOWN_COMBINE_MAX_T", "DOWN_COMBINE_TILE", "GEMV_MAX_T", "GEMV_TILE", "config_for",
-           "config_key", "default_config", "moe_config"]
+           "combine_fast", "combine_torch", "down_fast", "down_torch", "experts_fast", "experts_on_layout",
+           "experts_torch", "gate_up_fast", "gate_up_torch", "ALIGN_CHUNK", "ALIGN_SERIAL_MAX_T", "Layout",
+           "align_chunked", "align_fast", "align_serial", "align_torch", "max_rows", "ROUTER_GEMV_MAX_T",
+           "ROUTER_PAD_ROWS", "padded_router_gemm", "route_fast", "route_torch", "router_logits_fast",
+           "router_logits_torch", "CONFIG_FILE", "DECODE_MAX_T", "DOWN_COMBINE_MAX_T", "DOWN_COMBINE_TILE",
+           "GEMV_MAX_T", "GEMV_TILE", "config_for", "config_key", "default_config", "moe_config"]

@@ -2,6 +2,9 @@
 all its rows.
 
     experts_torch / experts_fast  routed experts + sigmoid(shared gate) * shared expert, in the model dtype
+    gate_up_torch / gate_up_fast  its steps on a given layout: silu(x W_gate^T) * (x W_up^T) per row,
+    down_torch / down_fast        (act W_down^T) * routing weight per row,
+    combine_torch / combine_fast  each token's rows summed
 
 experts_torch is the oracle: one expert at a time, with host syncs (eager only). experts_fast is Triton launches
 with no host sync and buffers sized from T alone, so CUDA graphs capture it:
@@ -16,9 +19,10 @@ At decode sizes the tile table may put down + combine in one kernel (layers/moe/
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from layers.backend import round_to, tl, triton
-from layers.mlp import mlp_torch, silu_mul_sums
+from layers.mlp import mlp_torch, silu_mul_sums, silu_mul_torch
 from layers.moe.experts import ExpertWeights
 from layers.moe.gemv import down_combine_fast
 from layers.moe.layout import Layout, align_fast
@@ -78,6 +82,60 @@ def experts_on_layout(x: torch.Tensor, w: ExpertWeights, layout: Layout, ids: to
 def _precision(dtype: torch.dtype) -> str:
     """fp32 models multiply in full fp32 (Triton's default would be tf32); bf16/fp16 operands ignore the setting."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _routed_rows(layout: Layout, T: int):
+    """The routed rows of a layout in use, each with its pair and its expert, on the host's terms (the torch twins
+    sync): rows [S, total) where the pair is not -1 (a pad row), S = T rounded up to BLOCK_M."""
+    bm = layout.block_m
+    shared_rows = triton.cdiv(T, bm) * bm
+    total = int(layout.total)
+    pairs = layout.sorted_pairs[shared_rows:total].long()
+    experts = layout.block_expert[shared_rows // bm: total // bm].long().repeat_interleave(bm)
+    rows = (pairs >= 0).nonzero().squeeze(1)
+    return shared_rows + rows, pairs[rows], experts[rows]
+
+
+def gate_up_torch(x: torch.Tensor, w: ExpertWeights, layout: Layout, tile: dict | None = None) -> torch.Tensor:
+    """gate_up_fast's rows in torch, an expert at a time: the shared rows [0, T) (I_s columns) and the routed rows
+    in use (I columns), rounded as mlp_torch rounds; every other entry 0 (the kernel leaves rows past `total` and
+    columns past an expert's width unwritten). tile is the fast kernel's and unused here."""
+    T, k = x.shape[0], layout.top_k
+    inter, shared_inter = w.gate_up.shape[1] // 2, w.shared_gate_up.shape[0] // 2
+    act = torch.zeros(layout.rows, max(inter, shared_inter), dtype=x.dtype, device=x.device)
+    act[:T, :shared_inter] = silu_mul_torch(F.linear(x, w.shared_gate_up))
+    rows, pairs, experts = _routed_rows(layout, T)
+    for e in experts.unique().tolist():
+        mine = experts == e
+        act[rows[mine], :inter] = silu_mul_torch(F.linear(x[pairs[mine] // k], w.gate_up[e]))
+    return act
+
+
+def down_torch(act: torch.Tensor, w: ExpertWeights, layout: Layout, weights: torch.Tensor,
+               shared_gate: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
+    """down_fast's rows in torch, an expert at a time: (act W_down^T) rounded to the model dtype times the routing
+    weight (sigmoid(shared gate) for the shared rows), rounded; every other row 0 (the kernel leaves pad rows and
+    rows past `total` unwritten). tile is the fast kernel's and unused here."""
+    T, k = weights.shape
+    inter, shared_inter = w.down.shape[2], w.shared_down.shape[1]
+    y = torch.zeros(layout.rows, w.down.shape[1], dtype=act.dtype, device=act.device)
+    y[:T] = F.linear(act[:T, :shared_inter], w.shared_down) * shared_gate
+    rows, pairs, experts = _routed_rows(layout, T)
+    for e in experts.unique().tolist():
+        mine = experts == e
+        y[rows[mine]] = F.linear(act[rows[mine], :inter], w.down[e]) * weights.flatten()[pairs[mine], None]
+    return y
+
+
+def combine_torch(y: torch.Tensor, layout: Layout, T: int) -> torch.Tensor:
+    """out [T, H]: each token's routed rows of y in top-k order (rows of other ranks' experts add nothing), then its
+    shared row, summed in fp32 in that order; cast to y's dtype."""
+    pos = layout.inverse.long().view(T, layout.top_k)
+    acc = torch.zeros(T, y.shape[1], dtype=torch.float32, device=y.device)
+    for j in range(layout.top_k):
+        mine = (pos[:, j] >= 0).nonzero().squeeze(1)
+        acc[mine] += y[pos[mine, j]].float()
+    return (acc + y[:T].float()).to(y.dtype)
 
 
 def gate_up_fast(x: torch.Tensor, w: ExpertWeights, layout: Layout, tile: dict) -> torch.Tensor:
