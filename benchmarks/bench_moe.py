@@ -1,4 +1,4 @@
-"""GPU micro-benchmark of the sparse MoE block (layers/moe.py): torch oracle vs Triton, one layer at the
+"""GPU micro-benchmark of the sparse MoE block (layers/moe/): torch oracle vs Triton, one layer at the
 Qwen3.5-35B-A3B shapes of one rank (rank 0 of --tp), bf16, random weights and routing of random inputs.
 
     python -m benchmarks.bench_moe [--tp 1] [--decode-only | --layout-only] [--out results.json]
@@ -6,7 +6,7 @@ Qwen3.5-35B-A3B shapes of one rank (rank 0 of --tp), bf16, random weights and ro
 Rows, for decode batches 1..64 and prefill sizes:
 - route: the router|shared-gate GEMM and the routing (softmax, top-k, renormalise, sigmoid);
 - experts: everything after routing (the torch per-expert loop vs align + gate_up + down + combine);
-- moe: the whole block (moe_torch vs moe_fast, which takes the decode kernels up to moe.FRONT_MAX_T tokens).
+- moe: the whole block (moe_torch vs moe_fast, which takes the decode kernels up to moe.DECODE_MAX_T tokens).
 "torch ms" and "fast ms" are eager (triton.testing.do_bench; the torch loop syncs with the host, so it cannot be
 graph-captured); "graph ms" is the fast path replayed from a CUDA graph, as decode steps run. GB/s: bytes the fast
 path must move (the distinct local experts hit, the shared expert and router weights, activations in and out) over
@@ -18,11 +18,11 @@ default).
 
 Then the decode tables (batches 1..64, us per layer from a CUDA graph; launches per layer counted eagerly with
 torch.profiler, memcpy/memset excluded):
-- fused / split: moe_decode_fast (router GEMM, route_fast, align_serial, gate_up, then down + combine in one kernel
-  / in two: 5 or 6); front: the front kernel in place of the first three (moe.USE_FRONT); gemv: the GEMV path
+- fused / split: decode_path (router GEMM, route_fast, align_serial, gate_up, then down + combine in one kernel
+  / in two: 5 or 6); gemv: the GEMV path
   (router GEMM, gate_up_gemv_fast with the routing in its prologue, down_combine: 3); "moe_fast" says which one
   moe_fast takes here (the tuned table's choice, else moe.GEMV_MAX_T and moe.DOWN_COMBINE_MAX_T);
-- the parts alone: route_fast + align_serial; router GEMM + both vs the front kernel (which folds the GEMM in);
+- the parts alone: route_fast + align_serial; router GEMM + both;
   down_combine vs down + combine; route + align + gate_up vs the GEMV path's gate_up (routing included);
 - floor: the layer's bytes at the copy rate measured in the same run.
 """
@@ -115,12 +115,12 @@ def layout_row(layer: Layer, T: int, gen: torch.Generator) -> dict:
 
 
 def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
-    """One decode batch: the whole layer fused / split / front / gemv, and its parts alone (see the docstring)."""
+    """One decode batch: the whole layer fused / split / gemv, and its parts alone (see the docstring)."""
     x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     k, w, router = layer.top_k, layer.w, layer.router
     num_local, inter = w.gate_up.shape[0], w.down.shape[2]
     cfg = moe.moe_config(T, num_local, layer.hidden, inter, w.shared_down.shape[1], x.device)
-    logits = moe.router_logits(x, router)
+    logits = moe.padded_router_gemm(x, router)
     ids, weights, shared_gate = moe.route_fast(logits, k)
     layout = moe.align_serial(ids, w.start, num_local, cfg["BLOCK_M"])
     act = moe.gate_up_fast(x, w, layout, cfg["gate_up"])
@@ -128,15 +128,13 @@ def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
     def route_align(logits):
         return moe.align_serial(moe.route_fast(logits, k)[0], w.start, num_local, cfg["BLOCK_M"])
     whole = {
-        "fused": lambda: moe.moe_decode_fast(x, router, k, w, down_combine=True, gemv=False),
-        "split": lambda: moe.moe_decode_fast(x, router, k, w, down_combine=False, gemv=False),
-        "front": lambda: moe.moe_decode_fast(x, router, k, w, front=True, gemv=False),
-        "gemv": lambda: moe.moe_decode_fast(x, router, k, w, gemv=True),
+        "fused": lambda: moe.decode_path(x, router, k, w, down_combine=True, gemv=False),
+        "split": lambda: moe.decode_path(x, router, k, w, down_combine=False, gemv=False),
+        "gemv": lambda: moe.decode_path(x, router, k, w, gemv=True),
     }
     parts = {
         "route_align": lambda: route_align(logits),
-        "gemm_route_align": lambda: route_align(moe.router_logits(x, router)),
-        "front_only": lambda: moe.front_fast(x, router, k, w.start, num_local, cfg["BLOCK_M"], cfg["front"]),
+        "gemm_route_align": lambda: route_align(moe.padded_router_gemm(x, router)),
         "down_before": lambda: moe.combine_fast(moe.down_fast(act, w, layout, weights, shared_gate, cfg["down"]),
                                                 layout, T),
         "down_combine": lambda: moe.down_combine_fast(act, w, layout.inverse, ids, weights, shared_gate,
@@ -147,7 +145,7 @@ def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
     taken = "gemv" if cfg["gemv"] is not None else "split" if cfg["down_combine"] is None else "fused"
     row = {"batch": T, "moe_fast": taken, "floor_us": layer.bytes(x, ids) / rate * 1e6}
     for name, fn in whole.items():
-        row[f"{name}_launches"] = count_kernels(fn)  # eager first: compiles, and the front kernel's counters
+        row[f"{name}_launches"] = count_kernels(fn)  # eager first: compiles
     for name, fn in {**whole, **parts}.items():
         row[f"{name}_us"] = graph_ms(fn) * 1e3
     return row
@@ -190,17 +188,17 @@ def main() -> None:
         for T in DECODE:
             decode.append(decode_row(layer, T, gen, rate))
         print(f"\ndecode, us per layer from a CUDA graph (launches per layer, eager); copy rate {rate / 1e9:.0f} GB/s")
-        print(f"{'batch':>5} {'fused':>13} {'split':>13} {'front':>13} {'gemv':>13} {'moe_fast':>8} {'floor':>6}")
+        print(f"{'batch':>5} {'fused':>13} {'split':>13} {'gemv':>13} {'moe_fast':>8} {'floor':>6}")
         for r in decode:
-            cells = " ".join(f"{r[n + '_us']:7.1f} ({r[n + '_launches']})" for n in ("fused", "split", "front", "gemv"))
+            cells = " ".join(f"{r[n + '_us']:7.1f} ({r[n + '_launches']})" for n in ("fused", "split", "gemv"))
             print(f"{r['batch']:>5} {cells} {r['moe_fast']:>8} {r['floor_us']:6.1f}")
-        print("\ndecode parts, us from a CUDA graph: route_fast + align_serial; router GEMM + both vs the front "
-              "kernel; down + combine vs down_combine; route + align + gate_up vs the GEMV gate_up")
-        print(f"{'batch':>5} {'route+align':>11} | {'GEMM+r+a':>8} {'front':>6} | {'down+comb':>9} {'down_comb':>9} | "
+        print("\ndecode parts, us from a CUDA graph: route_fast + align_serial; router GEMM + both; down + combine vs "
+              "down_combine; route + align + gate_up vs the GEMV gate_up")
+        print(f"{'batch':>5} {'route+align':>11} | {'GEMM+r+a':>8} | {'down+comb':>9} {'down_comb':>9} | "
               f"{'r+a+up':>7} {'gemv up':>7}")
         for r in decode:
-            print(f"{r['batch']:>5} {r['route_align_us']:11.1f} | {r['gemm_route_align_us']:8.1f} "
-                  f"{r['front_only_us']:6.1f} | {r['down_before_us']:9.1f} {r['down_combine_us']:9.1f} | "
+            print(f"{r['batch']:>5} {r['route_align_us']:11.1f} | {r['gemm_route_align_us']:8.1f} | "
+                  f"{r['down_before_us']:9.1f} {r['down_combine_us']:9.1f} | "
                   f"{r['layout_gate_up_us']:7.1f} {r['gemv_gate_up_us']:7.1f}")
     if args.out:
         with open(args.out, "w") as f:

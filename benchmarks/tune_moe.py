@@ -3,17 +3,17 @@
     python -m benchmarks.tune_moe [--tp 1 2 4 8] [--batches 1 2 ... 8192] [--quick]
 
 For each tensor-parallel degree (the per-rank expert count and shared-expert width of Qwen3.5-35B-A3B at that
-degree) and each token-count bucket (powers of two: layers/moe.py keys its table by T rounded up to one), routing
-of random inputs is laid out once per BLOCK_M candidate, then the gate_up and down kernels are timed separately
-over their tile candidates; the entry kept is the BLOCK_M whose best gate_up + best down is fastest. Decode
-buckets (T <= moe.FRONT_MAX_T) also get the front kernel's tile (router columns per program, H step, warps) and
-the one-kernel down+combine's, or null where down + combine in two kernels (with the chosen down tile) is faster,
-and the GEMV path's gate_up tile, or null where route + align + gate_up and the down step chosen above beat its
-gate_up + down_combine (where it wins, the bucket keeps the down_combine tile: the GEMV path always ends in it):
-that decides moe_fast's path for the bucket. Decode buckets are timed from a CUDA graph, as decode steps run (eager
-timing of a few-us kernel mostly measures the host's launch), with L2 emptied of the call's data before each call
-(cold_graph_ms): a decode step streams ~6 GB, so its MoE weights come from HBM, while a call timed over and over
-finds most of its 37 MB (one token's experts) still in L2 and rewards tiles that do not stream well.
+degree) and each token-count bucket (powers of two: layers/moe/tiles.py keys its table by T rounded up to one),
+routing of random inputs is laid out once per BLOCK_M candidate, then the gate_up and down kernels are timed
+separately over their tile candidates; the entry kept is the BLOCK_M whose best gate_up + best down is fastest.
+Decode buckets (T <= moe.DECODE_MAX_T) also get the one-kernel down+combine's tile, or null where down + combine in
+two kernels (with the chosen down tile) is faster, and the GEMV path's gate_up tile, or null where route + align +
+gate_up and the down step chosen above beat its gate_up + down_combine (where it wins, the bucket keeps the
+down_combine tile: the GEMV path always ends in it): that decides moe_fast's path for the bucket. Decode buckets are
+timed from a CUDA graph, as decode steps run (eager timing of a few-us kernel mostly measures the host's launch),
+with L2 emptied of the call's data before each call (cold_graph_ms): a decode step streams ~6 GB, so its MoE weights
+come from HBM, while a call timed over and over finds most of its 37 MB (one token's experts) still in L2 and
+rewards tiles that do not stream well.
 `--gemv-only` re-tunes just the GEMV path's two tiles (gate_up_gemv, down_combine) of the buckets that take it. The
 file keeps other GPUs' tables and other shapes' entries; this GPU's entries for the swept shapes are replaced. Triton caches compiled kernels, so a second run is mostly timing (a full
 sweep takes minutes).
@@ -57,13 +57,10 @@ def tile_candidates(T: int, quick: bool) -> list[dict]:
 
 
 def gemv_candidates(op: str, quick: bool) -> list[dict]:
-    """front: logit columns per program (BLOCK_N) and H step; down_combine: output columns per (token, tile)
-    program and I step of its [k + 1 slots, BLOCK_N, BLOCK_K] tile; gate_up_gemv: act columns per (token, tile)
-    program and H step of its [k slots, BLOCK_N, BLOCK_K] tiles (narrow: T * max(I, I_s) / BLOCK_N programs
-    stream the weights). The default first (--quick keeps two)."""
-    if op == "front":
-        grid = dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 64, 256], num_warps=[4, 8], num_stages=[3, 4])
-    elif op == "gate_up_gemv":
+    """down_combine: output columns per (token, tile) program and I step of its [k + 1 slots, BLOCK_N, BLOCK_K]
+    tile; gate_up_gemv: act columns per (token, tile) program and H step of its [k slots, BLOCK_N, BLOCK_K] tiles
+    (narrow: T * max(I, I_s) / BLOCK_N programs stream the weights). The default first (--quick keeps two)."""
+    if op == "gate_up_gemv":
         grid = dict(BLOCK_N=[4, 8, 2, 16, 1], BLOCK_K=[128, 64, 256], num_warps=[4, 8, 2], num_stages=[4, 3])
     else:
         grid = dict(BLOCK_N=[8, 16, 4, 2], BLOCK_K=[64, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
@@ -108,7 +105,7 @@ def cold_graph_ms(fn, calls: int = 20) -> float:
 
 
 def best_tile(fn, T: int, quick: bool, candidates: list[dict] | None = None) -> tuple[float, dict]:
-    graph = T <= moe.FRONT_MAX_T
+    graph = T <= moe.DECODE_MAX_T
     return min(((time_ms(lambda: fn(tile), graph), tile) for tile in candidates or tile_candidates(T, quick)),
                key=lambda r: r[0])
 
@@ -120,7 +117,7 @@ def tune_bucket(layer: Layer, T: int, quick: bool, gen: torch.Generator) -> dict
     w, num_local = layer.w, layer.w.gate_up.shape[0]
     best = None
     for block_m in block_m_candidates(T):
-        lay = moe.align(ids, w.start, num_local, block_m)
+        lay = moe.align_fast(ids, w.start, num_local, block_m)
         t_up, up = best_tile(lambda tile: moe.gate_up_fast(x, w, lay, tile), T, quick)
         act = moe.gate_up_fast(x, w, lay, up)
         t_down, down = best_tile(lambda tile: moe.down_fast(act, w, lay, weights, gate, tile), T, quick)
@@ -129,17 +126,14 @@ def tune_bucket(layer: Layer, T: int, quick: bool, gen: torch.Generator) -> dict
         print(f"  T={T:<5} BLOCK_M={block_m:<3} gate_up {t_up * 1e3:8.1f} us {up}  down {t_down * 1e3:8.1f} us {down}",
               flush=True)
     _, entry, lay, act = best
-    if T <= moe.FRONT_MAX_T:
-        t_front, entry["front"] = best_tile(
-            lambda tile: moe.front_fast(x, layer.router, layer.top_k, w.start, num_local, entry["BLOCK_M"], tile),
-            T, quick, gemv_candidates("front", quick))
+    if T <= moe.DECODE_MAX_T:
         t_dc, dc = best_tile(lambda tile: moe.down_combine_fast(act, w, lay.inverse, ids, weights, gate, tile), T,
                              quick, gemv_candidates("down_combine", quick))
         t_split = time_ms(lambda: moe.combine_fast(moe.down_fast(act, w, lay, weights, gate, entry["down"]), lay, T),
                           graph=True)
         entry["down_combine"] = dc if t_dc < t_split else None  # None: down and combine stay two kernels
-        print(f"  T={T:<5} front {t_front * 1e3:8.1f} us {entry['front']}  down_combine {t_dc * 1e3:8.1f} us {dc} "
-              f"vs down + combine {t_split * 1e3:8.1f} us", flush=True)
+        print(f"  T={T:<5} down_combine {t_dc * 1e3:8.1f} us {dc} vs down + combine {t_split * 1e3:8.1f} us",
+              flush=True)
         tune_gemv(layer, x, logits, entry, min(t_dc, t_split), dc, quick)
     return entry
 
@@ -151,7 +145,7 @@ def tune_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, entry: dict, 
     T, k, w = x.shape[0], layer.top_k, layer.w
     num_local = w.gate_up.shape[0]
     t_layout = t_down + time_ms(lambda: moe.gate_up_fast(
-        x, w, moe.align(moe.route_fast(logits, k)[0], w.start, num_local, entry["BLOCK_M"]), entry["gate_up"]),
+        x, w, moe.align_fast(moe.route_fast(logits, k)[0], w.start, num_local, entry["BLOCK_M"]), entry["gate_up"]),
         graph=True)
     t_up, gemv, g = best_gate_up_gemv(layer, x, logits, quick)
     t_gemv = t_up + time_ms(lambda: moe.down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, dc),

@@ -31,7 +31,7 @@ from layers.backend import round_to, tl, triton
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows, linear_fast, linear_torch
 from layers.norm import RMSNorm, rms_norm_torch
-from layers.rotary import RotaryEmbedding, rope_torch
+from layers.rotary import RotaryEmbedding, apply_rope
 from layers.varlen import block_of, seq_tile
 
 # decode split-K tuning: tokens per inner iteration, least tiles a split takes before another split gets work, the
@@ -128,8 +128,8 @@ def qk_norm_rope_cache_torch(qkv, positions, slot_mapping, q_norm_weight, k_norm
     q, _, k, v = split_qkv(qkv, n_kv, D, gated)
     if q_norm_weight is not None:
         q, k = rms_norm_torch(q, q_norm_weight, eps, plain_norm), rms_norm_torch(k, k_norm_weight, eps, plain_norm)
-    q = rope_torch(q, positions, cos, sin)
-    k = rope_torch(k, positions, cos, sin)
+    q = apply_rope(q, positions, cos, sin)
+    k = apply_rope(k, positions, cos, sin)
     k_cache.view(-1, n_kv, D)[slot_mapping] = k
     v_cache.view(-1, n_kv, D)[slot_mapping] = v
     return q
@@ -218,9 +218,9 @@ if triton is not None:
 
 
 # -------------------------------------------------------------------------------------------- output gate
-def gate_torch(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+def apply_output_gate(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     """o * sigmoid(gate) as [T, H*D] in the model dtype (spec §4: elementwise, before o_proj); o itself as
-    [T, H*D] when there is no gate (None)."""
+    [T, H*D] when there is no gate (None). The torch paths' gate; the kernels apply it in their epilogue."""
     T = o.shape[0]
     if gate is None:
         return o.reshape(T, -1)
@@ -252,7 +252,7 @@ def paged_prefill_attention_torch(q, k_cache, v_cache, batch: ForwardBatch, scal
                                                attn_mask=mask, scale=scale)[0]
         out[offset: offset + n] = o.transpose(0, 1)
         offset += n
-    return out.reshape(out.shape[0], -1) if gate is None else gate_torch(out, gate)
+    return out.reshape(out.shape[0], -1) if gate is None else apply_output_gate(out, gate)
 
 
 def paged_prefill_attention_fast(q, k_cache, v_cache, batch: ForwardBatch, scale: float, gate) -> torch.Tensor:
@@ -377,7 +377,7 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens
     visible = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), v.float())
-    return gate_torch(out.reshape(B, H, D).to(q.dtype), gate)
+    return apply_output_gate(out.reshape(B, H, D).to(q.dtype), gate)
 
 
 def paged_decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate) -> torch.Tensor:

@@ -28,7 +28,7 @@ from dist import parallel
 from layers import backend
 from layers.backend import round_to, tl, triton
 from layers.deltanet_prefill import (CHUNK, L2_EPS, causal_conv1d_varlen_fast, chunk_delta_rule_varlen_fast,
-                                     chunk_rule_torch, l2norm)
+                                     chunked_gated_delta_rule, l2norm)
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows, linear_fast, linear_torch, make_param
 from layers.norm import GatedRMSNorm, gated_rms_norm_torch
@@ -239,8 +239,8 @@ class GatedDeltaNet(nn.Module):
                 done = 0
                 for end, dst in cuts + [(start + n, None)]:
                     piece = slice(done, end - start)
-                    o_piece, state = chunk_rule_torch(q[piece], k[piece], v[piece], g[sl][piece], beta[sl][piece],
-                                                      state, CHUNK)
+                    o_piece, state = chunked_gated_delta_rule(q[piece], k[piece], v[piece], g[sl][piece],
+                                                              beta[sl][piece], state, CHUNK)
                     o[offset + done:offset + end - start] = o_piece.to(proj.dtype)
                     if dst is not None:
                         self.ssm_state[dst] = state

@@ -120,7 +120,7 @@ def chunk_delta_rule_varlen_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         for end, dst in sorted(marks.get(b, ())) + [(starts[b] + hi - lo, None)]:
             end -= starts[b]
             sl = slice(done, end)
-            o, state = chunk_rule_torch(qs[sl], ks[sl], vs[sl], gs[sl], bs[sl], state, chunk)
+            o, state = chunked_gated_delta_rule(qs[sl], ks[sl], vs[sl], gs[sl], bs[sl], state, chunk)
             out[lo + done:lo + end] = o.to(v.dtype)
             if dst is not None:
                 ssm_state[dst] = state
@@ -133,7 +133,7 @@ def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def chunk_rule_torch(q, k, v, g, beta, state, chunk):
+def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk):
     """One sequence, fp32, per value head: q, k [n, H, dk], v [n, H, dv], g, beta [n, H], state [H, dk, dv].
     Returns (o [n, H, dv], final state); chunk by chunk in the UT form of the module docstring."""
     out = torch.empty_like(v)

@@ -7,6 +7,9 @@ mlp_bias) the biases are added in the GEMMs; down_proj's only on rank 0 (its par
 
     mlp_torch  GEMM, silu, mul, GEMM (the oracle)
     mlp_fast   GEMM, one Triton kernel for silu(gate) * up, GEMM (the GEMMs: linear_fast, a GEMV at decode sizes)
+
+    silu_mul_torch / silu_mul_fast  silu(gate half) * up half, rounded to the model dtype after silu and after the mul
+    silu_mul_sums                   the same in a Triton kernel's epilogue, from fp32 GEMM sums (the MoE kernels)
 """
 from __future__ import annotations
 
@@ -22,14 +25,19 @@ from layers.linear import Linear, even_split, fuse_rows, linear_fast
 
 def mlp_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
               down_bias: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor:
-    gate, up = F.linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down, down_bias)
+    return F.linear(silu_mul_torch(F.linear(x, gate_up, gate_up_bias)), down, down_bias)
 
 
 def mlp_fast(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
              down_bias: torch.Tensor | None = None, partial: bool = False):
     """partial: the output is a layer boundary's partial sums (linear_fast may push them: a Pushed)."""
     return linear_fast(silu_mul_fast(linear_fast(x, gate_up, gate_up_bias)), down, down_bias, partial=partial)
+
+
+def silu_mul_torch(h: torch.Tensor) -> torch.Tensor:
+    """silu(h[..., :I]) * h[..., I:] in h's dtype (torch rounds after silu and after the mul)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def silu_mul_fast(h: torch.Tensor) -> torch.Tensor:
@@ -54,6 +62,16 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         s = round_to(g * tl.sigmoid(g), dt)
         tl.store(out_ptr + row * inter + cols, (s * u).to(dt), mask=mask)
+
+    @triton.jit
+    def silu_mul_sums(acc_g, acc_u, DTYPE: tl.constexpr):
+        """silu(gate) * up in DTYPE from fp32 sums, rounded where the oracle rounds: the GEMM outputs, silu, the
+        product."""
+        g = round_to(acc_g, DTYPE)
+        s = round_to(g * tl.sigmoid(g), DTYPE)
+        return (s * round_to(acc_u, DTYPE)).to(DTYPE)
+else:  # pragma: no cover
+    silu_mul_sums = None
 
 
 class MLP(nn.Module):

@@ -3,7 +3,7 @@
 Text-only mRoPE (interleaved sections) collapses to plain 1-D RoPE because all three position rows are equal.
 cos/sin are computed in fp32 and cast to the activation dtype before use, and the rotation runs in the activation
 dtype, as the reference does. The fused attention kernel (layers/attention.py) reads the same cache and rounds the
-same way; `rope_torch` is its oracle.
+same way; `apply_rope` (the torch path's rotation, a helper of qk_norm_rope_cache_torch) is its oracle.
 
 The LLaMA-likes' RoPE scalings change only the frequencies (and, for yarn, scale cos/sin), so they are folded into
 the same cache; `rope_frequencies` follows transformers' rope init functions step by step. `dynamic` (NTK) in
@@ -98,7 +98,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (emb.sin() * attention).to(device), persistent=False)
 
 
-def rope_torch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, heads, D] rotated at `positions` [N]; cos/sin the [P, rotary_dim] fp32 cache. Returns a new tensor."""
     rd, half = cos.shape[-1], cos.shape[-1] // 2
     c = cos[positions].to(x.dtype).unsqueeze(1)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -450,6 +451,12 @@ def feed_tokens_fast(tokens: torch.Tensor, slots: torch.Tensor, slot_tokens: tor
         return
     _feed_tokens_kernel[(triton.cdiv(n, FEED_BLOCK),)](tokens, slots, slot_tokens, tokens if host is None else host,
                                                        n, HOST=host is not None, BLOCK=FEED_BLOCK)
+
+
+def bind_feed_tokens() -> Callable[..., None]:
+    """feed_tokens_fast or feed_tokens_torch, as the kernel set chosen at start says (layers/backend.py): the runner
+    binds it once, as the layers bind theirs."""
+    return feed_tokens_fast if backend.use_fast() else feed_tokens_torch
 
 
 # ----------------------------------------------------------------------------- per-slot state, every rank

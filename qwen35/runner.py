@@ -26,7 +26,7 @@ from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
 from layers.deltanet_prefill import CHUNK
 from layers.forward_batch import ForwardBatch
-from layers.sampler import feed_tokens_fast, feed_tokens_torch
+from layers.sampler import bind_feed_tokens, feed_tokens_fast
 from layers.varlen import SEQ_TILE
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
@@ -78,7 +78,7 @@ class ModelRunner:
         # the kernel set is chosen once, here: the layers bind their implementations as they are built
         self.kernels = backend.resolve(kernels, self.device)
         backend.set_kernels(self.kernels)
-        self._feed_tokens = feed_tokens_fast if backend.use_fast() else feed_tokens_torch
+        self._feed_tokens = bind_feed_tokens()
         torch.manual_seed(seed)
         self.model = Qwen35Model(config, dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
         if load_format == "dummy":

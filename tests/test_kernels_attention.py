@@ -4,7 +4,7 @@ against independent references, and the layer with each kernel set.
 CPU (fp32, tiny shapes, Triton through the interpreter; TP-local odd shapes, padded rows on the scratch block,
 several batch sizes and split counts):
 - q/k norm + RoPE + cache write: fast == torch to 1e-5 max abs on O(1) values (only rsqrt and the sum order differ,
-  ~1e-7); V rows copied bit-exact; cache slots outside slot_mapping untouched. rope_torch == the spec §4.1 formula to
+  ~1e-7); V rows copied bit-exact; cache slots outside slot_mapping untouched. apply_rope == the spec §4.1 formula to
   1e-6.
 - decode attention: fast == torch to 1e-5 for every split count (1, several, more than the context has tiles, so
   empty splits occur), torch batched == the per-sequence prefill oracle to 1e-5 (table columns past each context hold
@@ -39,7 +39,7 @@ from layers import attention as A
 from layers import backend
 from layers.backend import triton
 from layers.forward_batch import ForwardBatch
-from layers.rotary import RotaryEmbedding, rope_torch
+from layers.rotary import RotaryEmbedding, apply_rope
 from tests.compare import max_diff, rel
 
 pytestmark = pytest.mark.skipif(triton is None, reason="needs triton")
@@ -73,7 +73,7 @@ def decode_batch(context_lens, tables, block_size) -> ForwardBatch:
 
 
 # ------------------------------------------------------------------------------------------------------- RoPE
-def test_rope_torch_is_the_spec_formula():
+def test_apply_rope_is_the_spec_formula():
     """x'[i] = x[i] cos_i - x[i+h] sin_i, x'[i+h] = x[i+h] cos_i + x[i] sin_i for i < h = rotary_dim / 2; the rest
     passes through; theta_i = pos / base^(2i / rotary_dim)."""
     gen = torch.Generator().manual_seed(0)
@@ -81,7 +81,7 @@ def test_rope_torch_is_the_spec_formula():
     rot = RotaryEmbedding(rd, base, 64)
     x = torch.randn(5, 3, D, generator=gen, dtype=torch.float64).float()
     pos = torch.tensor([0, 1, 7, 33, 63])
-    out = rope_torch(x, pos, rot.cos, rot.sin)
+    out = apply_rope(x, pos, rot.cos, rot.sin)
     h = rd // 2
     theta = pos[:, None].double() / base ** (torch.arange(h).double() * 2 / rd)
     c, s = theta.cos()[:, None, :], theta.sin()[:, None, :]

@@ -374,6 +374,15 @@ def test_feed_tokens_fast_equals_torch(n):
     assert (want != inputs).sum() <= n
 
 
+def test_bind_feed_tokens_follows_the_kernel_set():
+    """The runner binds the feed the kernel set names, as the layers bind theirs."""
+    from layers import backend
+    from layers.sampler import bind_feed_tokens
+    for name, want in (("torch", feed_tokens_torch), ("fast", feed_tokens_fast)):
+        with backend.use_kernels(name):
+            assert bind_feed_tokens() is want
+
+
 @pytest.mark.gpu
 def test_gpu_feed_tokens_reach_pinned_host_memory():
     """On a GPU the feed kernel stores the tokens straight into pinned host memory (a view at an offset of a larger

@@ -1,0 +1,90 @@
+"""The sparse MoE block: moe_torch (the oracle) and moe_fast, and the SparseMoE module that binds one of them.
+
+moe_fast picks its kernels by T alone. Prefill (T > DECODE_MAX_T) is the router GEMM, _route_kernel and the
+grouped kernels on the chunked layout (layers/moe/grouped.py): 8 dependent launches per layer, where the grouped
+kernels stream each expert's weights once for all its tokens. At decode sizes the launches, not the bytes, are the
+cost (more so at TP=8, where a rank's expert bytes shrink 8x), so decode_path runs 3 on the GEMV path (up to
+GEMV_MAX_T tokens without a table; the tuned table says per bucket), else 5 (or 6):
+
+    router GEMM           logits [T, E + 1]: the GEMV kernel, or the skinny one (router_logits_fast)
+    _gate_up_gemv_kernel  (GEMV path) per (token, N tile): the token's routing and its experts' gate|up rows, then
+                          _down_combine_kernel (layers/moe/gemv.py)
+    _route_kernel         one program per token
+    _align_kernel         one program: the sorted layout
+    _gate_up_kernel       on that layout
+    _down_combine_kernel  (few tokens) per (token, N tile): the token's routed experts and the shared expert's in one
+                          software-pipelined loop; else _down_kernel + _combine_kernel. The tuned table says which,
+                          per power-of-two bucket of T and rank shape (DOWN_COMBINE_MAX_T without a table)
+
+Fewer launches measured slower (1x H200, python -m benchmarks.bench_moe --tp 1 --decode-only, in CUDA graphs):
+routing and layout in one program (one launch less) took 26 us at T = 1..16 and 88 us at T = 64, where
+_route_kernel + _align_kernel take 8-10 us, as one program's reductions over [16, 256] tiles serialise
+(2026-11-24); a front kernel that folded the router GEMM in too took ~32 us against 11-19 us for the three
+launches (2026-11-23) and was removed.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from layers import backend
+from layers.linear import Linear, computed, fuse_rows
+from layers.mlp import MLP
+from layers.moe.experts import ExpertWeights, Experts
+from layers.moe.gemv import down_combine_fast, gate_up_gemv_fast
+from layers.moe.grouped import experts_fast, experts_on_layout, experts_torch
+from layers.moe.layout import align_fast
+from layers.moe.routing import ROUTER_PAD_ROWS, route_fast, route_torch, router_logits_fast, router_logits_torch
+from layers.moe.tiles import DECODE_MAX_T, config_for
+
+
+def moe_torch(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights) -> torch.Tensor:
+    """The block's oracle: router GEMM (model dtype, as the reference rounds the logits), route_torch, experts_torch."""
+    return experts_torch(x, *route_torch(router_logits_torch(x, router), top_k), w)
+
+
+def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights) -> torch.Tensor:
+    """moe_torch without host syncs: decode_path up to DECODE_MAX_T tokens, else the router GEMM, route_fast and
+    experts_fast (the chunked layout and the grouped kernels)."""
+    if x.shape[0] <= DECODE_MAX_T:
+        return decode_path(x, router, top_k, w)
+    x = computed(x)
+    return experts_fast(x, *route_fast(router_logits_fast(x, router), top_k), w)
+
+
+def decode_path(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
+                down_combine: bool | None = None, gemv: bool | None = None) -> torch.Tensor:
+    """moe_fast's kernels up to DECODE_MAX_T tokens, as the tile table chooses them, or as the caller forces them
+    (tests and benchmarks/bench_moe.py take every path): the GEMV path (gemv; by default where the config has a gemv
+    tile): router GEMM, gate_up_gemv_fast, down_combine_fast. Else the router GEMM, route_fast and align_fast, then
+    experts_on_layout, down + combine in one kernel or two as down_combine forces or the config says."""
+    if x.shape[0] == 0:
+        return torch.empty_like(computed(x))
+    cfg = config_for(x, w)
+    if cfg["gemv"] is not None if gemv is None else gemv:
+        logits = router_logits_fast(x, router)  # first: its GEMV computes a PendingNorm x, which gate_up reads
+        g = gate_up_gemv_fast(computed(x).contiguous(), logits, top_k, w, cfg["gemv"])
+        return down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, cfg["down_combine"])
+    x = computed(x).contiguous()
+    ids, weights, shared_gate = route_fast(router_logits_fast(x, router), top_k)
+    layout = align_fast(ids, w.start, w.gate_up.shape[0], cfg["BLOCK_M"])
+    return experts_on_layout(x, w, layout, ids, weights, shared_gate, cfg, down_combine)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg, dtype=None, device=None):
+        super().__init__()
+        H = cfg.hidden_size
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = Linear(H, cfg.num_experts, dtype=dtype, device=device)          # router, replicated
+        self.experts = Experts(cfg.num_experts, H, cfg.moe_intermediate_size, dtype=dtype, device=device)
+        self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, dtype=dtype, device=device)
+        self.shared_expert_gate = Linear(H, 1, dtype=dtype, device=device)           # replicated
+        self.router = fuse_rows(self.gate, self.shared_expert_gate,                 # [E + 1, H]: one GEMM
+                                pad_rows_to=ROUTER_PAD_ROWS)
+        self.sync_free = self.experts.sync_free
+        self._moe = moe_fast if backend.use_fast() else moe_torch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts + sigmoid(shared gate) * shared expert, in the model dtype."""
+        return self._moe(x, self.router, self.top_k, self.experts.weights(self.shared_expert))

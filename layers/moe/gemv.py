@@ -1,0 +1,209 @@
+"""The MoE decode kernels: a program per (token, N tile), no sorted layout. At decode sizes the launches, not the
+bytes, are the cost (more so at TP=8, where a rank's expert bytes shrink 8x).
+
+    gate_up_gemv_torch / _fast  route, then silu(x W_gate^T) * (x W_up^T) of each token's local experts and the
+                                shared expert, in one launch
+    down_combine_torch / _fast  the down GEMVs, routing weights and the per-token sum, in one launch
+
+_gate_up_gemv_kernel  per (token, N tile): the token's routing (route_token: route_fast's bits; every program
+                      routes, one stores it), then its local experts' gate|up rows as one tile and the shared
+                      expert's, in one software-pipelined H loop -> act: shared row t, pair p at row T + p (other
+                      ranks' pairs: -1 in the pair -> row index, rows unwritten)
+_down_combine_kernel  per (token, N tile): the token's routed experts as one tile and the shared expert's, in one
+                      software-pipelined K loop (every expert's loads in flight together), each GEMV times its
+                      weight, summed in fp32 in a fixed order. It reads act through the pair -> row index, so it
+                      ends both the GEMV path and the sorted layout's (layers/moe/grouped.py) at few tokens.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from layers.backend import round_to, tl, triton
+from layers.mlp import silu_mul_sums, silu_mul_torch
+from layers.moe.experts import ExpertWeights
+from layers.moe.routing import route_token, route_torch
+from layers.moe.tiles import DOWN_COMBINE_TILE, GEMV_TILE, cap_tile
+
+
+class GemvAct(NamedTuple):
+    """What the GEMV path's gate_up step gives: the routing and act, laid out per token (no sorted layout)."""
+    act: torch.Tensor          # [T * (k + 1), max(I, I_s)]: shared rows [0, T), pair p = t * k + slot at row T + p
+    ids: torch.Tensor          # [T, k] global expert ids (int32 from the kernel, int64 from torch)
+    weights: torch.Tensor      # [T, k] model dtype
+    shared_gate: torch.Tensor  # [T, 1] model dtype
+    inverse: torch.Tensor      # [T * k] int32: row of each pair, -1 if another rank's expert (its row unwritten)
+
+
+def gate_up_gemv_torch(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights,
+                       tile: dict | None = None) -> GemvAct:
+    """route_torch, then silu(x W_gate^T) * (x W_up^T) in the model dtype for every local pair and the shared
+    expert, in GemvAct's rows (other ranks' rows 0 here). tile is the fast kernel's and unused here."""
+    T = x.shape[0]
+    ids, weights, shared_gate = route_torch(logits, top_k)
+    num_local, two_i, _ = w.gate_up.shape
+    inter, shared_inter = two_i // 2, w.shared_gate_up.shape[0] // 2
+    local = ids - w.start
+    mine = (local >= 0) & (local < num_local)
+    rows = T + torch.arange(T * top_k, device=x.device).view(T, top_k)
+    act = torch.zeros(T * (top_k + 1), max(inter, shared_inter), dtype=x.dtype, device=x.device)
+    act[:T, :shared_inter] = silu_mul_torch(F.linear(x, w.shared_gate_up))
+    tok, slot = mine.nonzero(as_tuple=True)
+    h = torch.bmm(w.gate_up[local[tok, slot]], x[tok].unsqueeze(2)).squeeze(2)
+    act[rows[tok, slot], :inter] = silu_mul_torch(h)
+    return GemvAct(act, ids, weights, shared_gate, torch.where(mine, rows, -1).flatten().int())
+
+
+def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights,
+                      tile: dict | None = None) -> GemvAct:
+    """gate_up_gemv_torch in one launch, a program per (token, N tile of max(I, I_s)): each routes its token
+    (route_fast's kernel code, so the same bits) and streams that token's local experts' and the shared expert's
+    gate|up rows. x [T, H] and logits [T, E + 1] with unit column stride."""
+    T, H = x.shape
+    E = logits.shape[1] - 1
+    num_local, two_i, _ = w.gate_up.shape
+    inter, shared_inter = two_i // 2, w.shared_gate_up.shape[0] // 2
+    width = max(inter, shared_inter)
+    ids, inverse = torch.empty(2, T, top_k, dtype=torch.int32, device=x.device)  # one allocation
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=x.device)
+    shared_gate = torch.empty(T, 1, dtype=logits.dtype, device=x.device)
+    act = torch.empty(T * (top_k + 1), width, dtype=x.dtype, device=x.device)
+    if T:
+        tile = cap_tile(tile or GEMV_TILE, triton.next_power_of_2(width), triton.next_power_of_2(H), least=2)
+        _gate_up_gemv_kernel[(T, triton.cdiv(width, tile["BLOCK_N"]))](
+            x, logits, w.gate_up, w.shared_gate_up, act, ids, inverse, weights, shared_gate, T, H, E, inter,
+            shared_inter, w.start, num_local, x.stride(0), logits.stride(0), w.gate_up.stride(0),
+            w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0), TOP_K=top_k,
+            K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), BLOCK_N=tile["BLOCK_N"],
+            BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"])
+    return GemvAct(act, ids, weights, shared_gate, inverse.view(-1))
+
+
+def down_combine_torch(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor, ids: torch.Tensor,
+                       weights: torch.Tensor, shared_gate: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
+    """out [T, H]: per token, (act[row] W_down[e]^T) rounded to the model dtype times its routing weight (rounded),
+    for its routed rows in top-k order, then the shared row times sigmoid(shared gate), summed in fp32. act [rows,
+    max(I, I_s)]: token t's shared row is row t, pair p's row inverse[p] (-1: another rank's expert), as both
+    gate_up_fast's layout and the GEMV path's give them; tile is the fast kernel's and unused here."""
+    T, k = ids.shape
+    inter, shared_inter = w.down.shape[2], w.shared_down.shape[1]
+    out = torch.zeros(T, w.down.shape[1], dtype=torch.float32, device=act.device)
+    pos = inverse.long().view(T, k)
+    for j in range(k):
+        mine = (pos[:, j] >= 0).nonzero().squeeze(1)
+        expert = ids[mine, j].long() - w.start
+        y = torch.bmm(w.down[expert], act[pos[mine, j], :inter].unsqueeze(2)).squeeze(2)
+        out[mine] += (y * weights[mine, j:j + 1]).float()
+    out += (shared_gate * F.linear(act[:T, :shared_inter], w.shared_down)).float()
+    return out.to(act.dtype)
+
+
+def down_combine_fast(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor, ids: torch.Tensor,
+                      weights: torch.Tensor, shared_gate: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
+    """down_combine_torch in one launch: a program per (token, N tile) reads the k + 1 expert tiles it needs, all
+    at once. For few tokens only: an expert two tokens share, and the shared expert, are read once per token."""
+    T, k = ids.shape
+    num_local, H, inter = w.down.shape
+    out = torch.empty(T, H, dtype=act.dtype, device=act.device)
+    if T == 0:
+        return out
+    width = triton.next_power_of_2(max(inter, w.shared_down.shape[1]))
+    tile = cap_tile(tile or DOWN_COMBINE_TILE, triton.next_power_of_2(H), width, least=4)
+    _down_combine_kernel[(T, triton.cdiv(H, tile["BLOCK_N"]))](
+        act, w.down, w.shared_down, out, ids, inverse, weights, shared_gate, H, inter, w.shared_down.shape[1],
+        w.start, act.stride(0), w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), out.stride(0),
+        ids.stride(0), weights.stride(0), shared_gate.stride(0), TOP_K=k, K_POW2=triton.next_power_of_2(k),
+        BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"])
+    return out
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
+    def _gate_up_gemv_kernel(x_ptr, logits_ptr, w_ptr, sw_ptr, act_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, T, H, E, I,
+                             I_s, start, num_local, sx, sl, swe, swn, sswn, sa, TOP_K: tl.constexpr,
+                             K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """Program (token t, N tile): t's routing (route_token; every program routes, the pid_n == 0 one stores it
+        and each pair's act row for the down step), then columns [n, n + BLOCK_N) of silu(x W_gate^T) * (x W_up^T)
+        of its local slots as one [K_POW2, BLOCK_N, BLOCK_K] tile per H step (gate and up halves) and of the shared
+        expert as another, in one loop that Triton software-pipelines (as _down_combine_kernel). Other ranks'
+        slots are masked: they read and write nothing. Rows: shared t, pair p = t * TOP_K + slot at T + p."""
+        t = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+        ids = route_token(logits_ptr, ids_ptr, rw_ptr, sg_ptr, t, E, sl, pid_n == 0, TOP_K, K_POW2, BLOCK_E)
+        s = tl.arange(0, K_POW2)
+        e = ids - start
+        local = (s < TOP_K) & (e >= 0) & (e < num_local)
+        row = T + t * TOP_K + s
+        first = s < tl.where(pid_n == 0, TOP_K, 0)  # one program per token stores the rows, as the routing
+        tl.store(inv_ptr + t * TOP_K + s, tl.where(local, row, -1).to(tl.int32), mask=first)
+        if (tl.max(local.to(tl.int32), 0) == 0) & (pid_n * BLOCK_N >= I_s):
+            return  # no weight of this rank in these columns
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = local[:, None] & (cols < I)[None, :]
+        smask = cols < I_s
+        ks = tl.arange(0, BLOCK_K)
+        wp = w_ptr + tl.where(local, e, 0).to(tl.int64)[:, None, None] * swe + ks[None, None, :]
+        gp = wp + cols.to(tl.int64)[None, :, None] * swn
+        up = wp + (cols + I).to(tl.int64)[None, :, None] * swn
+        sgp = sw_ptr + cols.to(tl.int64)[:, None] * sswn + ks[None, :]
+        sup = sw_ptr + (cols + I_s).to(tl.int64)[:, None] * sswn + ks[None, :]
+        xp = x_ptr + t * sx + ks
+        acc_g = tl.zeros([K_POW2, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([K_POW2, BLOCK_N], dtype=tl.float32)
+        acc_sg = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_su = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+            kmask = k0 + ks < H
+            a = tl.load(xp + k0, mask=kmask, other=0.0).to(tl.float32)
+            m = rmask[:, :, None] & kmask[None, None, :]
+            acc_g += tl.sum(tl.load(gp + k0, mask=m, other=0.0).to(tl.float32) * a[None, None, :], 2)
+            acc_u += tl.sum(tl.load(up + k0, mask=m, other=0.0).to(tl.float32) * a[None, None, :], 2)
+            m = smask[:, None] & kmask[None, :]
+            acc_sg += tl.sum(tl.load(sgp + k0, mask=m, other=0.0).to(tl.float32) * a[None, :], 1)
+            acc_su += tl.sum(tl.load(sup + k0, mask=m, other=0.0).to(tl.float32) * a[None, :], 1)
+        dt = act_ptr.dtype.element_ty
+        tl.store(act_ptr + row.to(tl.int64)[:, None] * sa + cols[None, :], silu_mul_sums(acc_g, acc_u, dt), mask=rmask)
+        tl.store(act_ptr + t * sa + cols, silu_mul_sums(acc_sg, acc_su, dt), mask=smask)
+
+    @triton.jit
+    def _down_combine_kernel(act_ptr, w_ptr, sw_ptr, out_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, H, I, I_s, start,
+                             sa, swe, swh, sswh, so, sid, srw, ssg, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """Columns [n, n + BLOCK_N) of token t's output: its k routed rows (other ranks' experts masked) as one
+        [K_POW2, BLOCK_N, BLOCK_K] weight tile per K step and its shared row (row t) as another, in one loop that
+        Triton software-pipelines (tl.range num_stages: NUM_STAGES - 1 steps of every expert's loads in flight;
+        a plain loop here, with no tl.dot, would wait for memory once per step). Each GEMV is rounded, times its
+        weight, rounded (_down_kernel's epilogue); the routed ones are summed in a fixed order, then the shared
+        one, in fp32: no atomics, the same bits on every run."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < H
+        s = tl.arange(0, K_POW2)
+        row = tl.load(inv_ptr + t * TOP_K + s, mask=s < TOP_K, other=-1)
+        valid = row >= 0
+        e = tl.load(ids_ptr + t * sid + s, mask=valid, other=0).to(tl.int64) - start
+        e = tl.where(valid, e, 0)
+        rw = tl.load(rw_ptr + t * srw + s, mask=valid, other=0.0).to(tl.float32)
+        ks = tl.arange(0, BLOCK_K)
+        ap = act_ptr + tl.where(valid, row, 0).to(tl.int64)[:, None] * sa + ks[None, :]
+        wp = w_ptr + e[:, None, None] * swe + cols.to(tl.int64)[None, :, None] * swh + ks[None, None, :]
+        sap = act_ptr + t * sa + ks
+        swp = sw_ptr + cols.to(tl.int64)[:, None] * sswh + ks[None, :]
+        acc = tl.zeros([K_POW2, BLOCK_N], dtype=tl.float32)
+        acc_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, tl.maximum(I, I_s), BLOCK_K, num_stages=NUM_STAGES):
+            kr = valid[:, None] & (k0 + ks < I)[None, :]
+            a = tl.load(ap + k0, mask=kr, other=0.0).to(tl.float32)
+            w = tl.load(wp + k0, mask=kr[:, None, :] & cmask[None, :, None], other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[:, None, :], 2)
+            ksh = k0 + ks < I_s
+            a = tl.load(sap + k0, mask=ksh, other=0.0).to(tl.float32)
+            w = tl.load(swp + k0, mask=cmask[:, None] & ksh[None, :], other=0.0).to(tl.float32)
+            acc_s += tl.sum(w * a[None, :], 1)
+        dt = out_ptr.dtype.element_ty
+        y = tl.sum(round_to(round_to(acc, dt) * rw[:, None], dt), 0)  # invalid slots add 0
+        y += round_to(round_to(acc_s, dt) * tl.load(sg_ptr + t * ssg).to(tl.float32), dt)
+        tl.store(out_ptr + t * so + cols, y.to(dt), mask=cmask)
