@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dist import push
 from layers import backend
 from layers.linear import Linear, computed, fuse_rows
 from layers.mlp import MLP
@@ -38,37 +39,45 @@ from layers.moe.routing import ROUTER_PAD_ROWS, route_fast, route_torch, router_
 from layers.moe.tiles import DECODE_MAX_T, config_for
 
 
-def moe_torch(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights) -> torch.Tensor:
-    """The block's oracle: router GEMM (model dtype, as the reference rounds the logits), route_torch, experts_torch."""
+def moe_torch(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
+              partial: bool = False) -> torch.Tensor:
+    """The block's oracle: router GEMM (model dtype, as the reference rounds the logits), route_torch, experts_torch.
+    (partial: the output is a layer boundary's partial sums; the caller's boundary all-reduces them.)"""
     return experts_torch(x, *route_torch(router_logits_torch(x, router), top_k), w)
 
 
-def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights) -> torch.Tensor:
+def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
+             partial: bool = False) -> torch.Tensor | push.Pushed:
     """moe_torch without host syncs: decode_path up to DECODE_MAX_T tokens, else the router GEMM, route_fast and
-    experts_fast (the chunked layout and the grouped kernels)."""
+    experts_fast (the chunked layout and the grouped kernels). partial: where the inbox takes the output (TP > 1,
+    decode sizes), it is pushed to every rank (dist/push.py) and a Pushed is returned."""
     if x.shape[0] <= DECODE_MAX_T:
-        return decode_path(x, router, top_k, w)
+        return decode_path(x, router, top_k, w, partial=partial)
     x = computed(x)
     return experts_fast(x, *route_fast(router_logits_fast(x, router), top_k), w)
 
 
 def decode_path(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
-                down_combine: bool | None = None, gemv: bool | None = None) -> torch.Tensor:
+                down_combine: bool | None = None, gemv: bool | None = None, partial: bool = False):
     """moe_fast's kernels up to DECODE_MAX_T tokens, as the tile table chooses them, or as the caller forces them
     (tests and benchmarks/bench_moe.py take every path): the GEMV path (gemv; by default where the config has a gemv
-    tile): router GEMM, gate_up_gemv_fast, down_combine_fast. Else the router GEMM, route_fast and align_fast, then
-    experts_on_layout, down + combine in one kernel or two as down_combine forces or the config says."""
+    tile): router GEMM, gate_up_gemv_fast, down_combine_fast (pushing from its epilogue where `partial`). Else the
+    router GEMM, route_fast and align_fast, then experts_on_layout, down + combine in one kernel or two as
+    down_combine forces or the config says (then push_ where `partial`)."""
     if x.shape[0] == 0:
         return torch.empty_like(computed(x))
     cfg = config_for(x, w)
     if cfg["gemv"] is not None if gemv is None else gemv:
         logits = router_logits_fast(x, router)  # first: its GEMV computes a PendingNorm x, which gate_up reads
         g = gate_up_gemv_fast(computed(x).contiguous(), logits, top_k, w, cfg["gemv"])
-        return down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, cfg["down_combine"])
+        return down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, cfg["down_combine"],
+                                 partial=partial)
     x = computed(x).contiguous()
     ids, weights, shared_gate = route_fast(router_logits_fast(x, router), top_k)
     layout = align_fast(ids, w.start, w.gate_up.shape[0], cfg["BLOCK_M"])
-    return experts_on_layout(x, w, layout, ids, weights, shared_gate, cfg, down_combine)
+    out = experts_on_layout(x, w, layout, ids, weights, shared_gate, cfg, down_combine)
+    box = push.pushes(out.shape, out.dtype) if partial else None
+    return push.push_(out, box) if box is not None else out
 
 
 class SparseMoE(nn.Module):
@@ -85,6 +94,7 @@ class SparseMoE(nn.Module):
         self.sync_free = self.experts.sync_free
         self._moe = moe_fast if backend.use_fast() else moe_torch
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Routed experts + sigmoid(shared gate) * shared expert, in the model dtype."""
-        return self._moe(x, self.router, self.top_k, self.experts.weights(self.shared_expert))
+    def forward(self, x: torch.Tensor) -> torch.Tensor | push.Pushed:
+        """Routed experts + sigmoid(shared gate) * shared expert, in the model dtype: this rank's partial sums of the
+        layer boundary after it (a Pushed where they went by push, dist/push.py)."""
+        return self._moe(x, self.router, self.top_k, self.experts.weights(self.shared_expert), partial=True)

@@ -21,7 +21,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dist import push
 from layers.backend import round_to, tl, triton
+from layers.linear import inbox_args
 from layers.mlp import silu_mul_sums, silu_mul_torch
 from layers.moe.experts import ExpertWeights
 from layers.moe.routing import route_token, route_torch
@@ -82,11 +84,13 @@ def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Expe
 
 
 def down_combine_torch(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor, ids: torch.Tensor,
-                       weights: torch.Tensor, shared_gate: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
+                       weights: torch.Tensor, shared_gate: torch.Tensor, tile: dict | None = None,
+                       partial: bool = False) -> torch.Tensor:
     """out [T, H]: per token, (act[row] W_down[e]^T) rounded to the model dtype times its routing weight (rounded),
     for its routed rows in top-k order, then the shared row times sigmoid(shared gate), summed in fp32. act [rows,
     max(I, I_s)]: token t's shared row is row t, pair p's row inverse[p] (-1: another rank's expert), as both
-    gate_up_fast's layout and the GEMV path's give them; tile is the fast kernel's and unused here."""
+    gate_up_fast's layout and the GEMV path's give them; tile is the fast kernel's and unused here, as is partial
+    (the output is a layer boundary's partial sums: the caller's boundary all-reduces them)."""
     T, k = ids.shape
     inter, shared_inter = w.down.shape[2], w.shared_down.shape[1]
     out = torch.zeros(T, w.down.shape[1], dtype=torch.float32, device=act.device)
@@ -101,22 +105,29 @@ def down_combine_torch(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tenso
 
 
 def down_combine_fast(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor, ids: torch.Tensor,
-                      weights: torch.Tensor, shared_gate: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
+                      weights: torch.Tensor, shared_gate: torch.Tensor, tile: dict | None = None,
+                      partial: bool = False) -> torch.Tensor | push.Pushed:
     """down_combine_torch in one launch: a program per (token, N tile) reads the k + 1 expert tiles it needs, all
-    at once. For few tokens only: an expert two tokens share, and the shared expert, are read once per token."""
+    at once. For few tokens only: an expert two tokens share, and the shared expert, are read once per token.
+    partial (the output is a layer boundary's partial sums), where the inbox takes them (TP > 1, decode sizes):
+    pushed to every rank from the epilogue (dist/push.py), and a Pushed is returned."""
     T, k = ids.shape
     num_local, H, inter = w.down.shape
     out = torch.empty(T, H, dtype=act.dtype, device=act.device)
     if T == 0:
         return out
+    box = push.pushes((T, H), act.dtype) if partial else None
+    slot = box.claim() if box is not None else 0
     width = triton.next_power_of_2(max(inter, w.shared_down.shape[1]))
     tile = cap_tile(tile or DOWN_COMBINE_TILE, triton.next_power_of_2(H), width, least=4)
     _down_combine_kernel[(T, triton.cdiv(H, tile["BLOCK_N"]))](
         act, w.down, w.shared_down, out, ids, inverse, weights, shared_gate, H, inter, w.shared_down.shape[1],
         w.start, act.stride(0), w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), out.stride(0),
-        ids.stride(0), weights.stride(0), shared_gate.stride(0), TOP_K=k, K_POW2=triton.next_power_of_2(k),
-        BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"])
-    return out
+        ids.stride(0), weights.stride(0), shared_gate.stride(0), slot, *inbox_args(box, act.device), TOP_K=k,
+        K_POW2=triton.next_power_of_2(k), BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
+        NUM_STAGES=tile["num_stages"], PUSH=box is not None, P=box.world if box is not None else 1,
+        PP=triton.next_power_of_2(box.world) if box is not None else 1, num_warps=tile["num_warps"])
+    return push.Pushed(box, slot, out.shape, out.dtype) if box is not None else out
 
 
 if triton is not None:
@@ -168,16 +179,19 @@ if triton is not None:
         tl.store(act_ptr + row.to(tl.int64)[:, None] * sa + cols[None, :], silu_mul_sums(acc_g, acc_u, dt), mask=rmask)
         tl.store(act_ptr + t * sa + cols, silu_mul_sums(acc_sg, acc_su, dt), mask=smask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["push_slot"])
     def _down_combine_kernel(act_ptr, w_ptr, sw_ptr, out_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, H, I, I_s, start,
-                             sa, swe, swh, sswh, so, sid, srw, ssg, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                             sa, swe, swh, sswh, so, sid, srw, ssg, push_slot, table, rank, flags_off, counters_off,
+                             regions_off, region_stride, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                             PUSH: tl.constexpr, P: tl.constexpr, PP: tl.constexpr):
         """Columns [n, n + BLOCK_N) of token t's output: its k routed rows (other ranks' experts masked) as one
         [K_POW2, BLOCK_N, BLOCK_K] weight tile per K step and its shared row (row t) as another, in one loop that
         Triton software-pipelines (tl.range num_stages: NUM_STAGES - 1 steps of every expert's loads in flight;
         a plain loop here, with no tl.dot, would wait for memory once per step). Each GEMV is rounded, times its
         weight, rounded (_down_kernel's epilogue); the routed ones are summed in a fixed order, then the shared
-        one, in fp32: no atomics, the same bits on every run."""
+        one, in fp32: no atomics, the same bits on every run. PUSH: the row goes into every rank's inbox instead of
+        out_ptr (dist/push.py), the last program raising the flags."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < H
@@ -206,4 +220,9 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         y = tl.sum(round_to(round_to(acc, dt) * rw[:, None], dt), 0)  # invalid slots add 0
         y += round_to(round_to(acc_s, dt) * tl.load(sg_ptr + t * ssg).to(tl.float32), dt)
-        tl.store(out_ptr + t * so + cols, y.to(dt), mask=cmask)
+        if PUSH:
+            push.push_rows(y.to(dt), t, cols, cmask, push_slot, table, rank, regions_off, region_stride, H, P)
+            push.push_done(push_slot, table, rank, flags_off, counters_off, tl.num_programs(0) * tl.num_programs(1),
+                           P, PP)
+        else:
+            tl.store(out_ptr + t * so + cols, y.to(dt), mask=cmask)
