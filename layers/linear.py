@@ -212,7 +212,7 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
     slot = box.claim() if box is not None else 0
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x2, weight, weight if bias is None else bias, y, r, r_out, nw, h, M, N, K, x2.stride(0), weight.stride(0),
-        y.stride(0), sr, eps, norm.x.slot if pulled else 0, slot, *_inbox_args(inbox, x.device),
+        y.stride(0), sr, eps, norm.x.slot if pulled else 0, slot, *inbox_args(inbox, x.device),
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
         PLAIN=norm is not None and norm.plain, PULL=pulled, PUSH=box is not None,
@@ -225,7 +225,7 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
     return y.view(*x.shape[:-1], N)
 
 
-def _inbox_args(box: push.Inbox | None, device: torch.device) -> tuple:
+def inbox_args(box: push.Inbox | None, device: torch.device) -> tuple:
     """dist/push.py's launch arguments of a kernel that pushes or pulls; placeholders (never read) for one that
     does neither."""
     return push.launch_args(box) if box is not None else (_no_table(device), 0, 0, 0, 0, 0)

@@ -298,11 +298,12 @@ def _gpu_worker(rank, world, port, out_file):
         """Two boundaries as a decode step runs them: GEMV push -> GEMV pull (norm folded); push_ -> pull + norm."""
         push.begin_step()
         p1 = linear_fast(y, w_out, partial=True)
-        pending, res1 = norm.boundary(p1, residual)
+        pending, res1 = norm.boundary(p1, residual)  # (a PendingNorm at <= 2 rows, else computed)
         z = linear_fast(pending, w_in)
-        p2 = push.push_(pending.out)
+        h1 = pending if isinstance(pending, torch.Tensor) else pending.out
+        p2 = push.push_(h1)
         h2, res2 = norm.all_reduce_add(p2, res1)
-        return z, pending.out, res1, h2, res2
+        return z, h1, res1, h2, res2
 
     def check(tag, y, residual, got):
         z, h1, res1, h2, res2 = got
