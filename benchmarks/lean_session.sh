@@ -31,7 +31,7 @@ for stage in "$@"; do
         [ "$tp" -gt "$NGPU" ] && continue
         CUDA_VISIBLE_DEVICES=$(devs $tp) timeout ${RECORD_TIMEOUT:-400} torchrun --nproc-per-node "$tp" -m qwen35.bench \
           --mode record ${RECORD_ARGS:---batch-sizes 1,8,32,64} --out "$OUT/record_tp$tp.json" > "$OUT/record_tp$tp.log" 2>&1
-        echo "record tp=$tp rc=$?"; grep -E "^ *[0-9]+ " "$OUT/record_tp$tp.log" | head -12
+        echo "record tp=$tp rc=$?"; grep -v "^\s*$" "$OUT/record_tp$tp.log" | tail -14
       done ;;
   esac
   echo "[$stage: $(( $(date +%s) - t0 )) s]"
