@@ -3,29 +3,25 @@
 At decode sizes the all-reduce after each mixer and each MoE is latency: the one-shot kernel (dist/allreduce.py)
 stages, meets every peer in a barrier, reads every peer's buffer over NVLink and meets them again, ~10 us a
 boundary at TP=4. Here the kernel that computes this rank's partial sums (the out projection's GEMV, the MoE's
-down + combine, or push_ after a GEMM that cannot) writes them straight into every rank's inbox and raises a flag
-there; the kernel that needs the sum (the next GEMV with the norm folded in, or layers/norm.py's pull kernel) waits for the
-flags of its own inbox and sums locally. One one-way NVLink latency on the path, no barrier, no extra launch.
+down + combine, or push_ after a GEMM that cannot) stores them straight into every rank's inbox, and the kernel
+that needs the sum (the next GEMV with the norm folded in, or layers/norm.py's pull kernel) reads its own inbox.
 
-Every rank owns one inbox in symmetric memory (every rank can store into every inbox):
+No flags and no fences: an empty inbox holds an all-ones bit pattern (a NaN no arithmetic produces: a producer
+stores any NaN as the canonical one), so the data is its own flag (the "Lamport" all-reduce of TensorRT-LLM). A
+consumer polls each source's row until no element is empty, then sums the P sources in rank order in fp32 and
+rounds once: identical bits on every rank, and the one-shot kernel's bits. A flag and its release/acquire at
+system scope would cost every producer program a wait for its NVLink stores to be acknowledged (measured on 4x
+H100: +8 us on the out projection, +6 us on down + combine, as much as the launch it saved).
 
-    [0, 16)       the epoch: int32, this rank's count of forwards (begin_step bumps it)
-    flags         [slots, P] int32: flag [i, p] = the epoch in which rank p pushed boundary i
-    counters      [slots] int32: the producers' arrival counters (local; zero between launches)
-    regions       [slots, P, max_rows, hidden] of the model dtype: rank p's partial sums of boundary i
-
-A forward numbers its boundaries 0, 1, ... in the order its producers run (`claim`), the same on every rank (SPMD).
-Producer of boundary i on rank r: each program stores its tile into region [i, r] of every inbox, then counts
-itself in (acq_rel, system scope: its stores are visible everywhere before its count); the last program resets
-the counter and stores the epoch into flag [i, r] of every inbox (release, system scope).
-Consumer of boundary i: waits until flag [i, p] of its own inbox equals its epoch for every p (acquire), then sums
-region [i, 0..P-1] in rank order in fp32 and rounds once: identical bits on every rank, and the same bits as the
-one-shot kernel's sum.
-
-Why no barrier after the reads: rank p rewrites region [i, p] only in the next forward, after it has consumed that
-forward's boundaries up to i, so after every peer has pushed boundary i - 1 or later of that forward, which each
-did only after consuming boundary i of this one (its kernels run in stream order). A flag from an earlier forward
-never equals the current epoch; every rank runs the same forwards, so the epochs agree.
+Every rank owns one inbox in symmetric memory: [slots, P, max_rows, hidden] of the model dtype, region [i, p]
+holding rank p's partial sums of boundary i. A forward numbers its boundaries 0, 1, ... in the order its
+producers run (`claim`), the same on every rank (SPMD). Emptying, so that every slot is empty when a forward starts:
+- the producer of boundary i (i > 0) empties slot i - 1 of its own inbox: its one reader (the consumer of i - 1)
+  ran before it on this rank, and no peer stores there again before this rank pushes boundary i - 2 of the next
+  forward, or (i - 1 = 0) this rank's last boundary of this one, both later in this rank's stream;
+- end_step, after the forward's last consumer, empties the last slot: no peer stores there before this rank has
+  pushed the boundary before it in the next forward.
+So a forward has at least 2 boundaries (a decoder layer has 2).
 
 On the CPU the same kernels run through Triton's interpreter over any buffers with known addresses (tests: P
 simulated inboxes in one process, P processes sharing memory).
@@ -46,17 +42,12 @@ except ImportError:  # pragma: no cover
     tl = None
 
 MAX_ROWS = 8        # rows of the decode steps that push (batch <= 8: the GEMVs and down + combine push themselves)
-HEADER_BYTES = 16
-
-
-def _align16(n: int) -> int:
-    return -(-n // 16) * 16
+CLEAR_BLOCK = 1024  # elements per program step when emptying a slot
 
 
 @dataclass
 class Inbox:
-    """Every rank's inbox, at ptrs[p] in this process's address space; `keep` holds what owns the memory.
-    Offsets are in elements of the type read there (int32 for flags and counters, `dtype` for the regions)."""
+    """Every rank's inbox, at ptrs[p] in this process's address space; `keep` holds what owns the memory."""
     ptrs: list[int]
     rank: int
     slots: int
@@ -80,22 +71,6 @@ class Inbox:
         return len(self.ptrs)
 
     @property
-    def flags_off(self) -> int:
-        return HEADER_BYTES // 4
-
-    @property
-    def counters_off(self) -> int:
-        return self.flags_off + self.slots * self.world
-
-    @property
-    def regions_byte_off(self) -> int:
-        return _align16(HEADER_BYTES + 4 * self.slots * (self.world + 1))
-
-    @property
-    def regions_off(self) -> int:
-        return self.regions_byte_off // self.dtype.itemsize
-
-    @property
     def region_stride(self) -> int:
         """Elements of one (boundary, source rank) region."""
         return self.max_rows * self.hidden
@@ -117,13 +92,19 @@ class Inbox:
 
 
 def inbox_bytes(slots: int, world: int, max_rows: int, hidden: int, dtype: torch.dtype) -> int:
-    return _align16(HEADER_BYTES + 4 * slots * (world + 1)) + slots * world * max_rows * hidden * dtype.itemsize
+    return slots * world * max_rows * hidden * dtype.itemsize
+
+
+def empty_inbox_(buf: torch.Tensor) -> torch.Tensor:
+    """Every element empty (all bits set)."""
+    return buf.fill_(255)
 
 
 @dataclass(frozen=True)
 class Pushed:
     """This rank's partial sums of boundary `slot`, [*shape] in `dtype`: pushed (or being pushed, in stream order)
-    into every rank's inbox. Its consumer sums them (layers/norm.py: a GEMV's prologue or the pull + add + norm kernel; consume)."""
+    into every rank's inbox. Its consumer sums them (layers/norm.py: a GEMV's prologue or the pull + add + norm
+    kernel; consume)."""
     inbox: Inbox
     slot: int
     shape: torch.Size
@@ -158,8 +139,8 @@ def install(inbox: Inbox | None) -> None:
 
 def symmetric_inbox(slots: int, max_rows: int, hidden: int, dtype: torch.dtype, device: torch.device,
                     group=None) -> Inbox:
-    """Allocate and exchange this rank's inbox with torch symmetric memory (collective: every rank calls it).
-    Zeroed before the rendezvous: no flag can hold an epoch yet (epochs start at 1)."""
+    """Allocate and exchange this rank's inbox with torch symmetric memory (collective: every rank calls it),
+    emptied before the rendezvous."""
     import os
 
     import torch.distributed as torch_dist
@@ -168,8 +149,8 @@ def symmetric_inbox(slots: int, max_rows: int, hidden: int, dtype: torch.dtype, 
         raise RuntimeError("symmetric memory without TORCH_SYMM_MEM_DISABLE_MULTICAST=1 may map NVLink multicast")
     group = group if group is not None else torch_dist.group.WORLD
     world = torch_dist.get_world_size(group)
-    buf = symm_mem.empty(inbox_bytes(slots, world, max_rows, hidden, dtype), dtype=torch.uint8, device=device)
-    buf.zero_()
+    buf = empty_inbox_(symm_mem.empty(inbox_bytes(slots, world, max_rows, hidden, dtype), dtype=torch.uint8,
+                                      device=device))
     torch.cuda.synchronize(device)
     try:
         handle = symm_mem.rendezvous(buf, group)
@@ -181,12 +162,28 @@ def symmetric_inbox(slots: int, max_rows: int, hidden: int, dtype: torch.dtype, 
 
 
 def begin_step(box: Inbox | None = None) -> None:
-    """At the start of every forward, on every rank: a new epoch, boundaries numbered from 0 again (the installed
-    inbox's, or `box`'s)."""
+    """At the start of every forward, on every rank: boundaries numbered from 0 again (the installed inbox's, or
+    `box`'s). The previous forward must have ended with end_step."""
     box = box or _inbox
     if box is not None:
+        if box.next_slot:
+            raise RuntimeError(f"a forward pushed {box.next_slot} boundaries and did not end_step")
         box.next_slot = 0
-        _begin_kernel[(1,)](box.table, box.rank)
+
+
+def end_step(box: Inbox | None = None) -> None:
+    """After a forward's last consumer: empty its last slot (the producers emptied the others). A forward that
+    pushed must have pushed at least 2 boundaries (the module's docstring says why)."""
+    box = box or _inbox
+    if box is None or box.next_slot == 0:
+        return
+    if box.next_slot < 2:
+        raise RuntimeError("a forward that pushes must push at least 2 boundaries")
+    n = box.world * box.region_stride
+    _clear_kernel[(min(triton.cdiv(n, CLEAR_BLOCK), 64),)](box.table, box.rank, box.next_slot - 1,
+                                                            box.region_stride, P=box.world, DTYPE=_tl(box.dtype),
+                                                            BLOCK=CLEAR_BLOCK, num_warps=4)
+    box.next_slot = 0
 
 
 def pushes(x_shape, dtype: torch.dtype) -> Inbox | None:
@@ -196,9 +193,13 @@ def pushes(x_shape, dtype: torch.dtype) -> Inbox | None:
 
 
 def launch_args(box: Inbox) -> tuple:
-    """The inbox's runtime arguments of every pushing / pulling kernel, in their order: table, rank, flags_off,
-    counters_off, regions_off, region_stride."""
-    return box.table, box.rank, box.flags_off, box.counters_off, box.regions_off, box.region_stride
+    """The inbox's runtime arguments of every pushing / pulling kernel, in their order: table, rank,
+    region_stride."""
+    return box.table, box.rank, box.region_stride
+
+
+def _tl(dtype: torch.dtype):
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
 # ---------------------------------------------------------------------------------------------- launches
@@ -215,9 +216,8 @@ def push_(x: torch.Tensor, box: Inbox | None = None) -> Pushed:
     slot = box.claim()
     rows, H = x2.shape
     block = min(1024, triton.next_power_of_2(H))
-    grid = (rows, triton.cdiv(H, block))
-    _push_kernel[grid](x2, x2.stride(0), H, slot, *launch_args(box), P=box.world,
-                       PP=triton.next_power_of_2(box.world), BLOCK=block, num_warps=4)
+    _push_kernel[(rows, triton.cdiv(H, block))](x2, x2.stride(0), H, slot, *launch_args(box), P=box.world,
+                                                BLOCK=block, num_warps=4)
     return Pushed(box, slot, x.shape, x.dtype)
 
 
@@ -227,80 +227,76 @@ def consume(p: Pushed) -> torch.Tensor:
     H = p.shape[-1]
     out = torch.empty(p.shape, dtype=p.dtype, device=p.device)
     block = min(1024, triton.next_power_of_2(H))
-    _consume_kernel[(p.rows, triton.cdiv(H, block))](out, H, p.slot, *launch_args(box), P=box.world,
-                                                      PP=triton.next_power_of_2(box.world), BLOCK=block, num_warps=4)
+    _consume_kernel[(p.rows, triton.cdiv(H, block))](out, H, p.slot, *launch_args(box), P=box.world, BLOCK=block,
+                                                      num_warps=4)
     return out
 
 
 # ---------------------------------------------------------------------------------------------- kernel pieces
 if triton is not None:
     @triton.jit
-    def push_rows(vals, row, cols, mask, slot, table, rank, regions_off, region_stride, H, P: tl.constexpr):
-        """Store vals (this rank's partial sums of `row`, columns `cols`) into region [slot, rank] of every inbox."""
-        dt = vals.dtype
-        off = regions_off + (slot * P + rank).to(tl.int64) * region_stride + row * H
+    def bits_type(DTYPE: tl.constexpr):
+        """The integer type of DTYPE's width: an inbox element is read as bits to tell empty (-1) from data."""
+        if DTYPE.primitive_bitwidth == 16:
+            return tl.int16
+        else:
+            return tl.int32
+
+    @triton.jit
+    def push_rows(vals, row, cols, mask, slot, table, rank, region_stride, H, P: tl.constexpr):
+        """Store vals (this rank's partial sums of `row`, columns `cols`) into region [slot, rank] of every inbox;
+        a NaN goes as the canonical one (never the all-ones 'empty' pattern)."""
+        vals = tl.where(vals != vals, float("nan"), vals.to(tl.float32)).to(vals.dtype)
+        off = (slot * P + rank).to(tl.int64) * region_stride + row * H
         for p in tl.static_range(P):
-            tl.store(peer_buffer(table, p, dt) + off + cols, vals, mask=mask)
+            tl.store(peer_buffer(table, p, vals.dtype) + off + cols, vals, mask=mask)
 
     @triton.jit
-    def push_done(slot, table, rank, flags_off, counters_off, programs, P: tl.constexpr, PP: tl.constexpr):
-        """This program has pushed its share of boundary `slot`; the last of `programs` raises the flags."""
-        tl.debug_barrier()  # every thread's stores before the count
-        me = peer_buffer(table, rank, tl.int32)
-        if tl.atomic_add(me + counters_off + slot, 1, sem="acq_rel", scope="sys") == programs - 1:
-            tl.atomic_xchg(me + counters_off + slot, 0)
-            epoch = tl.load(me)
-            lanes = tl.arange(0, PP)
-            peers = tl.where(lanes < P, lanes, 0)
-            flag = tl.load(table + peers).to(tl.pointer_type(tl.int32)) + flags_off + slot * P + rank
-            tl.atomic_xchg(flag, tl.zeros([PP], dtype=tl.int32) + epoch, mask=lanes < P, sem="release", scope="sys")
+    def clear_slot(slot, table, rank, region_stride, P: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's share of slot `slot` of my inbox, emptied (programs split it by the grid)."""
+        IT: tl.constexpr = bits_type(DTYPE)
+        n = P * region_stride
+        base = peer_buffer(table, rank, IT) + slot.to(tl.int64) * n
+        pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+        step = tl.num_programs(0) * tl.num_programs(1) * BLOCK
+        cols = tl.arange(0, BLOCK)
+        for start in range(pid * BLOCK, n, step):
+            tl.store(base + start + cols, tl.full([BLOCK], -1, IT), mask=start + cols < n)
 
     @triton.jit
-    def pull_wait(slot, table, rank, flags_off, P: tl.constexpr, PP: tl.constexpr):
-        """Wait until every rank has pushed boundary `slot` in this epoch (its flag in my inbox)."""
-        me = peer_buffer(table, rank, tl.int32)
-        epoch = tl.load(me)
-        lanes = tl.arange(0, PP)
-        flag = me + flags_off + slot * P + tl.where(lanes < P, lanes, 0)
-        want = tl.zeros([PP], dtype=tl.int32) + epoch  # (a vector: the interpreter mishandles scalar cas operands)
-        done = lanes >= P
-        while tl.sum((~done).to(tl.int32), 0) > 0:
-            seen = tl.atomic_cas(flag, want, want, sem="acquire", scope="sys")  # (a read: equal stays equal)
-            done = done | (seen == epoch)
-        tl.debug_barrier()  # no thread reads a region before the flags are in
-
-    @triton.jit
-    def pull_sum(slot, row, cols, mask, table, rank, regions_off, region_stride, H, P: tl.constexpr,
-                 DTYPE: tl.constexpr):
-        """sum over p = 0..P-1, in that order, of region [slot, p] row `row` in fp32 (not rounded)."""
-        base = peer_buffer(table, rank, DTYPE) + regions_off + row * H + cols
-        acc = tl.load(base + (slot * P).to(tl.int64) * region_stride, mask=mask, other=0.0).to(tl.float32)
-        for p in tl.static_range(1, P):
-            acc += tl.load(base + (slot * P + p).to(tl.int64) * region_stride, mask=mask, other=0.0).to(tl.float32)
+    def pull_sum(slot, row, cols, mask, table, rank, region_stride, H, P: tl.constexpr, DTYPE: tl.constexpr):
+        """sum over p = 0..P-1, in that order, of region [slot, p] row `row` of my inbox in fp32 (not rounded),
+        each source's row polled until none of its elements is empty."""
+        IT: tl.constexpr = bits_type(DTYPE)
+        base = peer_buffer(table, rank, IT) + row * H + cols
+        acc = tl.zeros(cols.shape, dtype=tl.float32)
+        for p in tl.static_range(P):
+            ptr = base + (slot * P + p).to(tl.int64) * region_stride
+            bits = tl.load(ptr, mask=mask, other=0, volatile=True)
+            while tl.max((bits == -1).to(tl.int32), 0) > 0:
+                bits = tl.load(ptr, mask=mask, other=0, volatile=True)
+            acc += bits.to(DTYPE, bitcast=True).to(tl.float32)
         return acc
 
-    @triton.jit
-    def _begin_kernel(table, rank):
-        me = peer_buffer(table, rank, tl.int32)
-        tl.store(me, tl.load(me) + 1)
+    @triton.jit(do_not_specialize=["slot"])
+    def _clear_kernel(table, rank, slot, region_stride, P: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+        clear_slot(slot, table, rank, region_stride, P, DTYPE, BLOCK)
 
     @triton.jit(do_not_specialize=["slot"])
-    def _push_kernel(x_ptr, sx, H, slot, table, rank, flags_off, counters_off, regions_off, region_stride,
-                     P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr):
+    def _push_kernel(x_ptr, sx, H, slot, table, rank, region_stride, P: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < H
         vals = tl.load(x_ptr + row * sx + cols, mask=mask)
-        push_rows(vals, row, cols, mask, slot, table, rank, regions_off, region_stride, H, P)
-        push_done(slot, table, rank, flags_off, counters_off, tl.num_programs(0) * tl.num_programs(1), P, PP)
+        push_rows(vals, row, cols, mask, slot, table, rank, region_stride, H, P)
+        if slot > 0:
+            clear_slot(slot - 1, table, rank, region_stride, P, x_ptr.dtype.element_ty, BLOCK)
 
     @triton.jit(do_not_specialize=["slot"])
-    def _consume_kernel(out_ptr, H, slot, table, rank, flags_off, counters_off, regions_off, region_stride,
-                        P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr):
+    def _consume_kernel(out_ptr, H, slot, table, rank, region_stride, P: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < H
-        pull_wait(slot, table, rank, flags_off, P, PP)
         dt = out_ptr.dtype.element_ty
-        s = pull_sum(slot, row, cols, mask, table, rank, regions_off, region_stride, H, P, dt)
+        s = pull_sum(slot, row, cols, mask, table, rank, region_stride, H, P, dt)
         tl.store(out_ptr + row * H + cols, s.to(dt), mask=mask)

@@ -216,8 +216,7 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
         PLAIN=norm is not None and norm.plain, PULL=pulled, PUSH=box is not None,
-        P=inbox.world if inbox is not None else 1,
-        PP=triton.next_power_of_2(inbox.world) if inbox is not None else 1, num_warps=min(warps, 16))
+        P=inbox.world if inbox is not None else 1, num_warps=min(warps, 16))
     if norm is not None:
         norm.done = True
     if box is not None:
@@ -228,7 +227,7 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
 def inbox_args(box: push.Inbox | None, device: torch.device) -> tuple:
     """dist/push.py's launch arguments of a kernel that pushes or pulls; placeholders (never read) for one that
     does neither."""
-    return push.launch_args(box) if box is not None else (_no_table(device), 0, 0, 0, 0, 0)
+    return push.launch_args(box) if box is not None else (_no_table(device), 0, 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -340,10 +339,10 @@ def fuse_rows(*linears: Linear, attr: str = "weight", pad_rows_to: int = 1) -> t
 if triton is not None:
     @triton.jit(do_not_specialize=["M", "pull_slot", "push_slot"])  # one compile per row tile and mode
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, h_ptr, M, N, K, sx, sw, sy, sr, eps,
-                     pull_slot, push_slot, table, rank, flags_off, counters_off, regions_off, region_stride,
+                     pull_slot, push_slot, table, rank, region_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PLAIN: tl.constexpr, PULL: tl.constexpr,
-                     PUSH: tl.constexpr, P: tl.constexpr, PP: tl.constexpr):
+                     PUSH: tl.constexpr, P: tl.constexpr):
         """Columns [n0, n0 + BLOCK_N) of y = x @ w^T (+ b) for M <= BLOCK_M rows: the program loads its BLOCK_N weight
         rows whole (K <= BLOCK_K) in one go, so all of its bytes are in flight at once, then for each row sums the
         fp32 products along K and rounds once to y's dtype (the bias added in fp32 before, as cuBLAS's epilogue does).
@@ -351,9 +350,9 @@ if triton is not None:
         With NORM the rows are a layer norm's inputs: each program computes the norm of every row (rms_norm_row:
         the residual r added, the norm weight nw) and uses it as x; program 0 stores the sums (ro) and the normed
         rows (h). The weight loads are issued first: the norm's arithmetic runs while they are in flight.
-        PULL (with NORM): the rows are a boundary's sum, waited for and summed from the inbox (dist/push.py) after
+        PULL (with NORM): the rows are a boundary's sum, polled for and summed from the inbox (dist/push.py) after
         the weight loads are issued. PUSH: y is this rank's partial sums of a boundary, stored into every rank's
-        inbox instead of y_ptr; the last program to finish raises the flags."""
+        inbox instead of y_ptr; the programs empty the boundary before it in this rank's inbox."""
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
@@ -363,15 +362,12 @@ if triton is not None:
         if HAS_BIAS:
             b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
         dt = y_ptr.dtype.element_ty
-        if PULL:
-            push.pull_wait(pull_slot, table, rank, flags_off, P, PP)
         for m in tl.static_range(BLOCK_M):
             # rows past M (the tile is a power of two) read and write nothing: their limits are <= 0
             limit = tl.minimum(K, (M - m) * K)
             xm = k < limit
             if PULL:
-                x = round_to(push.pull_sum(pull_slot, m, k, xm, table, rank, regions_off, region_stride, K, P, dt),
-                             dt)
+                x = round_to(push.pull_sum(pull_slot, m, k, xm, table, rank, region_stride, K, P, dt), dt)
             else:
                 x = tl.load(x_ptr + m * sx + k, mask=xm, other=0.0)
             if NORM:  # (program 0 stores: its limit is the row's)
@@ -382,11 +378,12 @@ if triton is not None:
                 y += b
             ym = n < tl.minimum(N, (M - m) * N)
             if PUSH:
-                push.push_rows(y.to(dt), m, n, ym, push_slot, table, rank, regions_off, region_stride, N, P)
+                push.push_rows(y.to(dt), m, n, ym, push_slot, table, rank, region_stride, N, P)
             else:
                 tl.store(y_ptr + m * sy + n, y.to(dt), mask=ym)
         if PUSH:
-            push.push_done(push_slot, table, rank, flags_off, counters_off, tl.num_programs(0), P, PP)
+            if push_slot > 0:
+                push.clear_slot(push_slot - 1, table, rank, region_stride, P, dt, 1024)
 
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr,

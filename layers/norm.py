@@ -267,7 +267,7 @@ if triton is not None:
 
 def pull_add_rms_norm(p: Pushed, residual: torch.Tensor, weight: torch.Tensor, eps: float, plain: bool = False,
                       out: torch.Tensor | None = None, res_out: torch.Tensor | None = None):
-    """The boundary from the inbox (dist/push.py), one kernel: wait for every rank's partial sums, sum them in rank
+    """The boundary from the inbox (dist/push.py), one kernel: poll for every rank's partial sums, sum them in rank
     order (fp32, rounded once: the one-shot kernel's bits), add the residual, norm. Into out / res_out where given."""
     box, H = p.inbox, p.shape[-1]
     r2 = residual.reshape(-1, H)
@@ -275,22 +275,20 @@ def pull_add_rms_norm(p: Pushed, residual: torch.Tensor, weight: torch.Tensor, e
     res_out = torch.empty_like(residual) if res_out is None else res_out
     block = triton.next_power_of_2(H)
     _pull_add_rms_norm_kernel[(p.rows,)](r2, r2.stride(0), res_out, weight, out, H, eps, p.slot,
-                                         *push.launch_args(box), P=box.world, PP=triton.next_power_of_2(box.world),
-                                         PLAIN=plain, BLOCK=block, num_warps=max(1, min(8, block // 256)))
+                                         *push.launch_args(box), P=box.world, PLAIN=plain, BLOCK=block,
+                                         num_warps=max(1, min(8, block // 256)))
     return out.view(p.shape), res_out.view(residual.shape)
 
 
 if triton is not None:
     @triton.jit(do_not_specialize=["slot"])
-    def _pull_add_rms_norm_kernel(res_ptr, sr, res_out_ptr, w_ptr, out_ptr, H, eps, slot, table, rank, flags_off,
-                                  counters_off, regions_off, region_stride, P: tl.constexpr, PP: tl.constexpr,
-                                  PLAIN: tl.constexpr, BLOCK: tl.constexpr):
+    def _pull_add_rms_norm_kernel(res_ptr, sr, res_out_ptr, w_ptr, out_ptr, H, eps, slot, table, rank,
+                                  region_stride, P: tl.constexpr, PLAIN: tl.constexpr, BLOCK: tl.constexpr):
         """One row: the inbox's sum rounded to the model dtype once, then rms_norm_row's add and norm."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
-        push.pull_wait(slot, table, rank, flags_off, P, PP)
         dt = out_ptr.dtype.element_ty
-        s = round_to(push.pull_sum(slot, row, cols, mask, table, rank, regions_off, region_stride, H, P, dt), dt)
+        s = round_to(push.pull_sum(slot, row, cols, mask, table, rank, region_stride, H, P, dt), dt)
         rms_norm_row(s, res_ptr + row * sr, res_out_ptr + row * H, w_ptr, out_ptr + row * H, cols, mask, mask, H,
                      eps, True, PLAIN)

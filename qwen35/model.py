@@ -70,11 +70,13 @@ class Qwen35Model(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [N, H] of every token of the batch."""
-        push.begin_step()  # (under TP, at decode sizes: a new epoch of the boundaries' inboxes, dist/push.py)
+        push.begin_step()  # (under TP, at decode sizes the boundaries go through inboxes: dist/push.py)
         x, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, batch)
-        return self.norm.all_reduce_add(x, residual)[0]
+        hidden = self.norm.all_reduce_add(x, residual)[0]
+        push.end_step()  # (empties the last boundary's inbox slot, dist/push.py)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor, gather: str = "driver") -> torch.Tensor | None:
         return self.lm_head(hidden, gather=gather)

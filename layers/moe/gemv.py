@@ -126,7 +126,7 @@ def down_combine_fast(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor
         ids.stride(0), weights.stride(0), shared_gate.stride(0), slot, *inbox_args(box, act.device), TOP_K=k,
         K_POW2=triton.next_power_of_2(k), BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
         NUM_STAGES=tile["num_stages"], PUSH=box is not None, P=box.world if box is not None else 1,
-        PP=triton.next_power_of_2(box.world) if box is not None else 1, num_warps=tile["num_warps"])
+        num_warps=tile["num_warps"])
     return push.Pushed(box, slot, out.shape, out.dtype) if box is not None else out
 
 
@@ -181,17 +181,16 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["push_slot"])
     def _down_combine_kernel(act_ptr, w_ptr, sw_ptr, out_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, H, I, I_s, start,
-                             sa, swe, swh, sswh, so, sid, srw, ssg, push_slot, table, rank, flags_off, counters_off,
-                             regions_off, region_stride, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                             PUSH: tl.constexpr, P: tl.constexpr, PP: tl.constexpr):
+                             sa, swe, swh, sswh, so, sid, srw, ssg, push_slot, table, rank, region_stride,
+                             TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PUSH: tl.constexpr, P: tl.constexpr):
         """Columns [n, n + BLOCK_N) of token t's output: its k routed rows (other ranks' experts masked) as one
         [K_POW2, BLOCK_N, BLOCK_K] weight tile per K step and its shared row (row t) as another, in one loop that
         Triton software-pipelines (tl.range num_stages: NUM_STAGES - 1 steps of every expert's loads in flight;
         a plain loop here, with no tl.dot, would wait for memory once per step). Each GEMV is rounded, times its
         weight, rounded (_down_kernel's epilogue); the routed ones are summed in a fixed order, then the shared
         one, in fp32: no atomics, the same bits on every run. PUSH: the row goes into every rank's inbox instead of
-        out_ptr (dist/push.py), the last program raising the flags."""
+        out_ptr (dist/push.py), and the programs empty the boundary before it in this rank's inbox."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < H
@@ -221,8 +220,8 @@ if triton is not None:
         y = tl.sum(round_to(round_to(acc, dt) * rw[:, None], dt), 0)  # invalid slots add 0
         y += round_to(round_to(acc_s, dt) * tl.load(sg_ptr + t * ssg).to(tl.float32), dt)
         if PUSH:
-            push.push_rows(y.to(dt), t, cols, cmask, push_slot, table, rank, regions_off, region_stride, H, P)
-            push.push_done(push_slot, table, rank, flags_off, counters_off, tl.num_programs(0) * tl.num_programs(1),
-                           P, PP)
+            push.push_rows(y.to(dt), t, cols, cmask, push_slot, table, rank, region_stride, H, P)
+            if push_slot > 0:
+                push.clear_slot(push_slot - 1, table, rank, region_stride, P, dt, 1024)
         else:
             tl.store(out_ptr + t * so + cols, y.to(dt), mask=cmask)
