@@ -235,14 +235,6 @@ def consume(p: Pushed) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- kernel pieces
 if triton is not None:
     @triton.jit
-    def bits_type(DTYPE: tl.constexpr):
-        """The integer type of DTYPE's width: an inbox element is read as bits to tell empty (-1) from data."""
-        if DTYPE.primitive_bitwidth == 16:
-            return tl.int16
-        else:
-            return tl.int32
-
-    @triton.jit
     def push_rows(vals, row, cols, mask, slot, table, rank, region_stride, H, P: tl.constexpr):
         """Store vals (this rank's partial sums of `row`, columns `cols`) into region [slot, rank] of every inbox;
         a NaN goes as the canonical one (never the all-ones 'empty' pattern)."""
@@ -254,7 +246,7 @@ if triton is not None:
     @triton.jit
     def clear_slot(slot, table, rank, region_stride, P: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
         """This program's share of slot `slot` of my inbox, emptied (programs split it by the grid)."""
-        IT: tl.constexpr = bits_type(DTYPE)
+        IT: tl.constexpr = tl.int16 if DTYPE.primitive_bitwidth == 16 else tl.int32  # (read as bits: empty is -1)
         n = P * region_stride
         base = peer_buffer(table, rank, IT) + slot.to(tl.int64) * n
         pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
@@ -267,7 +259,7 @@ if triton is not None:
     def pull_sum(slot, row, cols, mask, table, rank, region_stride, H, P: tl.constexpr, DTYPE: tl.constexpr):
         """sum over p = 0..P-1, in that order, of region [slot, p] row `row` of my inbox in fp32 (not rounded),
         each source's row polled until none of its elements is empty."""
-        IT: tl.constexpr = bits_type(DTYPE)
+        IT: tl.constexpr = tl.int16 if DTYPE.primitive_bitwidth == 16 else tl.int32  # (read as bits: empty is -1)
         base = peer_buffer(table, rank, IT) + row * H + cols
         acc = tl.zeros(cols.shape, dtype=tl.float32)
         for p in tl.static_range(P):

@@ -359,3 +359,51 @@ def test_gpu_push_pull_two_ranks(tmp_path):
     out_file = str(tmp_path / "errors.pt")
     mp.start_processes(_gpu_worker, args=(2, free_port(), out_file), nprocs=2, join=True, start_method="spawn")
     assert torch.load(out_file) == []
+
+
+def test_push_pull_kernels_compile_for_hopper():
+    """Every push / pull kernel variant of a decode boundary, as the tests above launch them (GEMV pushing and
+    pulling, down + combine pushing, push_, the pull + norm kernel, consume, end_step), compiles for sm_90 through
+    Triton's compiler in bf16 (the interpreter accepts code the compiler does not)."""
+    from layers.backend import use_kernels
+    from layers.moe.experts import ExpertWeights
+    from layers.moe.gemv import down_combine_fast
+    from tests.hopper_compile import compile_all, hopper_backend_available, recorded
+    if not hopper_backend_available():
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    H, K, world, dt = 64, 32, 2, torch.bfloat16
+    _, boxes = inboxes(world, 4, 2, H, dt)
+    with recorded() as launches, use_kernels("fast"):
+        box = boxes[0]
+        push.install(box)
+        try:
+            push.begin_step()
+            p1 = linear_fast(torch.randn(1, K, dtype=dt), torch.randn(H, K, dtype=dt), partial=True)
+            norm = RMSNorm(H, EPS, dtype=dt)
+            pending, res = norm.boundary(p1, torch.randn(1, H, dtype=dt))
+            # (the peer's rows: this one process plays rank 1 too)
+            push.install(boxes[1])
+            boxes[1].next_slot = 0
+            linear_fast(torch.randn(1, K, dtype=dt), torch.randn(H, K, dtype=dt), partial=True)
+            push.install(box)
+            linear_fast(pending, torch.randn(16, H, dtype=dt))
+            E, I = 4, 16
+            w = ExpertWeights(torch.randn(E, 2 * I, H, dtype=dt), torch.randn(E, H, I, dtype=dt), 0,
+                              torch.randn(2 * I, H, dtype=dt), torch.randn(H, I, dtype=dt))
+            ids = torch.tensor([[0, 1]], dtype=torch.int32)
+            down_combine_fast(torch.randn(3, I, dtype=dt), w, torch.tensor([1, 2], dtype=torch.int32), ids,
+                              torch.rand(1, 2, dtype=dt), torch.rand(1, 1, dtype=dt), partial=True)
+            p3 = push.push_(torch.randn(1, H, dtype=dt))
+            boxes[1].next_slot = 2
+            push.install(boxes[1])
+            push.push_(torch.randn(1, H, dtype=dt))
+            push.install(box)
+            pull_add_rms_norm(p3, torch.randn(1, H, dtype=dt), norm.weight, EPS)
+            push.consume(p3)
+            push.end_step()
+        finally:
+            push.install(None)
+    names = {e["name"] for e in launches}
+    assert {"_gemv_kernel", "_down_combine_kernel", "_push_kernel", "_pull_add_rms_norm_kernel",
+            "_consume_kernel", "_clear_kernel"} <= names, names
+    assert compile_all(launches) == []
