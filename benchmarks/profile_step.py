@@ -227,7 +227,12 @@ def profile_decode(runner, batch: int, ctx: int, replays: int) -> dict:
             runner.execute(plan)
             torch.cuda.synchronize()
             parallel.barrier()  # steps apart: only the gaps inside a step are counted
-    steps = split_steps(kernels_of(trace_events(prof)))[-replays:]
+    kernels = kernels_of(trace_events(prof))
+    if len(kernels) % replays == 0:  # every replay runs the same kernels: equal runs
+        n = len(kernels) // replays
+        steps = [kernels[i * n:(i + 1) * n] for i in range(replays)]
+    else:
+        steps = split_steps(kernels)[-replays:]
     placed = [place_graph_kernels(s, eager) for s in steps]
     kinds = {i: ("deltanet" if t == LINEAR_ATTENTION else "attention") for i, t in enumerate(runner.config.layer_types)}
     out = summarize(placed, kinds)
