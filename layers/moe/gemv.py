@@ -58,11 +58,22 @@ def gate_up_gemv_torch(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Exp
     return GemvAct(act, ids, weights, shared_gate, torch.where(mine, rows, -1).flatten().int())
 
 
+# The slot-parallel gate_up (a tile with "slots": tiles.py's default at T <= SLOT_MAX_T where no tuned table entry
+# says otherwise): a program per (token, slot, N tile) holds BLOCK_N whole gate and up rows of one expert
+# (2 * BLOCK_N * H <= SLOT_TILE elements, loaded at once, as linear.py's GEMV does). Under TP a token has ~k / tp
+# local experts: the programs of the others exit after routing instead of holding masked [k, BLOCK_N, BLOCK_K]
+# tiles and stepping through H a short slice at a time (18.9 us at T = 1 on 4x H200, TP=4, 2026-11-27, for ~8 MB
+# of weights).
+SLOT_TILE = 16384
+SLOT_WARPS = 8
+
+
 def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights,
                       tile: dict | None = None) -> GemvAct:
-    """gate_up_gemv_torch in one launch, a program per (token, N tile of max(I, I_s)): each routes its token
-    (route_fast's kernel code, so the same bits) and streams that token's local experts' and the shared expert's
-    gate|up rows. x [T, H] and logits [T, E + 1] with unit column stride."""
+    """gate_up_gemv_torch in one launch, a program per (token, N tile of max(I, I_s)), or with a tile's "slots" per
+    (token, slot, N tile): each routes its token (route_fast's kernel code, so the same bits) and streams that
+    token's local experts' and the shared expert's gate|up rows. x [T, H] and logits [T, E + 1] with unit column
+    stride."""
     T, H = x.shape
     E = logits.shape[1] - 1
     num_local, two_i, _ = w.gate_up.shape
@@ -72,7 +83,16 @@ def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Expe
     weights = torch.empty(T, top_k, dtype=logits.dtype, device=x.device)
     shared_gate = torch.empty(T, 1, dtype=logits.dtype, device=x.device)
     act = torch.empty(T * (top_k + 1), width, dtype=x.dtype, device=x.device)
-    if T:
+    if T and (tile or GEMV_TILE).get("slots"):
+        block_h = triton.next_power_of_2(H)
+        block_n = max(1, min(triton.next_power_of_2(width), SLOT_TILE // (2 * block_h)))
+        _gate_up_slot_kernel[(T, top_k + 1, triton.cdiv(width, block_n))](
+            x, logits, w.gate_up, w.shared_gate_up, act, ids, inverse, weights, shared_gate, T, H, E, inter,
+            shared_inter, w.start, num_local, x.stride(0), logits.stride(0), w.gate_up.stride(0),
+            w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0), TOP_K=top_k,
+            K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), BLOCK_N=block_n,
+            BLOCK_H=block_h, num_warps=SLOT_WARPS if 2 * block_n * block_h >= SLOT_TILE else 4)
+    elif T:
         tile = cap_tile(tile or GEMV_TILE, triton.next_power_of_2(width), triton.next_power_of_2(H), least=2)
         _gate_up_gemv_kernel[(T, triton.cdiv(width, tile["BLOCK_N"]))](
             x, logits, w.gate_up, w.shared_gate_up, act, ids, inverse, weights, shared_gate, T, H, E, inter,
@@ -178,6 +198,47 @@ if triton is not None:
         dt = act_ptr.dtype.element_ty
         tl.store(act_ptr + row.to(tl.int64)[:, None] * sa + cols[None, :], silu_mul_sums(acc_g, acc_u, dt), mask=rmask)
         tl.store(act_ptr + t * sa + cols, silu_mul_sums(acc_sg, acc_su, dt), mask=smask)
+
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
+    def _gate_up_slot_kernel(x_ptr, logits_ptr, w_ptr, sw_ptr, act_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, T, H, E, I,
+                             I_s, start, num_local, sx, sl, swe, swn, sswn, sa, TOP_K: tl.constexpr,
+                             K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_H: tl.constexpr):
+        """Program (token t, slot j, N tile): t's routing (route_token: every program routes; (t, 0, 0) stores it),
+        then columns [n, n + BLOCK_N) of silu(x W_gate^T) * (x W_up^T) of slot j's expert, or (j = TOP_K) of the
+        shared expert, from BLOCK_N whole gate rows and up rows loaded at once. A slot of another rank's expert
+        stores -1 as its act row (program n = 0) and exits. Rows as _gate_up_gemv_kernel's."""
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)
+        pid_n = tl.program_id(2)
+        ids = route_token(logits_ptr, ids_ptr, rw_ptr, sg_ptr, t, E, sl, (j == 0) & (pid_n == 0), TOP_K, K_POW2,
+                          BLOCK_E)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_H)
+        kmask = ks < H
+        dt = act_ptr.dtype.element_ty
+        if j < TOP_K:
+            e = tl.sum(tl.where(tl.arange(0, K_POW2) == j, ids, 0), 0) - start
+            local = (e >= 0) & (e < num_local)
+            row = T + t * TOP_K + j
+            tl.store(inv_ptr + t * TOP_K + j, tl.where(local, row, -1).to(tl.int32), mask=pid_n == 0)
+            if local:
+                m = (cols < I)[:, None] & kmask[None, :]
+                wp = w_ptr + e.to(tl.int64) * swe + ks[None, :]
+                g = tl.load(wp + cols.to(tl.int64)[:, None] * swn, mask=m, other=0.0)
+                u = tl.load(wp + (cols + I).to(tl.int64)[:, None] * swn, mask=m, other=0.0)
+                a = tl.load(x_ptr + t * sx + ks, mask=kmask, other=0.0).to(tl.float32)
+                acc_g = tl.sum(g.to(tl.float32) * a[None, :], 1)
+                acc_u = tl.sum(u.to(tl.float32) * a[None, :], 1)
+                tl.store(act_ptr + row.to(tl.int64) * sa + cols, silu_mul_sums(acc_g, acc_u, dt), mask=cols < I)
+        elif pid_n * BLOCK_N < I_s:
+            m = (cols < I_s)[:, None] & kmask[None, :]
+            g = tl.load(sw_ptr + cols.to(tl.int64)[:, None] * sswn + ks[None, :], mask=m, other=0.0)
+            u = tl.load(sw_ptr + (cols + I_s).to(tl.int64)[:, None] * sswn + ks[None, :], mask=m, other=0.0)
+            a = tl.load(x_ptr + t * sx + ks, mask=kmask, other=0.0).to(tl.float32)
+            acc_g = tl.sum(g.to(tl.float32) * a[None, :], 1)
+            acc_u = tl.sum(u.to(tl.float32) * a[None, :], 1)
+            tl.store(act_ptr + t * sa + cols, silu_mul_sums(acc_g, acc_u, dt), mask=cols < I_s)
 
     @triton.jit(do_not_specialize=["push_slot"])
     def _down_combine_kernel(act_ptr, w_ptr, sw_ptr, out_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, H, I, I_s, start,

@@ -22,6 +22,7 @@ GEMV_TILE = dict(BLOCK_N=4, BLOCK_K=128, num_warps=4, num_stages=4)  # untuned d
                                                                      # I = 512, so one token's experts fill the SMs
 # (the H200 table holds tiles for the GEMV path's buckets at TP=1 from a sweep on 2026-11-25: gate_up_gemv 16.5 ->
 # 12.1 us at T = 1 and 71.3 -> 67.0 at T = 8, down_combine 6.4 -> 5.6 and 35.9 -> 34.9, in CUDA graphs)
+SLOT_MAX_T = 2           # untuned default: the slot-parallel gate_up kernel at or below (layers/moe/gemv.py)
 GEMV_MAX_T = 8           # untuned default: the GEMV path at or below (a power of two, as the buckets). Above, each
                          # token streams its experts' gate_up rows itself, where the grouped kernel reads an expert
                          # once for all its tokens; a tuned table decides per bucket (moe_config)
@@ -57,8 +58,9 @@ def default_config(T: int) -> dict:
     Prefill: larger tiles that reuse each weight tile over many rows. down_combine (its tile, or None: down and
     combine in two kernels) and gemv (gate_up_gemv_fast's tile, or None: the sorted layout's path) serve
     T <= DECODE_MAX_T only; tables tuned before them lack the keys."""
+    gemv = dict(GEMV_TILE, slots=True) if T <= SLOT_MAX_T else GEMV_TILE  # (layers/moe/gemv.py: slot-parallel)
     small = {"down_combine": DOWN_COMBINE_TILE if T <= DOWN_COMBINE_MAX_T else None,
-             "gemv": GEMV_TILE if T <= GEMV_MAX_T else None}
+             "gemv": gemv if T <= GEMV_MAX_T else None}
     if T <= 128:
         return {"BLOCK_M": 16, "gate_up": dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
                 "down": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4), **small}
