@@ -1,10 +1,11 @@
 """Host time per decode step outside the forward (issue #10), on any machine: the `cpu_ms` of `qwen35.bench --mode
 record` (profile_steps: the engine's own timers, LLMEngine.times) without a GPU, for a model that runs anywhere.
 
-    python -m qwen35.host_time [--model tiny] [--batch-sizes 1,8,64] [--steps 200] [--reps 3] [--forward real|none|sleep]
-    python -m qwen35.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy --cprofile 30
-    python -m qwen35.host_time --forward sleep --breakdown  # the host time split into phases, us per step
-    torchrun --nproc-per-node 2 -m qwen35.host_time --forward sleep  # rank 0's host time at TP=2 (plans sent)
+    python -m qwen35.bench.host_time [--model tiny] [--batch-sizes 1,8,64] [--steps 200] [--reps 3]
+        [--forward real|none|sleep]
+    python -m qwen35.bench.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy --cprofile 30
+    python -m qwen35.bench.host_time --forward sleep --breakdown  # the host time split into phases, us per step
+    torchrun --nproc-per-node 2 -m qwen35.bench.host_time --forward sleep  # rank 0's host time at TP=2 (plans sent)
 
 Per batch size: `batch` requests of 16 random prompt tokens, greedy, ignore_eos, max_tokens steps + 1; the prefill
 steps are not timed, then every decode step until all have finished is (as the record mode does it). The best of
@@ -24,7 +25,8 @@ import time
 import torch
 
 from dist import parallel
-from qwen35.bench import _ints, profile_steps
+from qwen35.bench.args import ints
+from qwen35.bench.engine_runs import profile_steps
 from qwen35.engine import EngineArgs, LLMEngine
 
 
@@ -105,7 +107,8 @@ class Breakdown:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="qwen35.bench.host_time", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--steps", type=int, default=200, help="decode steps timed per run")
@@ -125,7 +128,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     parallel.init_distributed("cpu" if args.device == "cpu" else "cuda")
-    sizes = _ints(args.batch_sizes)
+    sizes = ints(args.batch_sizes)
     extra = {"load_format": args.load_format} if args.load_format else {}
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, max_num_seqs=max(sizes), max_model_len=1024,
                                   **extra))
