@@ -12,7 +12,7 @@ record (the figures of record; qwen35/bench/step_timing.py says how each is meas
   measured in the same run), the host time per step outside the forward, and last, kernels per step (eager,
   torch.profiler, which leaves the process's CUDA calls slower: nothing is timed after it); prefill of 1, 8 and 64
   prompts of --input-len tokens. Written to benchmarks/results/<date>_bench_<device>_tp<N>.json. The host time per
-  step (cpu_ms) is the engine's own measure (LLMEngine.times), with overlap unless --no-overlap.
+  step (cpu_ms) is the engine's own step loop, timed (qwen35/bench/step_timer.py), with overlap unless --no-overlap.
 static: for each batch size B, B requests of `--input-len` random tokens generating exactly `--output-len` tokens
   (ignore_eos), all added at once: latency, prefill (input) tok/s, decode (output) tok/s, inter-token latency. Also a
   per-step profile at the smallest and largest batch: step wall time, host time outside the forward, time queueing

@@ -1,11 +1,12 @@
-"""Requests through LLMEngine, timed: run to completion, a static batch, decode steps profiled by the engine's own
-timers (LLMEngine.times)."""
+"""Requests through LLMEngine, timed: run to completion, a static batch, decode steps profiled by the engine's
+step timer (step_timer.py)."""
 from __future__ import annotations
 
 import random
 import time
 
-from qwen35.engine import LLMEngine, StepTimes
+from qwen35.bench.step_timer import StepTimer
+from qwen35.engine import LLMEngine
 from scheduler.sampling_params import SamplingParams
 
 
@@ -51,20 +52,23 @@ def static_batch(engine: LLMEngine, batch: int, input_len: int, output_len: int,
 
 def profile_steps(engine: LLMEngine, batch: int, input_len: int, decode_steps: int, rng: random.Random,
                   stream: bool = True) -> dict:
-    """Mean per decode step at `batch`, as the engine measures its own steps (StepTimes): wall time per step, host
-    time outside the forward (cpu_ms: scheduling, the plan broadcast, sampling, postprocess; with overlap it runs
-    while the device computes), time queueing the forward, time the host waited for the device's tokens, and on a
-    GPU the time the device sat idle between steps (gpu_idle_ms: the host time the overlap did not hide)."""
+    """Mean per decode step at `batch`, as a StepTimer installed for the decode steps measures them: wall time per
+    step, host time outside the forward (cpu_ms: scheduling, the plan broadcast, sampling, postprocess; with overlap
+    it runs while the device computes), time queueing the forward, time the host waited for the device's tokens,
+    and on a GPU the time the device sat idle between steps (gpu_idle_ms: the host time the overlap did not hide)."""
     vocab = prompt_vocab(engine)
     params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"profile-{batch}-{i}", [rng.randrange(vocab) for _ in range(input_len)], params, stream)
     while any(not r.output_ids for r in engine.requests.values()):  # prefill first, untimed
         engine.step()
-    engine.times = StepTimes()
-    t0 = time.perf_counter()
-    run_to_completion(engine)
-    wall, t = time.perf_counter() - t0, engine.times
+    engine.timer = t = StepTimer(engine)
+    try:
+        t0 = time.perf_counter()
+        run_to_completion(engine)
+        wall = time.perf_counter() - t0
+    finally:
+        engine.timer = None
     n = max(1, t.steps)
     return {"batch": batch, "steps": t.steps, "overlap": engine.overlap, "step_ms": 1e3 * wall / n,
             "cpu_ms": 1e3 * t.host_s / n, "forward_queue_ms": 1e3 * t.forward_s / n, "wait_ms": 1e3 * t.wait_s / n,

@@ -1,5 +1,5 @@
 """Host time per decode step outside the forward (issue #10), on any machine: the `cpu_ms` of `qwen35.bench --mode
-record` (profile_steps: the engine's own timers, LLMEngine.times) without a GPU, for a model that runs anywhere.
+record` (profile_steps: the engine's step loop timed by a StepTimer) without a GPU, for a model that runs anywhere.
 
     python -m qwen35.bench.host_time [--model tiny] [--batch-sizes 1,8,64] [--steps 200] [--reps 3]
         [--forward real|none|sleep]
@@ -11,8 +11,8 @@ Per batch size: `batch` requests of 16 random prompt tokens, greedy, ignore_eos,
 steps are not timed, then every decode step until all have finished is (as the record mode does it). The best of
 --reps runs is printed (the host is shared; the least disturbed run is the most telling). `--forward real` runs the
 model (torch kernels: the forward's own work on this CPU evicts the host's data from the caches between steps);
-`none` replaces the forward and sampling by random tokens (what the engine times is unchanged: the forward is not
-in cpu_ms), the host's work alone with warm caches; `sleep` is `none` after a sleep of --sleep-ms, as a host that
+`none` replaces the forward and sampling by random tokens (what the step timer measures is unchanged: the forward is
+not in cpu_ms), the host's work alone with warm caches; `sleep` is `none` after a sleep of --sleep-ms, as a host that
 waits for a GPU sees it.
 """
 from __future__ import annotations
@@ -53,15 +53,15 @@ class Breakdown:
     _launch outside the forward, its event records; `step other`: the rest of step()), and the parts of queueing
     the forward (forward_ms; the runner's: prepare, the decode graph with its rows, the tail graph, the eager LM
     head, sampling and feed where no tail ran them). Each wrapper costs the host ~0.1-1 us (more when its code is
-    out of the caches), so the phases sum to more than cpu_ms. The sums restart with the engine's timers (a new
-    StepTimes: profile_steps sets one after its untimed prefill steps)."""
+    out of the caches), so the phases sum to more than cpu_ms. The sums restart with each StepTimer the engine is
+    given (profile_steps installs one after its untimed prefill steps), and are reported over the last one's."""
 
     PHASES = ("schedule", "sampling_step", "bind", "send", "postprocess", "launch_other", "step_other")
     FORWARD = ("prepare", "graph", "tail", "logits", "sample", "feed")
 
     def __init__(self, engine: LLMEngine):
         import qwen35.engine as engine_module
-        self.engine, self.sums, self._times = engine, {}, None
+        self.engine, self._timer, self.sums = engine, engine.timer, self._zeros()
         self._module, self._send = engine_module, engine_module._send
         sched = engine.scheduler
         runner, graphs = engine.runner, engine.runner.graphs
@@ -80,8 +80,8 @@ class Breakdown:
         clock, engine = time.perf_counter, self.engine
 
         def run(*a, **k):
-            if engine.times is not self._times:
-                self._times, self.sums = engine.times, dict.fromkeys(self.PHASES + self.FORWARD + ("launch",), 0.0)
+            if engine.timer is not self._timer:
+                self._timer, self.sums = engine.timer, self._zeros()
             t0 = clock()
             try:
                 return fn(*a, **k)
@@ -89,14 +89,17 @@ class Breakdown:
                 self.sums[key] += clock() - t0
         return run
 
+    def _zeros(self) -> dict:
+        return dict.fromkeys(self.PHASES + self.FORWARD + ("launch",), 0.0)
+
     def close(self) -> None:
         for obj, name in self._saved:
             delattr(obj, name)  # back to the class's method
         self._module._send = self._send
 
     def per_step_us(self) -> dict:
-        """us per step of each phase, over the steps the engine's timers count now."""
-        d, times = dict(self.sums), self.engine.times
+        """us per step of each phase, over the steps the last StepTimer counted."""
+        d, times = dict(self.sums), self._timer
         n = max(1, times.steps)
         d["forward"], d["wait"], d["host"] = times.forward_s, times.wait_s, times.host_s
         d["postprocess"] -= d["wait"]
