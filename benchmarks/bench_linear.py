@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from layers import backend, linear
 from qwen35.config import ModelConfig
-from qwen35.step_timing import graph_ms
+from qwen35.bench.step_timing import graph_ms
 from qwen35.synth import PRESETS
 
 L2_SPAN = 256 << 20  # bytes of weight copies per shape

@@ -37,7 +37,7 @@ import triton.testing
 
 from layers import moe
 from qwen35.config import ModelConfig
-from qwen35.step_timing import copy_rate, count_kernels
+from qwen35.bench.step_timing import copy_rate, count_kernels
 from qwen35.synth import PRESETS
 
 DECODE = [1, 2, 4, 8, 16, 32, 64]

@@ -18,9 +18,9 @@ import argparse
 import random
 import time
 
-from qwen35.bench import chat_prompts, closed_loop
+from qwen35.bench.trace import chat_prompts, closed_loop
 from qwen35.engine import EngineArgs, LLMEngine
-from qwen35.workload import STANDARD_OUTPUT_LEN_DIST, output_lengths
+from qwen35.bench.workload import STANDARD_OUTPUT_LEN_DIST, output_lengths
 
 CONCURRENCY = 64
 

@@ -7,7 +7,7 @@
 # writes layers/moe_configs.json, copied to $OUT; TUNE_TP), record (qwen35.bench --mode record: the decode/prefill rows of record, RECORD_ARGS), kernels (each
 # benchmarks/bench_<layer>.py micro-benchmark), tests (pytest -m gpu over GPU_TESTS, default tests/), parity (benchmarks.gpu_parity at TP=1 and TP=NGPU), bench (qwen35.bench at TP=NGPU
 # and TP=1, full-size dummy weights), latency and harness (issue #11: qwen35.bench --mode latency --compare-hf on
-# qwen3.5-4b; --mode prefill,decode,mixed on llama-1b; one GPU each), host (issue #10: qwen35.host_time --breakdown
+# qwen3.5-4b; --mode prefill,decode,mixed on llama-1b; one GPU each), host (issue #10: qwen35.bench.host_time --breakdown
 # and benchmarks.bench_host_calls, HOST_ARGS), server (start.sh at TP=NGPU +
 # benchmarks.throughput). Sizes come from the
 # environment (BENCH_ARGS, TRACE_ARGS, THROUGHPUT_ARGS) so that one call fits the device time at hand.
@@ -68,7 +68,7 @@ for stage in "$@"; do
       ./start.sh --stop --port 8000 ;;
     host)  # issue #10: the host time per decode step split into phases, and what each CUDA call of a step costs
       python3 -m benchmarks.bench_host_calls 2>&1 | tail -4
-      python3 -m qwen35.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy \
+      python3 -m qwen35.bench.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy \
         ${HOST_ARGS:---batch-sizes 1,8,32,64 --steps 100 --reps 3 --breakdown} 2>&1 | grep "^{" | tee "$OUT/host.log" ;;
     profile)
       python3 -m benchmarks.profile_step ${PROFILE_ARGS:---decode-batch 1,8,64 --top 30} 2>&1 | tee "$OUT/profile.log" \

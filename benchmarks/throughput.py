@@ -13,8 +13,8 @@ tok/s = (prompt tokens of the rendered chat template + completion tokens re-toke
 the score weights the levels 1,2,4,8,16,32,64 by 1,1,2,2,4,4,8.
 Synthetic weights never stop on their own: `--output-len-dist` fixes each request's length (max_tokens + ignore_eos);
 the lengths drawn are the same at every level and are recorded in the results. The default is the standard
-exp:290,1024 (see qwen35/workload.py: the users' completions average ~290 tokens, and the longest request of a level
-sets its wall time); fixed lengths make extra, labelled rows only. With real weights, `--output-len-dist none`
+exp:290,1024 (see qwen35/bench/workload.py: the users' completions average ~290 tokens, and the longest request of a
+level sets its wall time); fixed lengths make extra, labelled rows only. With real weights, `--output-len-dist none`
 lets every completion end on its own, as the users' harness does.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import statistics
 import sys
 
 from benchmarks.common import Counter, add_server_args, client, closed_loop, served_model
-from qwen35 import workload
+from qwen35.bench import workload
 
 WEIGHTS = {1: 1, 2: 1, 4: 2, 8: 2, 16: 4, 32: 4, 64: 8}
 SPOT_QUESTION = "What is 7 * 8? Only output the number, nothing else."

@@ -31,7 +31,7 @@ import triton.testing
 
 from benchmarks.bench_moe import Layer, model_config
 from layers import moe
-from qwen35.step_timing import graph_ms
+from qwen35.bench.step_timing import graph_ms
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 

@@ -50,7 +50,6 @@ from scheduler.scheduler import Scheduler, ScheduledStep
 
 __all__ = ["EngineArgs", "LLMEngine", "RequestOutput"]
 log = logging.getLogger("qwen35.engine")
-GAP_EVERY = 8  # on a GPU, the device's idle time between steps is measured at every GAP_EVERY-th step
 # the postprocess takes the decode rows' tokens at once (ShortWay) from this many rows on: with fewer, a take_token per
 # row costs a host that has waited for the device no more (what the batched way saves per row is outweighed by the
 # more distinct code it runs once per step, which such a host finds out of its caches)
@@ -130,35 +129,11 @@ class EngineArgs:
 
 
 @dataclass
-class StepTimes:
-    """Host time of rank 0's steps, summed since the last reset (seconds); per step = per step queued."""
-    steps: int = 0           # steps queued on the device
-    host_s: float = 0.0      # outside the forward: schedule, plan broadcast, sampling, postprocess
-    forward_s: float = 0.0   # queueing the forward, sampling and the feed (runner.sample_step)
-    wait_s: float = 0.0      # waiting for a step's tokens to reach the host
-    # GPU only: time the device sat idle between the end of a step and the start of the next one queued right
-    # after it (CUDA events, at every GAP_EVERY-th step): the part of the host's time that the overlap did not hide
-    gpu_idle_s: float = 0.0
-    gpu_gaps: int = 0
-
-    def start(self) -> None:
-        self._t0, self._forward0, self._wait0 = time.perf_counter(), self.forward_s, self.wait_s
-
-    def stop(self) -> float:
-        """The step's wall time; its part outside the forward and the wait goes to host_s."""
-        wall = time.perf_counter() - self._t0
-        self.host_s += wall - (self.forward_s - self._forward0) - (self.wait_s - self._wait0)
-        return wall
-
-
-@dataclass
 class _Launched:
     """A step queued on the device: the requests of its logits rows, and their tokens on the way to the host."""
     sampled: list[Request]
     tokens: torch.Tensor | None     # [n] int64 on the host (pinned on a GPU), written by the device (feed kernel)
     ready: torch.cuda.Event | None  # recorded after the step (its tokens written: GPU only)
-    start: torch.cuda.Event | None = None  # recorded before the step's first device work (GPU, timed steps)
-    after: torch.cuda.Event | None = None  # the end of the step queued just before this one, if back to back
     # the decode batch's rows (the first rows; scheduler.DecodeBatch) when none of their tokens can be its
     # request's last (max_tokens): the postprocess's short way for many rows at once (ShortWay) may take them
     decode_rows: list[Request] | None = None
@@ -249,27 +224,23 @@ class LLMEngine:
             # allocated once: a step's tokens land in a half of the runner's pinned ring and an event marks their
             # arrival, each reused after the step that used it last has been taken (postprocessed): overlap holds
             # two steps at most.
-            # Every GAP_EVERY-th pair of back-to-back steps is also timed (the end of the one, the start of the
-            # next: how long the device idled between them); a CUDA call costs the host 5-25 us, so not every step.
             # The events are recorded on the stream the engine was built on (the device's default stream, which
             # the thread calling step() uses too): torch.cuda.current_stream() at every record cost the host ~20 us
             # a step (H200 host, 2026-11-26). The tokens reach the runner's pinned ring from the device (the feed
             # kernel writes them there, in the tail graph or after eager sampling), no copy queued by the host.
             self._stream = torch.cuda.current_stream(self.device)
             self._ready = [torch.cuda.Event() for _ in range(2)]
-            self._gap_end, self._gap_start = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         self.overlap = args.overlap
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._in_flight: _Launched | None = None
         self._batch_hints: tuple = (None, None)  # the decode rows _sampling_step saw last, and their hints
         self._short_way: ShortWay | None = None  # the postprocess's, for the decode rows it saw last
-        self._last_end: torch.cuda.Event | None = None  # end of the step queued last, while steps follow back to back
         self._failed: list[RequestOutput] = []  # requests that failed while their step was being queued
         self.total_prompt_tokens = 0      # prompt tokens prefilled
         self.total_completion_tokens = 0  # tokens sampled
         self.num_steps = 0
         self.last_step_time = 0.0         # seconds, the last step() call
-        self.times = StepTimes()
+        self.timer = None  # an opt-in observer of the step loop (the bench's StepTimer, qwen35/bench/step_timer.py)
 
     # ---- rank 0 API ---------------------------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -299,7 +270,7 @@ class LLMEngine:
         self.scheduler.free(req)
         req.abort()
         if not self.requests:  # a queued step holds only rows of ended requests: nothing to collect from it
-            self._in_flight = self._last_end = None
+            self._in_flight = None
         return req.take_output()
 
     def has_unfinished(self) -> bool:
@@ -307,7 +278,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Queue the next step, then take the tokens of the step queued before it (overlap) or of this one."""
-        self.times.start()
+        t0 = time.perf_counter()
         launched = self._launch()
         done = launched
         if self.overlap:
@@ -315,7 +286,9 @@ class LLMEngine:
         outputs = self._postprocess(done) if done is not None else []
         if self._failed:
             outputs, self._failed = outputs + self._failed, []
-        self.last_step_time = self.times.stop()
+        self.last_step_time = time.perf_counter() - t0
+        if self.timer is not None:
+            self.timer.step_done(self.last_step_time)
         return outputs
 
     def _launch(self) -> _Launched | None:
@@ -323,34 +296,27 @@ class LLMEngine:
         step = self.scheduler.schedule()
         plan = step.plan
         if not plan.num_seqs:
-            self._last_end = None  # the device may now idle for want of work: not a gap of the loop
             return None
-        times = self.times
-        times.steps += 1
         k = self.num_steps + 1  # this step's number: it picks the step's event and token buffer
-        start = None
-        if self._pin and k % GAP_EVERY == 0:
-            start = self._gap_start
-            start.record(self._stream)
+        timer = self.timer
+        if timer is not None:
+            timer.launch(k)
         sampling = self._sampling_step(step, self._bind(step) if step.admitted else [])
         _send(plan, sampling)
         half = k % 2 if self._pin and step.sampled else None  # the ring half the step's tokens land in
-        t0 = time.perf_counter()
-        tokens = self._run_step(plan, sampling, half)
-        times.forward_s += time.perf_counter() - t0
+        if timer is None:
+            tokens = self._run_step(plan, sampling, half)
+        else:
+            tokens = timer.forward(self._run_step, plan, sampling, half)
         self.total_prompt_tokens += step.num_prompt_tokens
         self.num_steps = k
         batch = None if step.decode_ends else step.decode_rows
         if not self._pin:
             return _Launched(step.sampled, tokens, None, decode_rows=batch)
-        ready = self._gap_end if k % GAP_EVERY == GAP_EVERY - 1 else self._ready[k % 2]
+        ready = self._ready[k % 2] if timer is None else timer.ready_event(k, self._ready[k % 2])
         ready.record(self._stream)
-        # a gap to measure once both ends have run (in _postprocess), if the step queued before ran back to back
-        after = self._last_end if start is not None and self._last_end is self._gap_end else None
         host = self.runner.host_view(half, len(step.sampled)) if tokens is not None else None
-        launched = _Launched(step.sampled, host, ready, start, after, batch)
-        self._last_end = ready
-        return launched
+        return _Launched(step.sampled, host, ready, batch)
 
     def _bind(self, step: ScheduledStep) -> list[tuple[int, tuple[float, float, float], int]]:
         """The sampling state of the requests admitted in `step`, for every rank's sampler: (slot, (temperature,
@@ -407,12 +373,7 @@ class LLMEngine:
         handling) ends that request alone with finish_reason "error". The decode batch's rows, where none of them
         can reach max_tokens, are taken together where they take the records' shortest way (ShortWay: the same
         outputs as a take_token per row, in the same order), the others one by one."""
-        t0 = time.perf_counter()
-        tokens = launched.host_tokens()
-        self.times.wait_s += time.perf_counter() - t0
-        if launched.after is not None:  # the step before this one has ended too: both events have run
-            self.times.gpu_idle_s += launched.after.elapsed_time(launched.start) / 1e3
-            self.times.gpu_gaps += 1
+        tokens = launched.host_tokens() if self.timer is None else self.timer.wait(launched)
         outputs = []
         add = outputs.append
         rows, short = launched.sampled, None

@@ -14,8 +14,8 @@ from benchmarks import gsm8k, throughput
 from benchmarks.common import Counter
 from benchmarks.gsm8k import DEFAULT_DATA, extract_flexible, extract_strict, load_jsonl, messages_for, normalize
 from benchmarks.throughput import output_lengths
-from qwen35.workload import random_prompt
-from qwen35.workload import STANDARD_OUTPUT_LEN_DIST
+from qwen35.bench.workload import random_prompt
+from qwen35.bench.workload import STANDARD_OUTPUT_LEN_DIST
 from test_server import ROOT, free_port, start_tiny, stop_tiny
 
 

@@ -3,6 +3,8 @@ from each other; dist/ imports none of the project's packages; qwen35/ imports n
 the syntax tree of every module, imports inside functions included."""
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -49,3 +51,48 @@ def test_the_checker_sees_what_it_must(tmp_path):
     mod.write_text("import os\nfrom qwen35 import engine\n\ndef f():\n    import benchmarks.common\n"
                    "    from .x import y\n")
     assert {name for _, name in imported_packages(str(mod), "layers")} == {"os", "qwen35", "benchmarks", "layers"}
+
+
+def runtime_modules() -> list[str]:
+    """The runtime's modules, dotted: qwen35/ outside qwen35/bench/, layers/, dist/, scheduler/, server."""
+    names = ["server"]
+    for package in ("qwen35", "layers", "dist", "scheduler"):
+        for path in modules(package):
+            rel = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+            if rel[:2] != ["qwen35", "bench"]:
+                names.append(".".join(rel[:-1] if rel[-1] == "__init__" else rel))
+    return names
+
+
+def test_the_runtime_imports_no_benchmark_code():
+    """The runtime never imports qwen35.bench (issue #27): not in its source (imports inside functions included,
+    `from qwen35 import bench` and relative imports too), and not when every runtime module is imported."""
+    bad = []
+    for name in runtime_modules():
+        path = os.path.join(ROOT, *name.split(".")) + ".py"
+        if not os.path.exists(path):
+            path = os.path.join(ROOT, *name.split("."), "__init__.py")
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package, up level - 1 packages
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            bad += [f"{name}:{node.lineno} imports {t}" for t in targets
+                    if t == "qwen35.bench" or t.startswith("qwen35.bench.")]
+    assert not bad, "\n".join(bad)
+    code = ("import importlib, sys\n"
+            f"for name in {runtime_modules()!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m == 'qwen35.bench' or m.startswith('qwen35.bench.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -399,19 +399,19 @@ def test_chat_without_a_template_is_a_clear_400(tiny_llama, tmp_path):
 def test_bench_latency_and_create_engine_traces_run(tiny_llama, tmp_path):
     """qwen35.bench's latency mode (beside transformers' generate on the same weights: in fp32 every greedy token
     agrees) and the create_engine traces, at toy sizes on the CPU."""
-    from qwen35 import bench
+    from qwen35.bench import cli
     out = tmp_path / "latency.json"
-    bench.main(["--model", tiny_llama, "--load-format", "safetensors", "--device", "cpu", "--dtype", "float32",
-                "--mode", "latency", "--latency-shapes", "12:5,30:3", "--latency-reps", "1", "--compare-hf",
-                "--max-num-seqs", "2", "--no-prefix-cache", "--out", str(out)])
+    cli.main(["--model", tiny_llama, "--load-format", "safetensors", "--device", "cpu", "--dtype", "float32",
+              "--mode", "latency", "--latency-shapes", "12:5,30:3", "--latency-reps", "1", "--compare-hf",
+              "--max-num-seqs", "2", "--no-prefix-cache", "--out", str(out)])
     rows = json.loads(out.read_text())["latency"]["rows"]
     assert [(r["prompt"], r["output"]) for r in rows] == [(12, 5), (30, 3)]
     assert all(r["greedy_tokens_agreeing"] == r["output"] and r["ms"] > 0 and r["hf_ms"] > 0 for r in rows)
     out = tmp_path / "harness.json"
-    bench.main(["--model", tiny_llama, "--load-format", "dummy", "--device", "cpu", "--mode", "prefill,decode,mixed",
-                "--harness-prefill", "2x24", "--harness-decode-batches", "3", "--harness-context", "10",
-                "--harness-steps", "2", "--mixed-requests", "5", "--mixed-concurrency", "2",
-                "--mixed-prompt-lens", "3-20", "--mixed-output-lens", "1-4", "--out", str(out)])
+    cli.main(["--model", tiny_llama, "--load-format", "dummy", "--device", "cpu", "--mode", "prefill,decode,mixed",
+              "--harness-prefill", "2x24", "--harness-decode-batches", "3", "--harness-context", "10",
+              "--harness-steps", "2", "--mixed-requests", "5", "--mixed-concurrency", "2",
+              "--mixed-prompt-lens", "3-20", "--mixed-output-lens", "1-4", "--out", str(out)])
     res = json.loads(out.read_text())
     assert res["prefill"][0]["batch"] == 2 and res["decode"][0]["steps"] == 2
     mixed = res["mixed"]

@@ -274,12 +274,12 @@ def test_bench_trace_reports_a_cold_level(tiny_dir, tmp_path):
     """qwen35.bench --mode trace at toy sizes: the level on seen prompts is served partly from the cache, the cold
     level beside it (prompts never seen) not at all, and it is reported with its ratio to the warm one."""
     import json
-    from qwen35 import bench
+    from qwen35.bench import cli
     out = tmp_path / "trace.json"
-    bench.main(["--model", tiny_dir, "--load-format", "safetensors", "--device", "cpu", "--dtype", "float32",
-                "--mode", "trace", "--levels", "2", "--cold-levels", "2", "--num-requests", "3", "--input-len", "40",
-                "--output-len-dist", "fixed:2", "--output-len", "2", "--max-num-seqs", "2",
-                "--max-model-len", "128", "--out", str(out)])
+    cli.main(["--model", tiny_dir, "--load-format", "safetensors", "--device", "cpu", "--dtype", "float32",
+              "--mode", "trace", "--levels", "2", "--cold-levels", "2", "--num-requests", "3", "--input-len", "40",
+              "--output-len-dist", "fixed:2", "--output-len", "2", "--max-num-seqs", "2",
+              "--max-model-len", "128", "--out", str(out)])
     trace = json.loads(out.read_text())["trace"]
     (warm,), (cold,) = trace["levels"], trace["cold_levels"]
     assert warm["cache_hit_tokens"] > 0 and not warm["cold"]

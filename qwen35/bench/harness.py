@@ -11,14 +11,22 @@ prefill,decode,mixed`.
 Every call returns next-token logits [B, vocab] on every rank (as a harness compares them with its reference); the
 token fed back is the logits' argmax. Prompts are random ids, the same on every rank (seeded), so that under
 torchrun every rank makes the same calls. Timings are wall time around the calls, after a CUDA synchronize.
+run() is the modes' driver (cli.py), on every rank.
 """
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
 
 import torch
+
+from dist import parallel
+from qwen35.api import create_engine
+from qwen35.bench.args import ints, pairs
+from qwen35.bench.results import default_out, device_name, header, write
+from qwen35.hub import resolve_model
 
 
 def _sync(device) -> None:
@@ -116,3 +124,53 @@ def mixed_trace(eng, num_requests: int, concurrency: int, prompt_lens: tuple[int
             "prefill_tokens": prefill_tokens, "output_tokens": output_tokens,
             "tok_s_with_prefill": round((prefill_tokens + output_tokens) / wall, 1),
             "tok_s_without_prefill": round(output_tokens / wall, 1)}
+
+
+def run(args, eargs, modes: set, argv) -> None:
+    """The create_engine traces: every rank builds the LogitsEngine and makes the same calls; rank 0 reports."""
+    model_dir = parallel.broadcast_object(resolve_model(eargs.model, load_format=eargs.load_format)
+                                          if parallel.is_driver() else None)
+    with open(f"{model_dir}/config.json") as f:
+        raw = json.load(f)
+    prefill = pairs(args.harness_prefill, "x")
+    batches = ints(args.harness_decode_batches)
+    prompt_lens, output_lens = pairs(args.mixed_prompt_lens, "-")[0], pairs(args.mixed_output_lens, "-")[0]
+    seqs = max([b for b, _ in prefill] + batches + [args.mixed_concurrency])
+    longest = max([n for _, n in prefill] + [args.harness_context + args.harness_steps + 2,
+                                             prompt_lens[1] + output_lens[1]])
+    eng = create_engine(raw, None if eargs.load_format == "dummy" else model_dir, device=eargs.device_type,
+                        dtype=eargs.dtype, max_num_seqs=seqs, max_model_len=eargs.max_model_len or longest,
+                        load_format=eargs.load_format, block_size=eargs.block_size,
+                        gpu_memory_utilization=eargs.gpu_memory_utilization, num_kv_blocks=eargs.num_kv_blocks,
+                        enforce_eager=eargs.enforce_eager, seed=eargs.seed, kernels=eargs.kernels)
+    vocab = eng.runner.config.vocab_size
+    rng = random.Random(0)  # the same on every rank: the same calls everywhere
+    dev = device_name(eng.runner)
+    driver = parallel.is_driver()
+    results = header(eargs, dev, eng.runner, argv)
+    if driver:
+        print(f"create_engine traces on {dev}, tp={parallel.tp_size()}, kernels={eng.runner.kernels}, "
+              f"dtype={eng.runner.dtype}, model {eargs.model}")
+    if "prefill" in modes:
+        results["prefill"] = rows = prefill_rows(eng, prefill, vocab, 3, rng)
+        if driver:
+            for r in rows:
+                print(f"  prefill {r['batch']:3d} x {r['len']:5d}: {r['ms']:9.1f} ms  {r['tok_s']:10.0f} tok/s",
+                      flush=True)
+    if "decode" in modes:
+        results["decode"] = rows = decode_rows(eng, batches, args.harness_context, args.harness_steps,
+                                                       vocab, rng)
+        if driver:
+            for r in rows:
+                print(f"  decode batch {r['batch']:3d} at {r['context']}: {r['ms_per_call']:8.2f} ms/call  "
+                      f"{r['tok_s']:9.0f} tok/s", flush=True)
+    if "mixed" in modes:
+        results["mixed"] = r = mixed_trace(eng, args.mixed_requests, args.mixed_concurrency, prompt_lens,
+                                                   output_lens, args.mixed_prefill_batch, vocab, rng)
+        if driver:
+            print(f"  mixed: {r['requests']} requests, {r['concurrency']} live, {r['calls']} calls in "
+                  f"{r['wall_s']:.1f} s: {r['tok_s_with_prefill']:.0f} tok/s with prompt tokens, "
+                  f"{r['tok_s_without_prefill']:.0f} without", flush=True)
+    if driver:
+        write(args.out or default_out("harness", dev), results)
+    parallel.destroy()

@@ -1,17 +1,18 @@
 """Host time per decode step outside the forward (issue #10), on any machine: the `cpu_ms` of `qwen35.bench --mode
-record` (profile_steps: the engine's own timers, LLMEngine.times) without a GPU, for a model that runs anywhere.
+record` (profile_steps: the engine's step loop timed by a StepTimer) without a GPU, for a model that runs anywhere.
 
-    python -m qwen35.host_time [--model tiny] [--batch-sizes 1,8,64] [--steps 200] [--reps 3] [--forward real|none|sleep]
-    python -m qwen35.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy --cprofile 30
-    python -m qwen35.host_time --forward sleep --breakdown  # the host time split into phases, us per step
-    torchrun --nproc-per-node 2 -m qwen35.host_time --forward sleep  # rank 0's host time at TP=2 (plans sent)
+    python -m qwen35.bench.host_time [--model tiny] [--batch-sizes 1,8,64] [--steps 200] [--reps 3]
+        [--forward real|none|sleep]
+    python -m qwen35.bench.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy --cprofile 30
+    python -m qwen35.bench.host_time --forward sleep --breakdown  # the host time split into phases, us per step
+    torchrun --nproc-per-node 2 -m qwen35.bench.host_time --forward sleep  # rank 0's host time at TP=2 (plans sent)
 
 Per batch size: `batch` requests of 16 random prompt tokens, greedy, ignore_eos, max_tokens steps + 1; the prefill
 steps are not timed, then every decode step until all have finished is (as the record mode does it). The best of
 --reps runs is printed (the host is shared; the least disturbed run is the most telling). `--forward real` runs the
 model (torch kernels: the forward's own work on this CPU evicts the host's data from the caches between steps);
-`none` replaces the forward and sampling by random tokens (what the engine times is unchanged: the forward is not
-in cpu_ms), the host's work alone with warm caches; `sleep` is `none` after a sleep of --sleep-ms, as a host that
+`none` replaces the forward and sampling by random tokens (what the step timer measures is unchanged: the forward is
+not in cpu_ms), the host's work alone with warm caches; `sleep` is `none` after a sleep of --sleep-ms, as a host that
 waits for a GPU sees it.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ import time
 import torch
 
 from dist import parallel
-from qwen35.bench import _ints, profile_steps
+from qwen35.bench.args import ints
+from qwen35.bench.engine_runs import profile_steps
 from qwen35.engine import EngineArgs, LLMEngine
 
 
@@ -51,15 +53,15 @@ class Breakdown:
     _launch outside the forward, its event records; `step other`: the rest of step()), and the parts of queueing
     the forward (forward_ms; the runner's: prepare, the decode graph with its rows, the tail graph, the eager LM
     head, sampling and feed where no tail ran them). Each wrapper costs the host ~0.1-1 us (more when its code is
-    out of the caches), so the phases sum to more than cpu_ms. The sums restart with the engine's timers (a new
-    StepTimes: profile_steps sets one after its untimed prefill steps)."""
+    out of the caches), so the phases sum to more than cpu_ms. The sums restart with each StepTimer the engine is
+    given (profile_steps installs one after its untimed prefill steps), and are reported over the last one's."""
 
     PHASES = ("schedule", "sampling_step", "bind", "send", "postprocess", "launch_other", "step_other")
     FORWARD = ("prepare", "graph", "tail", "logits", "sample", "feed")
 
     def __init__(self, engine: LLMEngine):
         import qwen35.engine as engine_module
-        self.engine, self.sums, self._times = engine, {}, None
+        self.engine, self._timer, self.sums = engine, engine.timer, self._zeros()
         self._module, self._send = engine_module, engine_module._send
         sched = engine.scheduler
         runner, graphs = engine.runner, engine.runner.graphs
@@ -78,8 +80,8 @@ class Breakdown:
         clock, engine = time.perf_counter, self.engine
 
         def run(*a, **k):
-            if engine.times is not self._times:
-                self._times, self.sums = engine.times, dict.fromkeys(self.PHASES + self.FORWARD + ("launch",), 0.0)
+            if engine.timer is not self._timer:
+                self._timer, self.sums = engine.timer, self._zeros()
             t0 = clock()
             try:
                 return fn(*a, **k)
@@ -87,14 +89,17 @@ class Breakdown:
                 self.sums[key] += clock() - t0
         return run
 
+    def _zeros(self) -> dict:
+        return dict.fromkeys(self.PHASES + self.FORWARD + ("launch",), 0.0)
+
     def close(self) -> None:
         for obj, name in self._saved:
             delattr(obj, name)  # back to the class's method
         self._module._send = self._send
 
     def per_step_us(self) -> dict:
-        """us per step of each phase, over the steps the engine's timers count now."""
-        d, times = dict(self.sums), self.engine.times
+        """us per step of each phase, over the steps the last StepTimer counted."""
+        d, times = dict(self.sums), self._timer
         n = max(1, times.steps)
         d["forward"], d["wait"], d["host"] = times.forward_s, times.wait_s, times.host_s
         d["postprocess"] -= d["wait"]
@@ -105,7 +110,8 @@ class Breakdown:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="qwen35.bench.host_time", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--steps", type=int, default=200, help="decode steps timed per run")
@@ -125,7 +131,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     parallel.init_distributed("cpu" if args.device == "cpu" else "cuda")
-    sizes = _ints(args.batch_sizes)
+    sizes = ints(args.batch_sizes)
     extra = {"load_format": args.load_format} if args.load_format else {}
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, max_num_seqs=max(sizes), max_model_len=1024,
                                   **extra))

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from qwen35.bench.engine_runs import prompt_vocab
+
 DEFAULT_SHAPES = "64:128,2048:256,8192:256"
 
 
@@ -101,7 +103,7 @@ def hf_run(hf, prompt: list[int], output_len: int) -> dict:
 
 def latency(engine, shapes: list[tuple[int, int]], reps: int, compare_hf: bool, rng: random.Random,
             hf_reps: int = 1) -> dict:
-    vocab = min(engine.tokenizer.num_real_tokens - 33, engine.config.vocab_size)  # ordinary tokens only
+    vocab = prompt_vocab(engine)
     hf = build_hf_model(engine) if compare_hf else None
     warm = [rng.randrange(vocab) for _ in range(16)]
     engine_run(engine, warm, 4, "latency-warm")
