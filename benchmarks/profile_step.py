@@ -14,8 +14,9 @@ same overhead everywhere, so no rank is made the straggler), rank 0 reports. Per
    gap before it (the time since the previous kernel ended: launch latency, ramp, waiting), the layer's total, and
    the cross-GPU kernels (all-reduce, all-gather) apart; then the parts outside the layers and the step's span.
 
-A kernel that waits for its peers (the all-reduces) counts that wait as its own time: with every rank profiled the
-wait is what a real step sees. --prefill also prints the top kernels of one prefill.
+A kernel that waits for its peers (the all-reduces, the pulls) counts that wait as its own time. The profiled steps
+start apart (a host barrier between them), so the first cross-GPU kernel of a step (the embedding's all-reduce)
+absorbs the ranks' launch skew, which back-to-back steps do not have: the layers' table is the figure to read. --prefill also prints the top kernels of one prefill.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import tempfile
 from collections import defaultdict
 
 import torch
+import triton
+import triton.language as tl
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from dist import parallel
@@ -86,16 +89,14 @@ def label_eager(events: list[dict]) -> list[tuple[str, str]]:
     return out
 
 
-def split_steps(kernels: list[dict], gap_us: float = 200.0) -> list[list[dict]]:
-    """Kernel runs separated by idle gaps over gap_us (the host syncs between profiled steps)."""
-    groups, cur = [], []
+def split_at_markers(kernels: list[dict], marker: str = "_step_marker") -> list[list[dict]]:
+    """The kernels after each marker kernel, up to the next (the marker itself left out)."""
+    groups = []
     for k in kernels:
-        if cur and float(k["ts"]) - (float(cur[-1]["ts"]) + float(cur[-1]["dur"])) > gap_us:
-            groups.append(cur)
-            cur = []
-        cur.append(k)
-    if cur:
-        groups.append(cur)
+        if marker in k["name"]:
+            groups.append([])
+        elif groups:
+            groups[-1].append(k)
     return groups
 
 
@@ -222,17 +223,14 @@ def profile_decode(runner, batch: int, ctx: int, replays: int) -> dict:
         h.remove()
     eager = label_eager(trace_events(prof))
     parallel.barrier()
+    mark = torch.zeros(1, device="cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
+            _step_marker[(1,)](mark)  # (where a step starts: idle gaps can fall inside a TP step too)
             runner.execute(plan)
             torch.cuda.synchronize()
             parallel.barrier()  # steps apart: only the gaps inside a step are counted
-    kernels = kernels_of(trace_events(prof))
-    if len(kernels) % replays == 0:  # every replay runs the same kernels: equal runs
-        n = len(kernels) // replays
-        steps = [kernels[i * n:(i + 1) * n] for i in range(replays)]
-    else:
-        steps = split_steps(kernels)[-replays:]
+    steps = split_at_markers(kernels_of(trace_events(prof)))[-replays:]
     placed = [place_graph_kernels(s, eager) for s in steps]
     kinds = {i: ("deltanet" if t == LINEAR_ATTENTION else "attention") for i, t in enumerate(runner.config.layer_types)}
     out = summarize(placed, kinds)
@@ -256,6 +254,11 @@ def top_prefill(runner, seqs: int, length: int, n: int = 15) -> None:
         print(f"--- prefill {seqs} x {length}: {sum(e.self_device_time_total for e in events) / 1e3:.2f} ms of kernels")
         for e in events[:n]:
             print(f"{e.self_device_time_total / 1e3:9.3f} ms {e.count:6d}x  {short(e.key)}")
+
+
+@triton.jit
+def _step_marker(x):
+    tl.store(x, tl.load(x) + 1)
 
 
 def main(argv=None):

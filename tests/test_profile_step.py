@@ -31,12 +31,13 @@ def test_graph_steps_are_placed_by_name_and_summarised_per_kind():
              ("attn", "L2:attention"), ("lm_head", "model:lm_head")]
     # one replayed step: an extra input kernel first (the graph computes its inputs), then the eager sequence
     names = ["rows"] + [n for n, _ in eager]
-    step, t = [], 0.0
+    step, t = [_k("_step_marker", -5.0, 1.0)], 0.0
     for n in names:
         step.append(_k(n, t, 2.0))
         t += 3.0  # a 1 us gap after every kernel
-    steps = ps.split_steps(step + [_k("rows", t + 1000, 2.0)])
-    assert len(steps) == 2 and len(steps[0]) == len(names)
+    steps = ps.split_at_markers(step + [_k("_step_marker", t + 1000, 1.0), _k("rows", t + 1002, 2.0)])
+    assert len(steps) == 2 and len(steps[0]) == len(names) and len(steps[1]) == 1
+    step = step[1:]
     placed = ps.place_graph_kernels(steps[0], eager)
     assert [p for _, p, _, _ in placed] == ["other"] + [p for _, p in eager]
     assert placed[0][3] == 0.0 and all(abs(g - 1.0) < 1e-9 for _, _, _, g in placed[1:])
