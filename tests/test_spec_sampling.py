@@ -121,7 +121,8 @@ def test_no_draft_emits_the_samplers_token(temperature, top_k, top_p):
     assert torch.equal(out.tokens[:, 0], ref) and (out.num_emitted == 1).all()
     # a draft at position 0 that is never accepted (num_drafts 0) changes nothing
     d, q = draft_sample(logits, batch)
-    capped = verify_sampled(torch.stack([logits, logits], 1), d[:, None], q[:, None], batch, torch.zeros(B, dtype=torch.int64))
+    none = torch.zeros(B, dtype=torch.int64)
+    capped = verify_sampled(torch.stack([logits, logits], 1), d[:, None], q[:, None], batch, none)
     assert torch.equal(capped.tokens[:, 0], ref)
     # the keep set is the sampler's: no sampled token ever falls outside it
     x = filtered_logits(logits, batch)
