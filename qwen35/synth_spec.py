@@ -12,11 +12,12 @@ permutation automaton whose per-draft acceptance at temperature 1 is set by one 
 * Every layer's output projection (attention o_proj, DeltaNet out_proj, routed and shared experts' down projections,
   a dense MLP's down_proj) is scaled by LAYER_SCALE: the layers do all the work of a real step (random routing
   included) but barely move the residual stream, so the final hidden state at token t stays ~y_t.
-* The final norm scales the logits by `a`: the target is p(. | t) = softmax(a z_t), whose argmax is sigma(t), so
-  greedy decoding walks the cycle. The MTP head passes the next token's normed embedding through fc = [I | small]
-  (the hidden half, scaled by LAYER_SCALE, keeps the [embedding, hidden] order observable: swapped, the head would
-  predict sigma(t) instead), and mtp.norm scales by `b`: the draft is q(. | t + 1) = softmax(b z_{t+1}), whose
-  argmax sigma(t + 1) is the successor's successor of t.
+* The LM head's rows are scaled by `a` (the final norm is the identity): the target is p(. | t) = softmax(a z_t),
+  whose argmax is sigma(t), so greedy decoding walks the cycle. The MTP head passes the next token's normed
+  embedding through fc = [I | small] (the hidden half, scaled by LAYER_SCALE, keeps the [embedding, hidden] order
+  observable: swapped, the head would predict sigma(t) instead), and mtp.norm scales by b / a: the draft is
+  q(. | t + 1) = softmax(b z_{t+1}), whose argmax sigma(t + 1) is the successor's successor of t. (The scales sit
+  in the LM head's rows and in a norm weight near 1, where bf16 rounds them least.)
 * b: the draft's mass on its argmax averages DRAFT_CONFIDENCE over CALIBRATION_TOKENS tokens (a near-greedy draft).
   a: by bisection, the mean of sum_u min(p, q) over the same tokens is the requested acceptance; that sum is the
   probability that a draft drawn from q at temperature 1 is accepted (layers/spec_sampling.py). At temperature 1
@@ -72,7 +73,8 @@ def _local_rows(param) -> tuple[int, int]:
 @torch.no_grad()
 def init_spec_weights(model: Qwen35Model, acceptance: float, seed: int = 0) -> tuple[float, float]:
     """Overwrite `model`'s embedding, LM head, final norm, output projections and MTP head (module docstring) so
-    that its per-draft acceptance at temperature 1 is ~`acceptance`; returns the logit scales (a, b)."""
+    that its per-draft acceptance at temperature 1 is ~`acceptance`; returns the logit scales (a, b): the target's
+    and the draft's."""
     cfg = model.config
     if not 0 < acceptance <= 1:
         raise ValueError(f"spec acceptance must be in (0, 1], got {acceptance}")
@@ -114,14 +116,15 @@ def init_spec_weights(model: Qwen35Model, acceptance: float, seed: int = 0) -> t
         z[:, to] = y_cal @ w.T
     a, b = _calibrate(z, acceptance, succ_d[:n_cal])
     a, b = parallel.broadcast_object((a, b))
+    head.data.mul_(a)
     zero_centred = cfg.zero_centred_norms
-    model.norm.weight.data.fill_(a - 1 if zero_centred else a)
+    model.norm.weight.data.fill_(0.0 if zero_centred else 1.0)
     for name, p in model.named_parameters():
         if name.endswith(OUTPUT_PROJECTIONS):
             p.data.mul_(LAYER_SCALE)
     if model.mtp is not None:
         mtp = model.mtp
-        mtp.norm.weight.data.fill_(b - 1 if zero_centred else b)
+        mtp.norm.weight.data.fill_(b / a - 1 if zero_centred else b / a)
         for norm in (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden):
             norm.weight.data.fill_(0.0 if zero_centred else 1.0)
         fc = mtp.fc.weight.data  # [H, 2H], replicated

@@ -31,8 +31,8 @@ from tests.hf_reference import free_port, join_ranks
 
 TOL = 1e-5
 BLOCK = 16
-NUM_BLOCKS = 256
-SLOTS = 32
+NUM_BLOCKS = 512
+SLOTS = 64
 SMALL_VOCAB = 4096
 ACCEPTANCE_TOL = 0.05  # |measured - requested| at temperature 1 on the tiny model (about 4 standard errors)
 
@@ -58,20 +58,21 @@ def ckpts(tmp_path_factory):
     return out
 
 
-def build(cfg: ModelConfig, kernels: str = "torch", path: str | None = None) -> Qwen35Model:
-    """The model with its MTP head (fp32, CPU), loaded from `path` if given, with every cache allocated."""
+def build(cfg: ModelConfig, kernels: str = "torch", path: str | None = None, dtype=torch.float32,
+          device: str = "cpu") -> Qwen35Model:
+    """The model with its MTP head, loaded from `path` if given, with every cache allocated."""
     with backend.use_kernels(kernels):
-        model = Qwen35Model(cfg, dtype=torch.float32)
+        model = Qwen35Model(cfg, dtype=dtype, device=device)
         attach_mtp(model)
     if path is not None:
-        load_checkpoint(model, path, "cpu")
+        load_checkpoint(model, path, device)
     for m in model.modules():
         if isinstance(m, GatedAttention):
-            m.k_cache = torch.zeros(NUM_BLOCKS + 1, BLOCK, m.num_kv_heads, m.head_dim)
+            m.k_cache = torch.zeros(NUM_BLOCKS + 1, BLOCK, m.num_kv_heads, m.head_dim, dtype=dtype, device=device)
             m.v_cache = torch.zeros_like(m.k_cache)
         if isinstance(m, GatedDeltaNet):
-            m.conv_state = torch.zeros(SLOTS, m.conv_dim, m.kernel - 1)
-            m.ssm_state = torch.zeros(SLOTS, m.num_v_heads, m.dk, m.dv)
+            m.conv_state = torch.zeros(SLOTS, m.conv_dim, m.kernel - 1, dtype=dtype, device=device)
+            m.ssm_state = torch.zeros(SLOTS, m.num_v_heads, m.dk, m.dv, device=device)
     return model.eval()
 
 
@@ -80,7 +81,7 @@ def table(seq: int, width: int = NUM_BLOCKS // SLOTS) -> list[int]:
     return [1 + seq + SLOTS * j for j in range(width)]
 
 
-def batch_of(rows: list[tuple[int, list[int], int]]) -> ForwardBatch:
+def batch_of(rows: list[tuple[int, list[int], int]], device: str = "cpu") -> ForwardBatch:
     """A step of rows (sequence index = state slot, tokens, start position), as the runner builds one."""
     ids, pos, slots, cu = [], [], [], [0]
     for seq, toks, start in rows:
@@ -90,12 +91,13 @@ def batch_of(rows: list[tuple[int, list[int], int]]) -> ForwardBatch:
         slots += [t[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(toks))]
         cu.append(cu[-1] + len(toks))
     starts = [r[2] for r in rows]
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
     return ForwardBatch(
-        input_ids=torch.tensor(ids), positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
+        input_ids=i64(ids), positions=i64(pos), slot_mapping=i64(slots),
         cu_seqlens=i32(cu), start_pos=i32(starts), context_lens=i32([s + len(t) for _, t, s in rows]),
-        block_tables=i32([table(seq) for seq, _, _ in rows]), state_slots=torch.tensor([r[0] for r in rows]),
-        logits_indices=torch.tensor(cu[1:]) - 1, seq_lens_cpu=[len(t) for _, t, _ in rows], start_pos_cpu=starts,
+        block_tables=i32([table(seq) for seq, _, _ in rows]), state_slots=i64([r[0] for r in rows]),
+        logits_indices=i64(cu[1:]) - 1, seq_lens_cpu=[len(t) for _, t, _ in rows], start_pos_cpu=starts,
         state_slots_cpu=[r[0] for r in rows], is_decode=all(len(t) == 1 and s > 0 for _, t, s in rows))
 
 
@@ -196,6 +198,25 @@ def test_both_layouts_load_the_same_head(ckpts):
         assert torch.equal(p, dict(a.named_parameters())[name]), name
 
 
+def test_release_layout_and_dense_head(ckpts, tmp_path):
+    """The tiny preset is written in the release layout (MTP experts per expert), --mtp-fused fuses them; a dense
+    preset's head has a dense MLP, and loads and runs too."""
+    from safetensors import safe_open
+    with safe_open(os.path.join(ckpts["per_expert"], "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "mtp.layers.0.mlp.experts.7.down_proj.weight" in names and "mtp.fc.weight" in names
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in names  # (main layers fused, as released)
+    assert "mtp.layers.0.mlp.experts.gate_up_proj" in fused_state_dict(ckpts["fused"])
+    d = synth.write_checkpoint(str(tmp_path / "dense"), "tiny-dense", tokenizer=False)
+    model = build(ModelConfig.from_dir(d), path=d)
+    assert model.mtp.layers[0].mlp.gate_up.shape == (256, 64)
+    gen = torch.Generator().manual_seed(9)
+    batch = batch_of([(0, rand_ids(gen, 5), 0)])
+    with torch.inference_mode():
+        d = propose(model, batch, model(batch), torch.tensor([3]), torch.tensor([4]), 2)
+    assert d.tokens.shape == (1, 2)
+
+
 def test_a_checkpoint_without_the_head_is_a_clear_error(ckpts, tmp_path):
     from safetensors.torch import load_file, save_file
     d = tmp_path / "no_mtp"
@@ -217,6 +238,13 @@ def test_dummy_loader_makes_a_head(ckpts):
         assert (norm.weight == 0).all()  # zero-centred norms: the identity, as HF initialises them
     for p in (mtp.fc.weight, mtp.layers[0].mlp.experts.down_proj, mtp.attn.q_proj.weight):
         assert abs(p.std().item() - synth.INIT_STD) < 0.1 * synth.INIT_STD
+    # --load-format dummy-spec: the same, then made into the synthetic-acceptance weights
+    spec = ModelRunner(ModelConfig.from_dict(small_vocab()), load_format="dummy-spec", device="cpu", dtype="float32",
+                       max_num_seqs=2, max_model_len=64, mtp=True, spec_acceptance=0.7).model
+    H = spec.config.hidden_size
+    assert torch.equal(spec.mtp.fc.weight[:, :H], torch.eye(H)) and (spec.mtp.norm.weight > 0).all()
+    with pytest.raises(ValueError, match="dummy-spec"):
+        ModelRunner(spec.config, load_format="random", device="cpu", max_num_seqs=2, max_model_len=64)
 
 
 # ------------------------------------------------------------------------------------ forward and drafting
@@ -379,13 +407,13 @@ def test_synthetic_target_and_drafts_follow_the_permutation():
 def test_synthetic_acceptance_at_temperature_1(requested):
     """Sequences sampled from the target at temperature 1 (sample_torch), then at every position the target's
     distribution for the token after next, a draft drawn from the head's distribution for it (draft_sample) and
-    verify_sampled with that one draft: the acceptance rate is the requested one within ACCEPTANCE_TOL (~1900
+    verify_sampled with that one draft: the acceptance rate is the requested one within ACCEPTANCE_TOL (1856
     draws: 4 standard errors), and sum(min(p, q)) over the visited contexts within half of it. The tiny model
     with a SMALL_VOCAB-token vocabulary: the sampler's noise over the preset's 248k columns costs seconds per row batch
     on the CPU (the construction does not depend on the vocabulary's size)."""
     model, succ = spec_weights_model(requested, vocab=SMALL_VOCAB)
     V = model.config.vocab_size
-    n_seq, prompt, steps = 32, 3, 60
+    n_seq, prompt, steps = 64, 3, 30
     gen = torch.Generator().manual_seed(6)
     seqs = [rand_ids(gen, prompt, len(succ)) for _ in range(n_seq)]
 
@@ -418,3 +446,24 @@ def test_synthetic_acceptance_at_temperature_1(requested):
     expected = torch.minimum(torch.softmax(target[rows + 1], -1), q).sum(-1).mean().item()
     assert abs(measured - requested) <= ACCEPTANCE_TOL, (measured, expected)
     assert abs(expected - requested) <= ACCEPTANCE_TOL / 2, expected
+
+
+@pytest.mark.gpu
+def test_synthetic_weights_on_the_gpu_in_bf16():
+    """The fast kernels in bf16 on CUDA: greedy still walks the cycle and the drafts run two ahead."""
+    from qwen35.runner import init_dummy_weights
+    cfg = ModelConfig.from_dict(synth.PRESETS["tiny"])
+    model = build(cfg, "fast", dtype=torch.bfloat16, device="cuda")
+    init_dummy_weights(model, seed=0)
+    init_spec_weights(model, 0.6, seed=0)
+    succ = successor_cycle(regular_tokens(cfg), 0).cuda()
+    gen = torch.Generator().manual_seed(5)
+    batch = batch_of([(i, rand_ids(gen, n, len(succ)), 0) for i, n in enumerate((13, 1, 30))], device="cuda")
+    with torch.inference_mode():
+        hidden = model(batch)
+        greedy = model.compute_logits(hidden).argmax(-1)
+        assert torch.equal(greedy, succ[batch.input_ids])
+        last = batch.cu_seqlens[1:].long() - 1
+        newest = greedy[last]
+        drafts = propose(model, batch, hidden, newest, last, 3)
+    assert torch.equal(drafts.tokens, torch.stack([succ[newest], succ[succ[newest]], succ[succ[succ[newest]]]], 1))
