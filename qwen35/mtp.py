@@ -101,6 +101,16 @@ def draft_batch(block_tables: torch.Tensor, positions: torch.Tensor, tokens: tor
 
 
 @torch.inference_mode()
+def catch_up(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newest: torch.Tensor,
+             last_rows: torch.Tensor) -> torch.Tensor:
+    """The catch-up pass alone (module docstring), for a step that drafts nothing (a prefill chunk before the last:
+    `newest` is then the prompt's next token): writes the head's KV at the step's positions and returns its
+    post-norm hidden at `last_rows` [B, H]. Arguments as propose's."""
+    ids = torch.roll(batch.input_ids, -1).index_put((last_rows,), newest)
+    return model.mtp(model.embed_tokens(ids), hidden, batch)[last_rows]
+
+
+@torch.inference_mode()
 def propose(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newest: torch.Tensor,
             last_rows: torch.Tensor, k: int, sampling: SampleBatch | None = None,
             block_tables: torch.Tensor | None = None, num_real_tokens: int | None = None) -> Drafts:
@@ -118,8 +128,7 @@ def propose(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newes
         raise ValueError(f"propose: k must be at least 1, got {k}")
     mtp = model.mtp
     tables = batch.block_tables if block_tables is None else block_tables
-    ids = torch.roll(batch.input_ids, -1).index_put((last_rows,), newest)
-    h = mtp(model.embed_tokens(ids), hidden, batch)[last_rows]
+    h = catch_up(model, batch, hidden, newest, last_rows)
     positions = batch.positions[last_rows]
     block_size = mtp.attn.k_cache.shape[1]
     tokens, probs = [], []
