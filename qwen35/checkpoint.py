@@ -6,8 +6,9 @@ rank keeps are read).
 Each rank opens the files lazily (`safe_open` + `get_slice`) and reads only the ranges of each tensor that its
 parameters keep (see layers/linear.py), straight to its device, so host memory holds one tensor slice at a time.
 Checkpoint names `model.language_model.X` (multimodal release) and `model.X` (text-only save) both map to module
-`X`; `lm_head.weight` stays; `model.visual.*` and `mtp.*` are skipped. Experts load fused (`experts.gate_up_proj`)
-or per expert (`experts.{e}.gate_proj.weight`, ...).
+`X`; `lm_head.weight` stays; `model.visual.*` is skipped, and so is `mtp.*` unless the model has an MTP head
+(qwen35/mtp.py: its parameters are named `mtp.X` as in the checkpoint). Experts load fused (`experts.gate_up_proj`)
+or per expert (`experts.{e}.gate_proj.weight`, ...), the MTP layer's too (per expert in the 35B-A3B release).
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ from safetensors import safe_open
 from layers.linear import default_weight_loader
 from layers.moe import Experts
 
-SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.")
+SKIP_PREFIXES = ("model.visual.", "visual.")
+MTP_PREFIX = "mtp."
 SKIP_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer older transformers saved with the weights; we compute our own
 STATE_DICT_FILE = "model.pt"
 TORCH_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 TEXT_PREFIXES = ("model.language_model.", "model.")
-PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+PER_EXPERT = re.compile(r"^((?:mtp\.)?layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
 
 
@@ -74,10 +76,13 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
     return mapping
 
 
-def module_name(ckpt_name: str) -> str | None:
-    """Our parameter name for a checkpoint tensor name, or None for tensors the text model does not use."""
+def module_name(ckpt_name: str, mtp: bool = False) -> str | None:
+    """Our parameter name for a checkpoint tensor name, or None for tensors the text model (with an MTP head when
+    `mtp`) does not use."""
     if ckpt_name.startswith(SKIP_PREFIXES) or ckpt_name.endswith(SKIP_SUFFIXES):
         return None
+    if ckpt_name.startswith(MTP_PREFIX):
+        return ckpt_name if mtp else None
     if ckpt_name == "lm_head.weight":
         return ckpt_name
     for prefix in TEXT_PREFIXES:
@@ -169,7 +174,12 @@ def load_state_dict(model, state_dict: dict[str, torch.Tensor], file: str = "<me
 
 
 def _names_hint(tracker: _Tracker) -> str:
-    """When nothing loaded, what the names looked like (a state dict saved without the `model.` prefix, say)."""
+    """When nothing loaded, what the names looked like (a state dict saved without the `model.` prefix, say); when
+    only the MTP head is missing, that the checkpoint has none."""
+    wants_mtp = any(n.startswith(MTP_PREFIX) for n in tracker.params)
+    if wants_mtp and not any(n.startswith(MTP_PREFIX) for n in (*tracker.done, *tracker.expert_parts)) \
+            and tracker.done - {"lm_head.weight"}:
+        return "; the checkpoint has no MTP head (mtp.*): build the model without one"
     if tracker.done - {"lm_head.weight"} or not tracker.skipped:
         return ""
     return (f"; none of its {len(tracker.skipped)} tensor names is a Hugging Face name of the text model "
@@ -177,7 +187,7 @@ def _names_hint(tracker: _Tracker) -> str:
 
 
 def _load_one(model, tracker: _Tracker, src) -> None:
-    name = module_name(src.name)
+    name = module_name(src.name, getattr(model, "mtp", None) is not None)
     if name is None:
         tracker.skipped.append(src.name)
         return

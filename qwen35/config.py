@@ -81,6 +81,10 @@ class ModelConfig:
     # RoPE scaling: None for plain RoPE, else {"rope_type": linear|dynamic|llama3|yarn, "factor": ..., ...}
     # (layers/rotary.py reads it)
     rope_scaling: dict | None = None
+    # multi-token-prediction head (spec section 9, `mtp.*`): its decoder layers (0: none), and whether it has an
+    # embedding of its own (false in every Qwen3.5 release: it shares the main model's)
+    mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -169,6 +173,8 @@ class ModelConfig:
             eos_token_ids=_eos(raw, text),
             weight_prefix="model.language_model." if nested else "model.",
             model_type=model_type,
+            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
+            mtp_use_dedicated_embeddings=bool(text.get("mtp_use_dedicated_embeddings", False)),
         )
 
     @classmethod

@@ -67,6 +67,7 @@ class Qwen35Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device,
                             plain=not cfg.zero_centred_norms)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.mtp = None  # the multi-token-prediction head, when one is attached (qwen35/mtp.py attach_mtp)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [N, H] of every token of the batch."""

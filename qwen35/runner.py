@@ -33,6 +33,8 @@ from qwen35.config import ModelConfig
 from qwen35.cuda_graphs import RING_HALVES, tail_mode
 from qwen35.engine_config import EngineConfig
 from qwen35.model import Qwen35Model
+from qwen35.mtp import attach_mtp
+from qwen35.synth_spec import init_spec_weights
 from scheduler.plan import StepPlan
 
 log = logging.getLogger("qwen35.runner")
@@ -65,7 +67,8 @@ class ModelRunner:
                  dtype=None, device=None, block_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.85,
                  num_kv_blocks: int | None = None, enforce_eager: bool = False, seed: int = 0,
-                 num_snapshot_slots: int = 0, kernels: str | None = None):
+                 num_snapshot_slots: int = 0, kernels: str | None = None, mtp: bool = False,
+                 spec_acceptance: float = 0.6):
         self.config = config
         self.engine_config = EngineConfig.resolve(config, device, dtype, max_model_len)
         self.device, self.dtype = self.engine_config.device, self.engine_config.dtype
@@ -81,14 +84,18 @@ class ModelRunner:
         self._feed_tokens = bind_feed_tokens()
         torch.manual_seed(seed)
         self.model = Qwen35Model(config, dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
-        if load_format == "dummy":
+        if mtp:  # the MTP head: loaded and initialised with the rest, its KV cache allocated with the others
+            attach_mtp(self.model)
+        if load_format in ("dummy", "dummy-spec"):
             init_dummy_weights(self.model, seed)
+            if load_format == "dummy-spec":
+                init_spec_weights(self.model, spec_acceptance, seed)
         elif load_format == "safetensors":
             if model_dir is None:
                 raise ValueError("load_format 'safetensors' needs a model directory")
             load_checkpoint(self.model, model_dir, self.device, progress=parallel.is_driver())
         else:
-            raise ValueError(f"unknown load_format {load_format!r} (use 'safetensors' or 'dummy')")
+            raise ValueError(f"unknown load_format {load_format!r} (use 'safetensors', 'dummy' or 'dummy-spec')")
         self.model.eval()
         if self.device.type == "cuda" and self.kernels == "fast":
             # small all-reduces over peer buffers (dist/allreduce.py), set up before the KV budget is measured

@@ -1,11 +1,12 @@
 """Synthetic Qwen3.5 checkpoints in the exact Hugging Face release layout (random weights), and dense LLaMA-like
 ones (`tiny-llama`, `llama-1b`) in transformers' LlamaForCausalLM layout.
 
-    python -m qwen35.synth --preset tiny --out /tmp/tiny [--seed 0] [--per-expert] [--max-shard-size 5GB]
+    python -m qwen35.synth --preset tiny --out /tmp/tiny [--seed 0] [--per-expert] [--mtp-fused] [--max-shard-size 5GB]
 
 Real weights cannot be fetched everywhere we test, so we write checkpoints that a loader cannot tell from the
 release: same config.json format, tensor names, shapes, dtypes (A_log / linear_attn.norm.weight in FP32),
-fused experts, sharding + index, and the extra `mtp.*` / `model.visual.*` tensors a text loader must skip.
+fused experts, sharding + index, the MTP head (`mtp.*`, its experts per expert as in the 35B-A3B release; fused with
+--mtp-fused, as Qwen3.6 ships it) and the vision tower (`model.visual.*`, which a text loader skips).
 Every tensor is seeded from (seed, name), so the output does not depend on write order, sharding or layout;
 tensors are generated one at a time and written one shard at a time (host memory stays bounded at full size).
 """
@@ -203,8 +204,9 @@ def _as_dtype(d) -> torch.dtype:
     return d if isinstance(d, torch.dtype) else getattr(torch, str(d))
 
 
-def checkpoint_layout(raw: dict, per_expert: bool = False) -> list[TensorSpec]:
-    """Every tensor of the checkpoint described by config dict `raw`, in write order."""
+def checkpoint_layout(raw: dict, per_expert: bool = False, mtp_per_expert: bool = True) -> list[TensorSpec]:
+    """Every tensor of the checkpoint described by config dict `raw`, in write order: the main layers' experts fused
+    (per expert with `per_expert`), the MTP layer's per expert (fused without `mtp_per_expert`)."""
     cfg = ModelConfig.from_dict(raw)
     text = raw.get("text_config", raw)
     dtype = _as_dtype(text.get("dtype", raw.get("dtype", "bfloat16")))
@@ -285,7 +287,7 @@ def checkpoint_layout(raw: dict, per_expert: bool = False) -> list[TensorSpec]:
         for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
             add(f"mtp.{norm}.weight", (h,))
         for j in range(n_mtp):
-            layer(f"mtp.layers.{j}.", FULL, True)
+            layer(f"mtp.layers.{j}.", FULL, mtp_per_expert)
     if raw.get("vision_config"):
         specs += _vision_specs(raw["vision_config"], dtype)
     return specs
@@ -347,7 +349,7 @@ def _plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpe
 
 def write_checkpoint(out_dir: str, preset: str | dict, seed: int = 0, per_expert: bool = False,
                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype=None, tokenizer: bool = True,
-                     weights: bool = True) -> str:
+                     weights: bool = True, mtp_per_expert: bool = True) -> str:
     """Write a full checkpoint (config, weights, generation config, tokenizer) to `out_dir`; return it.
 
     `preset`: a PRESETS name or a config dict. `dtype` overrides the config's dtype (A_log and
@@ -357,7 +359,7 @@ def write_checkpoint(out_dir: str, preset: str | dict, seed: int = 0, per_expert
     raw = _resolve_config(preset, dtype)
     os.makedirs(out_dir, exist_ok=True)
     if weights:
-        _write_weights(out_dir, raw, seed, per_expert, max_shard_bytes)
+        _write_weights(out_dir, raw, seed, per_expert, max_shard_bytes, mtp_per_expert)
     gen_config = GENERATION_CONFIG
     if raw.get("model_type") in LLAMA_LIKE:  # its own special tokens, greedy defaults
         gen_config = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if raw.get(k) is not None}
@@ -373,8 +375,9 @@ def write_checkpoint(out_dir: str, preset: str | dict, seed: int = 0, per_expert
     return out_dir
 
 
-def _write_weights(out_dir: str, raw: dict, seed: int, per_expert: bool, max_shard_bytes: int) -> None:
-    specs = checkpoint_layout(raw, per_expert)
+def _write_weights(out_dir: str, raw: dict, seed: int, per_expert: bool, max_shard_bytes: int,
+                   mtp_per_expert: bool) -> None:
+    specs = checkpoint_layout(raw, per_expert, mtp_per_expert)
     shards = _plan_shards(specs, max_shard_bytes)
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
@@ -423,12 +426,15 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-expert", action="store_true", help="write experts.{e}.*_proj.weight instead of fused")
+    ap.add_argument("--mtp-fused", action="store_true",
+                    help="write the MTP layer's experts fused (Qwen3.6's layout) instead of per expert (35B-A3B's)")
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: the preset's")
     ap.add_argument("--no-tokenizer", action="store_true")
     a = ap.parse_args(argv)
     write_checkpoint(a.out, a.preset, seed=a.seed, per_expert=a.per_expert,
-                     max_shard_bytes=parse_size(a.max_shard_size), dtype=a.dtype, tokenizer=not a.no_tokenizer)
+                     max_shard_bytes=parse_size(a.max_shard_size), dtype=a.dtype, tokenizer=not a.no_tokenizer,
+                     mtp_per_expert=not a.mtp_fused)
     print(a.out)
 
 
