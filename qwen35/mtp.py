@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from dist import push
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear
 from layers.norm import RMSNorm
@@ -70,8 +71,11 @@ class MTPHead(nn.Module):
         model's, or the head's own); batch: the rows' positions and KV metadata. Returns the post-`mtp.norm` hidden
         [N, H], whole on every rank."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        push.begin_step()  # (a forward of its own: under TP its 2 boundaries may go by push, dist/push.py)
         x, residual = self.layers[0](x, None, batch)
-        return self.norm.all_reduce_add(x, residual)[0]
+        out = self.norm.all_reduce_add(x, residual)[0]
+        push.end_step()
+        return out
 
 
 def attach_mtp(model: Qwen35Model) -> MTPHead:
