@@ -6,7 +6,13 @@
 #   record    qwen35.bench --mode record at each TP in RECORD_TPS (RECORD_ARGS; TP=1 only on a GPU of > 100 GB)
 #   base      the same at TP=4 from .base/ (a carried snapshot of an earlier commit: `git archive C | tar -x -C .base`)
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (the server's and the tokenizer's packages)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NGPU=$(nvidia-smi -L | wc -l)
 echo "device: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$NGPU, $(date -u +%FT%TZ)"
