@@ -1,7 +1,8 @@
 """The MoE GEMV path's gate_up at decode sizes: the per-token kernel (masked [k, BLOCK_N, BLOCK_K] tiles stepping
 through H) against the slot-parallel one (a program per token, slot and N tile, whole rows at once), at the rank
 shapes of TP=1, 2, 4, 8 (rank 0's experts; random weights, routing of random inputs), us per call from a CUDA graph
-(triton.testing.do_bench_cudagraph).
+with L2 emptied before each call (benchmarks/tune_moe.py cold_graph_ms: a decode step streams GBs, so its MoE
+weights come from HBM).
 
     python -m benchmarks.bench_gate_up_slots [--tp 1 2 4 8] [--batches 1 2 4 8]
 """
@@ -12,7 +13,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_moe import Layer, graph_ms, model_config
+from benchmarks.bench_moe import Layer, model_config
+from benchmarks.tune_moe import cold_graph_ms as graph_ms
 from layers import moe
 
 
@@ -23,7 +25,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = model_config()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}: gate_up of the GEMV path, us per call (CUDA graph)")
+    print(f"{torch.cuda.get_device_name()}: gate_up of the GEMV path, us per call (CUDA graph, L2 cold)")
     print(f"{'tp':>3} {'T':>3} {'per-token':>10} {'slots':>8} {'down_combine':>13}")
     for tp in args.tp:
         layer = Layer(cfg, tp)
