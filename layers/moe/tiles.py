@@ -22,7 +22,9 @@ GEMV_TILE = dict(BLOCK_N=4, BLOCK_K=128, num_warps=4, num_stages=4)  # untuned d
                                                                      # I = 512, so one token's experts fill the SMs
 # (the H200 table holds tiles for the GEMV path's buckets at TP=1 from a sweep on 2026-11-25: gate_up_gemv 16.5 ->
 # 12.1 us at T = 1 and 71.3 -> 67.0 at T = 8, down_combine 6.4 -> 5.6 and 35.9 -> 34.9, in CUDA graphs)
-SLOT_MAX_T = 2           # untuned default: the slot-parallel gate_up kernel at or below (layers/moe/gemv.py)
+SLOT_MAX_T = 1           # untuned default: the slot-parallel gate_up kernel at or below (layers/moe/gemv.py). L2
+                         # cold, 1x H100, TP=4 rank shape (benchmarks/bench_gate_up_slots.py, 2026-11-27): 16.0 against
+                         # 20.2 us at T = 1, but 26.3 / 21.7 at T = 2 and 47.7 / 27.3 at T = 4 (every program routes)
 GEMV_MAX_T = 8           # untuned default: the GEMV path at or below (a power of two, as the buckets). Above, each
                          # token streams its experts' gate_up rows itself, where the grouped kernel reads an expert
                          # once for all its tokens; a tuned table decides per bucket (moe_config)
