@@ -192,44 +192,46 @@ def chunk_delta_rule_varlen_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  checkpoints: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
     """chunk_delta_rule_varlen_torch in three launches: W/U per chunk in parallel, the state recurrence (the only
     sequential part, per sequence), then the outputs per chunk in parallel from the states at the chunk starts.
-    dk and dv must be powers of two >= 16, the chunk 64 or 128 (four row blocks of >= 16, tl.dot's minimum)."""
+    Head dims of any size: the kernels' blocks span the next power of two (at least 16, tl.dot's minimum), masked
+    past dk and dv, and the scratch is laid out padded (W's columns past dk, U's past dv and h's rows past dk: 0).
+    The chunk is 64 or 128 (four row blocks of >= 16)."""
     N, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     B = cu_seqlens.numel() - 1
     out = torch.empty((N, Hv, dv), dtype=v.dtype, device=v.device)
     if B == 0:
         return out
-    for d in (dk, dv):
-        assert d >= 16 and d & (d - 1) == 0, f"head dims must be powers of two >= 16, got {d}"
-    assert chunk in (64, 128), f"the fast delta rule takes chunks of 64 or 128 tokens, got {chunk}"
+    if chunk not in (64, 128):
+        raise ValueError(f"the fast delta rule takes chunks of 64 or 128 tokens, got {chunk}")
+    BK, BV_PAD = (max(16, triton.next_power_of_2(d)) for d in (dk, dv))  # the padded head dims
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     cfg = FAST_CONFIG
     chunks = triton.cdiv(N, chunk) + B          # an upper bound of the chunks in the pack (a shape: no sync)
     block_b = seq_tile(B)
-    w = torch.empty((N, Hv, dk), dtype=torch.float32, device=v.device)
-    u = torch.empty((N, Hv, dv), dtype=torch.float32, device=v.device)      # U, then V' in place
-    h = torch.empty((chunks, Hv, dk, dv), dtype=torch.float32, device=v.device)  # state at each chunk start
+    w = torch.empty((N, Hv, BK), dtype=torch.float32, device=v.device)
+    u = torch.empty((N, Hv, BV_PAD), dtype=torch.float32, device=v.device)  # U, then V' in place
+    h = torch.empty((chunks, Hv, BK, BV_PAD), dtype=torch.float32, device=v.device)  # state at each chunk start
     scr = torch.empty((N, Hv, chunk), dtype=torch.float32, device=v.device)  # each chunk's A, then T
     _prep_kernel[(chunks, Hv)](
         k, v, g, beta, cu_seqlens, w, u, scr, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         beta.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1), scr.stride(0), scr.stride(1),
-        REP=Hv // Hk, DK=dk, DV=dv, CHUNK=chunk, BLOCK_B=block_b, SOLVE=cfg["precision_solve"],
-        PRECISION=cfg["precision_prep"],
-        num_warps=cfg["warps_prep"])
+        REP=Hv // Hk, DK=dk, DV=dv, BK=BK, BV_PAD=BV_PAD, CHUNK=chunk, BLOCK_B=block_b,
+        SOLVE=cfg["precision_solve"], PRECISION=cfg["precision_prep"], num_warps=cfg["warps_prep"])
     ck, n_ck = _checkpoint_arg(checkpoints, slots)
-    block_v = min(cfg["block_v"], dv)
+    block_v = min(cfg["block_v"], BV_PAD)
     st = ssm_state
     _state_kernel[(B, Hv, triton.cdiv(dv, block_v))](
         k, g, w, u, cu_seqlens, start_pos, slots, st, h, ck, n_ck, B,
         k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         st.stride(0), st.stride(1), st.stride(2), h.stride(0), h.stride(1),
-        REP=Hv // Hk, DK=dk, DV=dv, BV=block_v, CHUNK=chunk, BLOCK_B=block_b,
+        REP=Hv // Hk, DK=dk, DV=dv, BK=BK, BV_PAD=BV_PAD, BV=block_v, CHUNK=chunk, BLOCK_B=block_b,
         BLOCK_CK=_ckpt_tile(n_ck), HAS_CKPT=n_ck > 0, PRECISION=cfg["precision"],
         STAGES=cfg["stages"], num_warps=cfg["warps_state"])
     _output_kernel[(chunks, Hv)](
         q, k, g, u, h, cu_seqlens, out, B, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0),
         u.stride(0), u.stride(1), h.stride(0), h.stride(1), out.stride(0), out.stride(1), scale,
-        REP=Hv // Hk, DK=dk, DV=dv, BV=min(cfg["block_v_out"], dv), CHUNK=chunk, BLOCK_B=block_b,
+        REP=Hv // Hk, DK=dk, DV=dv, BK=BK, BV_PAD=BV_PAD, BV=min(cfg["block_v_out"], BV_PAD), CHUNK=chunk,
+        BLOCK_B=block_b,
         PRECISION=cfg["precision"], num_warps=cfg["warps_out"])
     return out
 
@@ -331,6 +333,15 @@ if triton is not None:
         return x0, x1, x2, x3
 
     @triton.jit
+    def _within(rows, cols, D: tl.constexpr, PAD: tl.constexpr):
+        """The mask rows[:, None] of a [rows, PAD] block, and cols < D where the block is padded past D (PAD > D);
+        at PAD == D the row mask alone, so that a power-of-two head dim compiles as it did before padding."""
+        if PAD == D:
+            return rows[:, None]
+        else:
+            return rows[:, None] & (cols < D)[None, :]
+
+    @triton.jit
     def _dot_p(a, b, PRECISION: tl.constexpr):
         return tl.dot(a, b, input_precision=PRECISION)
 
@@ -350,8 +361,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=METADATA)
     def _prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, w_ptr, u_ptr, scr_ptr, B,
                      sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, sw_t, sw_h, su_t, su_h, ss_t, ss_h,
-                     REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
-                     BLOCK_B: tl.constexpr, SOLVE: tl.constexpr, PRECISION: tl.constexpr):
+                     REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV_PAD: tl.constexpr,
+                     CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, SOLVE: tl.constexpr, PRECISION: tl.constexpr):
         """W and U of one (chunk, value head): the state-independent part of the chunk, all chunks in parallel.
         A = strict_lower(diag(beta) K K^T * exp(G_i - G_j)) from one dot goes through this program's scratch
         rows scr [N, Hv, CHUNK] (registers cannot be sliced); T = (I + A)^-1 by row blocks of BLK = CHUNK / 4
@@ -371,8 +382,8 @@ if triton is not None:
         rows = tl.arange(0, CHUNK)
         valid = rows < n
         t = (t0 + rows).to(tl.int64)
-        kk = tl.arange(0, DK)
-        k_raw = tl.load(k_ptr + t[:, None] * sk_t + (h // REP) * sk_h + kk[None, :], mask=valid[:, None],
+        kk = tl.arange(0, BK)
+        k_raw = tl.load(k_ptr + t[:, None] * sk_t + (h // REP) * sk_h + kk[None, :], mask=_within(valid, kk, DK, BK),
                         other=0.0)
         k = k_raw.to(tl.float32)
         r = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)
@@ -415,19 +426,20 @@ if triton is not None:
         T = tl.load(tile, mask=valid[:, None] & (rows[None, :] // BLK <= rows[:, None] // BLK), other=0.0)
         w = tl.dot(T, k * (beta * tl.exp(gc))[:, None], input_precision=PRECISION)
         tl.store(w_ptr + t[:, None] * sw_t + h * sw_h + kk[None, :], w, mask=valid[:, None])
-        vv = tl.arange(0, DV)
-        v = tl.load(v_ptr + t[:, None] * sv_t + h * sv_h + vv[None, :], mask=valid[:, None], other=0.0)
+        vv = tl.arange(0, BV_PAD)
+        v = tl.load(v_ptr + t[:, None] * sv_t + h * sv_h + vv[None, :], mask=_within(valid, vv, DV, BV_PAD),
+                    other=0.0)
         u = tl.dot(T, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
         tl.store(u_ptr + t[:, None] * su_t + h * su_h + vv[None, :], u, mask=valid[:, None])
 
     @triton.jit(do_not_specialize=METADATA)
     def _state_kernel(k_ptr, g_ptr, w_ptr, u_ptr, cu_ptr, start_ptr, slots_ptr, state_ptr, h_ptr,
                       ck_ptr, n_ck, B, sk_t, sk_h, sg_t, sw_t, sw_h, su_t, su_h, ss_slot, ss_h, ss_k, sh_c, sh_h,
-                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK_B: tl.constexpr, BLOCK_CK: tl.constexpr, HAS_CKPT: tl.constexpr,
-                      PRECISION: tl.constexpr, STAGES: tl.constexpr):
-        """One (sequence, value head, block of BV value columns), the only sequential part: the fp32 state [DK, BV]
-        stays in registers across the sequence's chunks. Per chunk it saves the state at the chunk start (h, for
+                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV_PAD: tl.constexpr,
+                      BV: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_CK: tl.constexpr,
+                      HAS_CKPT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+        """One (sequence, value head, block of BV value columns), the only sequential part: the fp32 state [BK, BV]
+        (rows past DK zero) stays in registers across the sequence's chunks. Per chunk it saves the state at the chunk start (h, for
         the output kernel), turns u into V' = U - W S in place, and steps S = exp(G_C) S + (exp(G_C - G) K)^T V'.
         The state is read from the slot at the start (zeros for a fresh sequence), written back at the end (and
         at checkpoints). Chunk c of sequence b has h index (chunks of the sequences before b) + c, the index the
@@ -441,7 +453,7 @@ if triton is not None:
         before = seqs < b
         lens = tl.load(cu_ptr + seqs + 1, mask=before, other=0) - tl.load(cu_ptr + seqs, mask=before, other=0)
         first = tl.sum((lens + CHUNK - 1) // CHUNK, 0)
-        kk = tl.arange(0, DK)
+        kk = tl.arange(0, BK)
         vv = vb * BV + tl.arange(0, BV)
         vmask = vv < DV
         state = state_ptr + h * ss_h + kk[:, None] * ss_k + vv[None, :]
@@ -460,14 +472,14 @@ if triton is not None:
             n = tl.minimum(length - ci * CHUNK, CHUNK)
             valid = rows < n
             t = (lo + ci * CHUNK + rows).to(tl.int64)
-            hp = h_ptr + (first + ci).to(tl.int64) * sh_c + h * sh_h + kk[:, None] * DV + vv[None, :]
+            hp = h_ptr + (first + ci).to(tl.int64) * sh_c + h * sh_h + kk[:, None] * BV_PAD + vv[None, :]
             tl.store(hp, S, mask=vmask[None, :])
             w = tl.load(w_ptr + t[:, None] * sw_t + h * sw_h + kk[None, :], mask=valid[:, None], other=0.0)
             up = u_ptr + t[:, None] * su_t + h * su_h + vv[None, :]
             u = tl.load(up, mask=valid[:, None] & vmask[None, :], other=0.0)
             v_new = u - tl.dot(w, S, input_precision=PRECISION)
             tl.store(up, v_new, mask=valid[:, None] & vmask[None, :])
-            k = tl.load(k_ptr + t[:, None] * sk_t + hk * sk_h + kk[None, :], mask=valid[:, None],
+            k = tl.load(k_ptr + t[:, None] * sk_t + hk * sk_h + kk[None, :], mask=_within(valid, kk, DK, BK),
                         other=0.0).to(tl.float32)
             k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
             g = tl.load(g_ptr + t * sg_t + h, mask=valid, other=0.0).to(tl.float32)
@@ -480,13 +492,17 @@ if triton is not None:
                 dst = tl.sum(tl.where(hit, ck_dst, 0), 0)
                 rows_k = tl.sum(hit.to(tl.int32), 0) * DK
                 tl.store(state + dst * ss_slot, S, mask=(kk < rows_k)[:, None] & vmask[None, :])
-        tl.store(state + tl.load(slots_ptr + b).to(tl.int64) * ss_slot, S, mask=vmask[None, :])
+        if BK == DK:
+            last = vmask[None, :]
+        else:  # the padded rows past dk stay out of the slot
+            last = (kk < DK)[:, None] & vmask[None, :]
+        tl.store(state + tl.load(slots_ptr + b).to(tl.int64) * ss_slot, S, mask=last)
 
     @triton.jit(do_not_specialize=METADATA)
     def _output_kernel(q_ptr, k_ptr, g_ptr, vn_ptr, h_ptr, cu_ptr, out_ptr, B, sq_t, sq_h, sk_t, sk_h, sg_t,
                        sv_t, sv_h, sh_c, sh_h, so_t, so_h, scale,
-                       REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                       CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr):
+                       REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV_PAD: tl.constexpr,
+                       BV: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr):
         """One (chunk, value head), all chunks in parallel once the states at the chunk starts (h) and V' are
         known: O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j))_causal V', the value columns BV at a time."""
         pid = tl.program_id(0)
@@ -500,12 +516,14 @@ if triton is not None:
         rows = tl.arange(0, CHUNK)
         valid = rows < n
         t = (t0 + rows).to(tl.int64)
-        kk = tl.arange(0, DK)
-        q_raw = tl.load(q_ptr + t[:, None] * sq_t + hk * sq_h + kk[None, :], mask=valid[:, None], other=0.0)
+        kk = tl.arange(0, BK)
+        q_raw = tl.load(q_ptr + t[:, None] * sq_t + hk * sq_h + kk[None, :], mask=_within(valid, kk, DK, BK),
+                        other=0.0)
         q = q_raw.to(tl.float32)
         r_q = tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale
         q = q * r_q[:, None]
-        k_raw = tl.load(k_ptr + t[:, None] * sk_t + hk * sk_h + kk[None, :], mask=valid[:, None], other=0.0)
+        k_raw = tl.load(k_ptr + t[:, None] * sk_t + hk * sk_h + kk[None, :], mask=_within(valid, kk, DK, BK),
+                        other=0.0)
         k = k_raw.to(tl.float32)
         r_k = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)
         gc = tl.cumsum(tl.load(g_ptr + t * sg_t + h, mask=valid, other=0.0).to(tl.float32), 0)
@@ -515,8 +533,8 @@ if triton is not None:
         qg = q * tl.exp(gc)[:, None]
         for v0 in tl.static_range(0, DV, BV):
             vv = v0 + tl.arange(0, BV)
-            S = tl.load(h_ptr + pid.to(tl.int64) * sh_c + h * sh_h + kk[:, None] * DV + vv[None, :])
+            S = tl.load(h_ptr + pid.to(tl.int64) * sh_c + h * sh_h + kk[:, None] * BV_PAD + vv[None, :])
             vn = tl.load(vn_ptr + t[:, None] * sv_t + h * sv_h + vv[None, :], mask=valid[:, None], other=0.0)
             o = tl.dot(attn, vn, tl.dot(qg, S, input_precision=PRECISION), input_precision=PRECISION)
             tl.store(out_ptr + t[:, None] * so_t + h * so_h + vv[None, :], o.to(out_ptr.dtype.element_ty),
-                     mask=valid[:, None])
+                     mask=_within(valid, vv, DV, BV_PAD))

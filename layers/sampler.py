@@ -16,7 +16,8 @@ for every element, wherever it sits in the vocabulary.
 Two implementations, same signature, same tokens (tests/test_vocab_parallel_sampling.py):
 
     sample_torch  the reference: every rank gathers the whole logits row, then greedy / sort-based top-k and top-p /
-                  Gumbel-max over the full vocabulary.
+                  Gumbel-max over the full vocabulary (on the CPU by gumbel_argmax: the same token from exact scores
+                  of only the tokens that could win, as every score costs ~100 float and integer ops there).
     sample_fast   vocab-parallel: each rank works on its own vocabulary shard (one Triton pass: masked max and
                   Gumbel-max per block) and the ranks exchange a few candidates per row; no full-logit gather.
 
@@ -106,7 +107,12 @@ def gumbel_scores(x: torch.Tensor, ids: torch.Tensor, s1: torch.Tensor, s2: torc
     """x - log(E) per element: x [B, n] float32 (logits / temperature), ids [n] int64 global token ids, s1 / s2 [B]
     the rows' seeds. E = -log(1 - w), w = (hash + 1/2) / 2^32 in (0, 1): for w < 1/16 a series (the smallest E,
     which decide the winners, keep full precision), else through _log."""
-    h = _mix32(_mix32(ids[None, :] ^ s1[:, None]) ^ s2[:, None])
+    return _noise(x, ids[None, :], s1[:, None], s2[:, None])
+
+
+def _noise(x: torch.Tensor, ids: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """gumbel_scores on operands of any broadcastable shapes (the same ops element by element, so the same bits)."""
+    h = _mix32(_mix32(ids ^ s1) ^ s2)
     w = ((h.to(torch.float32) + 0.5) * 2.0 ** -32).clamp_max(0.99999994)
     t = w * (1.0 / 7.0) + (1.0 / 6.0)
     t = t * w + 0.2
@@ -116,6 +122,97 @@ def gumbel_scores(x: torch.Tensor, ids: torch.Tensor, s1: torch.Tensor, s2: torc
     t = t * w + 1.0
     e = torch.where(w < 0.0625, t * w, -_log(1.0 - w))
     return x - _log(e)
+
+
+# The CPU draw (gumbel_argmax): an upper bound of every score, then the exact scores of the few tokens that could
+# win. Chunks of fewer than NOISE_CHUNK elements keep each temporary in L2 (128 KB) and below ATen's grain size, so
+# that every op runs on one thread: on 2 shared cores, handing ops of this size to two threads cost 10x more than
+# the work (a [64, 256] max with indices 19 ms, 2026-11-27).
+NOISE_CHUNK = 32767
+# The bound is x - log(w) (E >= w) with log2(w) >= e + m - 1 read off w's float bits (w = 2^e m, m in [1, 2)):
+# at most 0.06 nats high, and w rounded down (the hash's last bit dropped: up to ln 3 for the smallest hashes).
+# A score lies below its bound by less than SCORE_GAP (log(E / w) <= 2.81 at the largest w, plus the 0.06) and
+# above it by less than BOUND_ERR plus 2^-20 of its size (roundings of x, w and the logs).
+SCORE_GAP = 3.0
+BOUND_ERR = 1e-3
+_LN2 = 0.6931471805599453
+
+
+def _as_int32(v: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) as int32 with the same bits."""
+    return (v - ((v >> 31) << 32)).to(torch.int32)
+
+
+class _ScoreBounds:
+    """Upper bounds of gumbel_scores for [B, <= width] blocks, in int32 and float32 buffers made once: the hash
+    exactly (_mix32 in place on int32 holding the 32 bits: products wrap mod 2^32, shifts masked to be logical),
+    then the bound above. Every constant is an int32 tensor: a Python int operand is wrapped and copied at every op."""
+
+    def __init__(self, s1: torch.Tensor, s2: torch.Tensor, width: int):
+        def const(v):
+            return torch.tensor(v - (1 << 32) if v >= 1 << 31 else v, dtype=torch.int32, device=s1.device)
+        self.m16, self.m17, self.m31 = const(0xFFFF), const(0x1FFFF), const(0x7FFFFFFF)
+        self.c1, self.c2 = const(0x7FEB352D), const(0x846CA68B)
+        self.one, self.fifteen, self.sixteen = const(1), const(15), const(16)
+        self.s1, self.s2 = _as_int32(s1)[:, None], _as_int32(s2)[:, None]
+        self.h, self.tmp = torch.empty(2, s1.shape[0], width, dtype=torch.int32, device=s1.device)
+        self.half, self.log2 = torch.empty(2, s1.shape[0], width, device=s1.device)
+
+    def _mix32(self, x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+        x ^= torch.bitwise_right_shift(x, self.sixteen, out=tmp).bitwise_and_(self.m16)
+        x *= self.c1
+        x ^= torch.bitwise_right_shift(x, self.fifteen, out=tmp).bitwise_and_(self.m17)
+        x *= self.c2
+        x ^= torch.bitwise_right_shift(x, self.sixteen, out=tmp).bitwise_and_(self.m16)
+        return x
+
+    def __call__(self, lg: torch.Tensor, inv_t: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [B, n] = the bounds of the scores of x = lg * inv_t[:, None] ([B, n]) at token ids [n] (int32)."""
+        n = ids.shape[0]
+        h, tmp, half, log2 = (t[:, :n] for t in (self.h, self.tmp, self.half, self.log2))
+        self._mix32(torch.bitwise_xor(ids, self.s1, out=h), tmp)
+        h ^= self.s2
+        self._mix32(h, tmp)
+        half.copy_(torch.bitwise_right_shift(h, self.one, out=tmp).bitwise_and_(self.m31)).clamp_(min=0.25)
+        log2.copy_(half.view(torch.int32))  # (e + 127 + m - 1) 2^23 for hash / 2 = 2^e m: e + m - 1 <= log2
+        torch.mul(lg, inv_t[:, None], out=out)
+        return out.add_(log2.mul_(-_LN2 / (1 << 23)).add_((127 + 32 - 1) * _LN2))
+
+
+def gumbel_argmax(lg: torch.Tensor, inv_t: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor,
+                  keep: torch.Tensor | None = None, chunk: int = NOISE_CHUNK) -> torch.Tensor:
+    """For x = lg * inv_t[:, None] + 0.0 ([B, n] float32), the argmax over each row of gumbel_scores(x, arange(n),
+    s1, s2), only at `keep` [B, n] where given (the first maximum at ties; 0 for a row with nothing finite to keep):
+    the same token, with exact scores only where it could be. The vocabulary in chunks of about `chunk` elements:
+    each chunk's score bounds (_ScoreBounds) and its best bound per row; then, in the chunks whose best comes within
+    SCORE_GAP of the row's, the (row, column) pairs that do (no other can beat the score of the token with the
+    row's best bound), and their exact scores. A flat row keeps ~20 pairs, a peaked one fewer. Host syncs
+    (nonzero): the CPU's draw."""
+    B, n = lg.shape
+    step = max(1, chunk // max(B, 1))
+    chunks = -(-n // step)
+    score_bounds = _ScoreBounds(s1, s2, step)
+    ids = torch.arange(chunks * step, dtype=torch.int32, device=lg.device)
+    bounds = torch.empty(chunks, B, step, device=lg.device)
+    bounds[-1, :, n - (chunks - 1) * step:] = float("-inf")
+    best = torch.empty(chunks, B, device=lg.device)
+    for k in range(chunks):
+        c0, c1 = k * step, min(n, (k + 1) * step)
+        bound = score_bounds(lg[:, c0:c1], inv_t, ids[c0:c1], bounds[k, :, :c1 - c0])
+        if keep is not None:
+            bound.masked_fill_(~keep[:, c0:c1], float("-inf"))
+        torch.amax(bound, dim=1, out=best[k])
+    top = best.amax(dim=0)
+    floor = torch.sub(top, top.abs(), alpha=2 ** -20).sub_(SCORE_GAP + BOUND_ERR + 128 * 2 ** -20)
+    floor.clamp_(min=torch.finfo(torch.float32).min)  # a row with nothing finite keeps nothing
+    k, row = (best >= floor).nonzero(as_tuple=True)
+    pi, j = (bounds[k, row] >= floor[row, None]).nonzero(as_tuple=True)
+    r, c = row[pi], k[pi] * step + j
+    scores = _noise(lg[r, c] * inv_t[r] + 0.0, c, s1[r], s2[r])
+    top = torch.full((B,), float("-inf"), device=lg.device).scatter_reduce_(0, r, scores, "amax")
+    hit = scores == top[r]
+    first = torch.full((B,), n, dtype=torch.int64, device=lg.device).scatter_reduce_(0, r[hit], c[hit], "amin")
+    return torch.where(first < n, first, 0)
 
 
 def masses(d: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -302,26 +399,31 @@ def sample_torch(logits: torch.Tensor, batch: SampleBatch, num_real_tokens: int,
     full = parallel.all_gather_last_dim(logits)
     V = min(num_real_tokens, vocab_size)
     lg = _suppressed(full[:, :V], batch.suppress, 0)
-    greedy_max = lg.max(dim=-1).values
-    greedy = torch.argmax(lg, dim=-1)  # the first maximum (max's index is not promised to be)
     if batch.greedy_only:
-        return greedy
+        return torch.argmax(lg, dim=-1)  # the first maximum (max's index is not promised to be)
     inv_t = batch.inv_temperature
-    x = lg * inv_t[:, None] + 0.0                          # + 0.0: -0.0 becomes 0.0, one key per value
     s1, s2 = row_seeds(batch.key, batch.counter)
-    scores = gumbel_scores(x, torch.arange(V, device=lg.device), s1, s2)
+    keep = None
     if batch.any_top_k or batch.any_top_p:
+        x = lg * inv_t[:, None] + 0.0                      # + 0.0: -0.0 becomes 0.0, one key per value
         xs, order = torch.sort(x, dim=-1, descending=True, stable=True)  # x descending, then id ascending
         valid = xs > float("-inf")
         keep = valid
         if batch.any_top_k:
             keep = valid & (torch.arange(V, device=lg.device)[None, :] < batch.k_limit()[:, None])
         if batch.any_top_p:
-            m = masses(xs - (greedy_max * inv_t)[:, None], keep)
+            m = masses(xs - (lg.amax(dim=-1) * inv_t)[:, None], keep)
             limit = batch.p_limit(m.sum(dim=-1))
             keep &= (torch.cumsum(m, dim=-1) - m) < limit[:, None]
-        scores = scores.masked_fill(~torch.zeros_like(keep).scatter_(1, order, keep), float("-inf"))
-    return _finish(greedy, torch.argmax(scores, dim=-1), batch)
+        keep = torch.zeros_like(keep).scatter_(1, order, keep)
+    if lg.device.type == "cpu":  # the same tokens without every score (the GPU computes them all, sync-free)
+        sampled = gumbel_argmax(lg, inv_t, s1, s2, keep)
+        if bool((batch.temperature > 0).all()):  # no greedy row: no argmax over the rows (a free check here)
+            return sampled
+    else:
+        scores = gumbel_scores(lg * inv_t[:, None] + 0.0, torch.arange(V, device=lg.device), s1, s2)
+        sampled = torch.argmax(scores if keep is None else scores.masked_fill(~keep, float("-inf")), dim=-1)
+    return _finish(torch.argmax(lg, dim=-1), sampled, batch)
 
 
 # ----------------------------------------------------------------------------- vocab-parallel

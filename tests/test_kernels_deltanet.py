@@ -17,6 +17,8 @@ the value columns of a head split over programs (4 per slab: 3 slabs, the last p
   gates and gated norm) == mixed_torch to 2e-4 (the prefill kernels' tolerance) on outputs and caches, with either
   kernel set; decode rows interleaved (gathered rows), first (sliced rows) and absent (the batch's own tensors).
 - forward: the fused u|z|b|a GEMM (views of one weight) == the four separate projections, decode and mixed, to 1e-5.
+- head dims that are not powers of two (dv 24, dk 48): the fast layer == the torch layer on a mixed step and a decode
+  step, to 2e-4 on outputs and caches.
 GPU (`-m gpu`, real Qwen3.5-35B-A3B shapes from the preset config at TP=1 (16 key / 32 value heads) and TP=8 local
 (2 / 4), dk = dv = 128, conv 4; bf16 activations, fp32 state):
 - decode_fast vs decode_torch at batch 1, 7 (+1 padded row), 32, 64, three chained steps, value slabs of 16, 32 and
@@ -264,7 +266,7 @@ def test_mixed_fast_equals_per_sequence(kernels, case, monkeypatch):
     continuing chunks, decodes. Interleaved (rows gathered), decodes first as the scheduler packs them (rows as
     slices) and a step without decodes (the batch's own tensors). mixed_fast == mixed_torch on outputs and every
     cache entry."""
-    m = build_layer(kernels, tiny_cfg(2, 6, 16, 16, 4), monkeypatch, seed=3)  # prefill kernels: dims 2^n >= 16
+    m = build_layer(kernels, tiny_cfg(2, 6, 16, 16, 4), monkeypatch, seed=3)
     gen = torch.Generator().manual_seed(4)
     lens, starts, slots = MIXED[case]
     batch = batch_of(lens, starts, slots)
@@ -302,7 +304,7 @@ def test_in_proj_is_one_fused_weight(monkeypatch):
 @pytest.mark.parametrize("kernels", ["torch", "fast"])
 def test_forward_equals_separate_projections(kernels, monkeypatch):
     """forward = out_proj(mixed_torch(cat of the four projections)) for a decode batch and a mixed one."""
-    m = build_layer(kernels, tiny_cfg(1, 3, 16, 16, 4), monkeypatch, seed=6)  # prefill kernels: dims 2^n >= 16
+    m = build_layer(kernels, tiny_cfg(1, 3, 16, 16, 4), monkeypatch, seed=6)
     gen = torch.Generator().manual_seed(7)
     for lens, starts, slots in (([1, 1, 1], [5, 2, 1], [2, 6, 8]), ([1, 4, 1], [3, 0, 8], [1, 4, 2])):
         batch = batch_of(lens, starts, slots)
@@ -312,6 +314,24 @@ def test_forward_equals_separate_projections(kernels, monkeypatch):
         assert want.abs().max() > 0.1
         assert max_diff(got, want) <= TOL_CHUNKED
         for a, b in zip(after, caches(m)):
+            assert max_diff(a, b) <= TOL_CHUNKED
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv", [(1, 2, 16, 24), (1, 1, 48, 48), (2, 2, 48, 32)])
+def test_odd_head_dims_fast_equals_torch(hk, hv, dk, dv, monkeypatch):
+    """Head dims that are not powers of two (linear_value_head_dim 24, linear_key_head_dim 48): the fast layer
+    (the prefill kernels on padded blocks, the decode kernel, the gated norm) against the torch layer on the same
+    weights and caches, through a mixed step (a fresh 70-token prompt over two chunks, a continuing chunk, decode
+    rows) and then a decode step; outputs and caches within the prefill kernels' tolerance."""
+    cfg = tiny_cfg(hk, hv, dk, dv, 4)
+    ref, fast = (build_layer(kernels, cfg, monkeypatch, seed=11) for kernels in ("torch", "fast"))
+    gen = torch.Generator().manual_seed(dk + dv)
+    for lens, starts, slots in (MIXED["interleaved"], ([1, 1, 1, 1], [70, 5, 9, 1], [0, 1, 5, 6])):
+        batch = batch_of(lens, starts, slots)
+        x = torch.randn(sum(lens), 16, generator=gen)
+        want, got = ref(x, batch), fast(x, batch)
+        assert want.abs().max() > 0.1 and max_diff(got, want) <= TOL_CHUNKED
+        for a, b in zip(caches(fast), caches(ref)):
             assert max_diff(a, b) <= TOL_CHUNKED
 
 

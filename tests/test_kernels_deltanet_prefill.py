@@ -6,7 +6,8 @@ CUDA with the state kernel's dots in "ieee" precision):
 - conv: fast == torch to 1e-5 (same fp32 summation order, then one rounding; the GPU fuses multiply-adds, a wrong tap
   or tail is O(1)); tails and checkpoint tails bit-exact (raw copies). torch == F.conv1d to 1e-5.
 - delta rule: fast vs torch <= 2e-4 max abs on outputs and states of magnitude O(1) (the chunk solve and the sums run
-  in a different order; a wrong slot, decay or chunk boundary is O(0.1)); torch vs the recurrence <= 2e-4.
+  in a different order; a wrong slot, decay or chunk boundary is O(0.1)); torch vs the recurrence <= 2e-4; head
+  dims that are not powers of two (12, 24, 48) on the kernels' padded blocks, checkpoints included.
 GPU (`-m gpu`, real Qwen3.5-35B-A3B shapes at TP=1 and TP=8 local, bf16 inputs, fp32 states, default precision):
 - conv: within 1 bf16 ulp (rtol 1e-2) of torch, tails exact;
 - delta rule: relative L2 error <= 1e-2 on outputs (bf16 rounding alone is ~2e-3) and <= 1e-2 on the states
@@ -187,10 +188,12 @@ def test_diag_inverses(blk, n):
     assert rel(T.cpu().double(), want) < 1e-5
 
 
-@pytest.mark.parametrize("Hk,Hv,dk,dv,chunk", [(2, 4, 16, 16, 64), (1, 3, 16, 32, 64), (1, 2, 32, 16, 128)])
+@pytest.mark.parametrize("Hk,Hv,dk,dv,chunk", [(2, 4, 16, 16, 64), (1, 3, 16, 32, 64), (1, 2, 32, 16, 128),
+                                                (1, 2, 16, 24, 64), (1, 1, 48, 48, 128), (2, 2, 48, 12, 64)])
 def test_delta_fast_equals_torch(exact_dots, Hk, Hv, dk, dv, chunk):
     """A varlen pack (lengths 1, 63, 64, 65, 200 and an empty sequence), cached and fresh states, shuffled slots,
-    strided q/k/v/g/beta; TP-local odd head counts (Hv = 3 Hk) and dk != dv; chunk 64 and 128."""
+    strided q/k/v/g/beta; TP-local odd head counts (Hv = 3 Hk) and dk != dv; chunk 64 and 128; head dims that are
+    not powers of two (24, 48; 12, below tl.dot's 16), on blocks padded to the next one."""
     lens, starts = PACK + [0], STARTS + [4]
     N = sum(lens)
     q, k, v, g, beta = delta_inputs(N, Hk, Hv, dk, dv)
@@ -238,10 +241,11 @@ def test_delta_fast_decode_rows(exact_dots):
         assert max_diff(state[slots[b]], s) < 2e-5
 
 
-def test_delta_checkpoints(exact_dots):
+@pytest.mark.parametrize("dk,dv", [(16, 16), (48, 24)])
+def test_delta_checkpoints(exact_dots, dk, dv):
     """Checkpoint states at chunk multiples and at a sequence end, in spare slots: equal to the oracle's, and the
-    oracle's equal to the final state of the same sequence cut there."""
-    Hk, Hv, dk, dv, chunk = 1, 2, 16, 16, 64
+    oracle's equal to the final state of the same sequence cut there; head dims padded or not."""
+    Hk, Hv, chunk = 1, 2, 64
     lens, starts = [140, 70, 5], [0, 12, 3]
     q, k, v, g, beta = delta_inputs(sum(lens), Hk, Hv, dk, dv, seed=5)
     cu, sp, slots = packed(lens, starts, seed=5, num_slots=10)

@@ -457,8 +457,8 @@ def test_sparse_moe_fast_equals_torch(T):
     assert max_diff(fast(x), want) <= TOL
 
 
-def test_router_logits_over_padded_rows():
-    """SparseMoE's router buffer is padded to a multiple of ROUTER_PAD_ROWS zero rows; router_logits runs its GEMM
+def test_padded_router_gemm():
+    """SparseMoE's router buffer is padded to a multiple of ROUTER_PAD_ROWS zero rows; padded_router_gemm runs its GEMM
     over them and returns exactly F.linear's [T, E + 1] (same columns, one GEMM), as a view; a router without spare
     rows (or not contiguous) takes the plain GEMM."""
     m = build(moe.SparseMoE, "fast", tiny_cfg())

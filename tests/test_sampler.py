@@ -288,6 +288,123 @@ def test_masses_are_exp_in_fixed_point():
     assert (masses(d, torch.zeros_like(d, dtype=torch.bool)) == 0).all()
 
 
+# ---- the CPU draw: exact scores only where they could win ---------------------------------------------------------
+
+M32 = (1 << 32) - 1
+
+
+def _mix32_int(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def _unmix32_int(y: int) -> int:
+    """The inverse of _mix32 (each step undone in reverse order)."""
+    y ^= y >> 16
+    y = (y * pow(0x846CA68B, -1, 1 << 32)) & M32
+    y ^= (y >> 15) ^ (y >> 30)
+    y = (y * pow(0x7FEB352D, -1, 1 << 32)) & M32
+    return y ^ (y >> 16)
+
+
+def seeds_hashing_to(s1: int, token: int, hashes: list[int]) -> torch.Tensor:
+    """s2 per row such that token's hash under (s1, s2) is the given 32-bit value: the noise's extremes on demand."""
+    assert all(_mix32_int(_unmix32_int(h)) == h for h in hashes)
+    return torch.tensor([_mix32_int(token ^ s1) ^ _unmix32_int(h) for h in hashes])
+
+
+EXTREME_HASHES = [0, 1, 2, 3, 255, 1 << 20, (1 << 31) - 1, 1 << 31, M32 - 256, M32 - 1, M32]
+
+
+def test_score_bounds_hold_at_every_hash():
+    """The CPU draw's bounds (_ScoreBounds) over 2.4 M scores, rows of every temperature, and at the hashes of the
+    noise's extremes (the smallest E, so the largest scores, and the largest): no score above its bound by more than
+    BOUND_ERR (plus 2^-20 of its size), none below it by SCORE_GAP or more; both limits come close to binding."""
+    from layers.sampler import BOUND_ERR, SCORE_GAP, _ScoreBounds
+    g = torch.Generator().manual_seed(5)
+    B, n = 8, 300_000
+    lg = torch.randn(B, n, generator=g) * 4
+    inv_t = torch.tensor([1.0, 1 / 0.7, 2.0, 0.1, 10.0, 1.0, 1.0, 1 / 1.3])
+    s1, s2 = row_seeds(torch.randint(0, 2**62, (B,), generator=g), torch.arange(B) * 1000)
+    token = 12345
+    s1x = torch.full((len(EXTREME_HASHES),), 77)
+    s2x = seeds_hashing_to(77, token, EXTREME_HASHES)
+    for lg, inv_t, s1, s2 in ((lg, inv_t, s1, s2), (lg[:1].expand(len(EXTREME_HASHES), n), torch.ones(11), s1x, s2x)):
+        ids = torch.arange(n)
+        exact = gumbel_scores(lg * inv_t[:, None] + 0.0, ids, s1, s2)
+        bound = _ScoreBounds(s1, s2, n)(lg, inv_t, ids.int(), torch.empty(lg.shape))
+        over = exact - bound
+        assert (over <= BOUND_ERR + bound.abs() * 2 ** -20).all() and (-over < SCORE_GAP).all()
+    assert -over[:, token].min() > 2.7 and over.max() > -1e-3  # the largest hash; the linear log2's exact points
+    h = _mix32_int(_mix32_int(token ^ 77) ^ int(s2x[0]))
+    assert h == 0 and exact[0, token] - lg[0, token] > 22.8  # the largest noise there is
+
+
+def test_gumbel_argmax_is_the_full_scores_argmax():
+    """The CPU draw picks the token of the whole-row scores' argmax (the first maximum; 0 for a row with nothing
+    to keep), over vocabularies of many chunks: spread, flat and peaked rows, -inf columns and rows, keep masks
+    (an empty one included), the noise's extreme hashes on near-winners, a winner whose bound is not the best, and
+    an exact tie between two tokens."""
+    from layers.sampler import gumbel_argmax
+    g = torch.Generator().manual_seed(1)
+
+    def check(lg, inv_t, s1, s2, keep=None, chunk=256):
+        scores = gumbel_scores(lg * inv_t[:, None] + 0.0, torch.arange(lg.shape[1]), s1, s2)
+        want = (scores if keep is None else scores.masked_fill(~keep, float("-inf"))).argmax(dim=-1)
+        got = gumbel_argmax(lg, inv_t, s1, s2, keep, chunk=chunk)
+        assert torch.equal(got, want), (got, want)
+        return got
+
+    for trial in range(12):
+        B, n = 1 + trial % 5, 700 + 911 * trial
+        lg = [torch.randn(B, n, generator=g) * 3, torch.randn(B, n, generator=g) * 0.01,
+              torch.randn(B, n, generator=g)][trial % 3]
+        if trial % 4 == 3:
+            lg[:, :20] += 15  # peaked
+        if trial % 6 == 5:
+            lg[:, n // 3:] = float("-inf")
+            lg[-1] = float("-inf")
+        inv_t = torch.rand(B, generator=g) * 3 + 0.1
+        s1, s2 = row_seeds(torch.randint(0, 2**62, (B,), generator=g), torch.randint(0, 9, (B,), generator=g))
+        keep = torch.rand(B, n, generator=g) < 0.4 if trial % 2 else None
+        if keep is not None:
+            keep[0] = False
+        got = check(lg, inv_t, s1, s2, keep, chunk=[64, 256, 4096][trial % 3])
+        if keep is not None or trial % 6 == 5:
+            assert got[0 if keep is not None else -1] == 0  # nothing to keep
+    # the extreme hashes on the token that (nearly) wins: E's smallest and largest values
+    n, token = 3000, 1234
+    s1 = torch.full((len(EXTREME_HASHES),), 77)
+    s2 = seeds_hashing_to(77, token, EXTREME_HASHES)
+    for lift in (-22.9, -22.0, 0.0, 2.8, 3.5):
+        lg = torch.randn(len(EXTREME_HASHES), n, generator=g)
+        lg[:, token] = lg.max() + lift
+        check(lg, torch.ones(len(EXTREME_HASHES)), s1, s2)
+    # the token with the best bound loses: at the largest hash its bound lies 2.8 above its score, and another's
+    # score beats it by 0.5
+    s2 = seeds_hashing_to(77, token, [M32])
+    noise = gumbel_scores(torch.zeros(1, n), torch.arange(n), s1[:1], s2)[0]
+    lg = torch.full((1, n), float("-inf"))
+    lg[0, token], lg[0, 2000] = 0.0, noise[token] + 0.5 - noise[2000]
+    assert check(lg, torch.ones(1), s1[:1], s2).item() == 2000
+    # an exact tie between two tokens' scores: the lower id wins
+    s1, s2 = row_seeds(torch.tensor([9]), torch.tensor([0]))
+    g0 = gumbel_scores(torch.zeros(1, n), torch.arange(n), s1, s2)[0]
+    lo, hi = 700, next(j for j in range(701, n) if _tie(g0, 700, j, s1, s2))
+    lg = torch.full((1, n), float("-inf"))
+    lg[0, hi], lg[0, lo] = 0.0, g0[hi] - g0[lo]
+    assert check(lg, torch.ones(1), s1, s2).item() == lo
+
+
+def _tie(g0, lo, hi, s1, s2) -> bool:
+    """Whether x_lo = g_hi - g_lo (x_hi = 0) gives token lo exactly token hi's score."""
+    x = torch.tensor([[g0[hi] - g0[lo]]])
+    return bool(gumbel_scores(x, torch.tensor([lo]), s1, s2)[0, 0] == g0[hi])
+
+
 # ---- sample_fast (one shard) == sample_torch ------------------------------------------------------------------
 
 FAST_CASES = {
