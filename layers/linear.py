@@ -315,7 +315,7 @@ def fuse_rows(*linears: Linear, attr: str = "weight", pad_rows_to: int = 1) -> t
     """One [sum of outputs, in] weight (or with attr="bias" one [sum of outputs] bias) for linears that read the
     same input, so one GEMM computes them all. With pad_rows_to > 1 the buffer holds zero rows up to a multiple of
     it after the last linear's, and the returned tensor is the leading [sum of outputs] rows of that buffer (see
-    moe.router_logits, which runs its GEMM over the padded rows).
+    moe.padded_router_gemm, which runs its GEMM over the padded rows).
 
     Each linear's parameter becomes a view of its rows of the fused tensor (same name, full_shape and shard), so the
     loader and the dummy initialiser still fill each one by its checkpoint name, and no memory is duplicated."""
