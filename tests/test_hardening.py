@@ -354,7 +354,7 @@ def test_watchdog_fails_requests_and_health_when_a_step_hangs():
             async for _ in ae.generate("r", [1, 2, 3], SamplingParams(max_tokens=4)):
                 pass
         assert e.value.status == 503 and time.monotonic() - t0 < 5
-        assert stalled.is_set() and not ae.ready  # /health: 503
+        assert stalled.wait(5) and not ae.ready  # /health: 503 (on_stall runs on the watchdog thread, just after)
         with pytest.raises(GenerationError):
             ae.generate("later", [1, 2, 3], SamplingParams(max_tokens=4))
 
