@@ -48,7 +48,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from qwen35.chat_template import ChatTemplateUnavailable
-from qwen35.async_engine import GenerationError
+from qwen35.outputs import GenerationError
 from scheduler.sampling_params import INT64, MAX_TEMPERATURE, SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
