@@ -7,8 +7,8 @@ POST /v1/chat/completions, /v1/completions, /invocations (= chat completions).
 Every request is validated here, before the engine sees it (the engine trusts what it gets), so bad input is an HTTP
 4xx with an OpenAI error body and never an engine error: the fields below, then the engine's own limits
 (engine.check_request: context length, vocabulary, what the KV cache can ever hold); every number is bounded (integers to what the sampler's tensors hold and to the
-vocabulary, floats finite and in range). A body past max_request_bytes is a 413, refused from its Content-Length or
-as soon as that much has arrived; parsing, template rendering and tokenizing run in worker threads, so a huge
+vocabulary, floats finite and in range). A body past max_request_bytes is a 413, its rest read and dropped first (up
+to MAX_DISCARD_BYTES more) so that the client gets the answer; parsing, template rendering and tokenizing run in worker threads, so a huge
 prompt never stalls the event loop (/health and every other client keep their answers). Policy on request fields:
 - honoured: model (any string; responses name the served model), messages (system/user/assistant, and developer,
   which is the system role of newer OpenAI clients; content a string or a list of {"type": "text"} parts; other keys
@@ -56,6 +56,9 @@ MAX_STOP_TOKEN_IDS = 1024  # far more than anyone sends; each is masked out of t
 # A 32k-token context is about 130 KB of text and 230 KB as a token-id list; 8 MiB leaves room for JSON escapes and
 # long conversations while bounding what one request makes us parse and tokenize (seconds, in a worker thread).
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+# An oversized body is read to its end (and dropped) before the 413, up to this much past the limit: seconds on a
+# slow link at most, and its client then gets the answer instead of a reset connection.
+MAX_DISCARD_BYTES = 64 << 20
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
 
 
@@ -330,17 +333,24 @@ class _Server:
                            code="invalid_api_key")
 
     async def _read_body(self, request: Request) -> bytes:
-        """The body, refused (413) once it is known to pass max_request_bytes: from its Content-Length before reading
-        anything, else as soon as that much has arrived, so an oversized body is never buffered whole."""
+        """The body, refused (413) past max_request_bytes; an oversized body is never buffered whole. Its rest is read
+        and dropped before the 413 goes out (up to MAX_DISCARD_BYTES more), so that a client that sends its whole body
+        before reading the answer gets it: answering first and closing would reset the connection under the bytes
+        still in flight (a client sending `Connection: close` met that). A body declared larger than that is
+        answered at once."""
+        limit = self.max_request_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_request_bytes:
+        if declared.isdigit() and int(declared) > limit + MAX_DISCARD_BYTES:
             raise self._too_large()
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > self.max_request_bytes:
-                raise self._too_large()
-            chunks.append(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > limit + MAX_DISCARD_BYTES:
+                break
+        if size > limit:
+            raise self._too_large()
         return b"".join(chunks)
 
     def _too_large(self) -> APIError:
