@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from qwen35.config import ModelConfig
+from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from qwen35.synth import PRESETS
 from scheduler.plan import StepPlan
@@ -71,8 +72,9 @@ def main():
     raw["text_config"]["layer_types"] = raw["text_config"]["layer_types"][:args.layers]
     cfg = ModelConfig.from_dict(raw)
     batches = [int(b) for b in args.decode_batch.split(",")]
-    runner = ModelRunner(cfg, load_format="dummy", device="cuda", max_num_seqs=max(batches + [args.prefill_seqs]),
-                         max_model_len=args.prefill_len + 64, enforce_eager=not args.graphs)
+    runner = ModelRunner(cfg, EngineArgs(model="", load_format="dummy", device="cuda",
+                                         max_num_seqs=max(batches + [args.prefill_seqs]),
+                                         max_model_len=args.prefill_len + 64, enforce_eager=not args.graphs))
     nblk = -(-(args.prefill_len + 64) // runner.block_size)
     rows = max(batches + [args.prefill_seqs])
     tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(rows)]

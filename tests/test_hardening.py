@@ -285,7 +285,8 @@ def test_fuzz_completions_never_5xx(keyed, fields):
 @pytest.fixture(scope="module")
 def boundary():
     """The server's validation on its own, with the engine's request limits of the keyed server (max_model_len 64,
-    the tiny model's vocabulary) and no engine behind them, and a sampler over the real vocabulary."""
+    the tokenizer's real tokens, as LLMEngine makes them) and no engine behind them, and a sampler over the real
+    vocabulary."""
     from types import SimpleNamespace
 
     from layers.sampler import Sampler
@@ -293,7 +294,7 @@ def boundary():
     from scheduler.request import RequestLimits
 
     tok = load_tokenizer(None)
-    limits = RequestLimits(vocab_size=248320, max_model_len=64, num_kv_blocks=512, block_size=16)
+    limits = RequestLimits(vocab_size=tok.num_real_tokens, max_model_len=64, num_kv_blocks=512, block_size=16)
     s = server._Server(SimpleNamespace(check_request=limits.check), tok, "m", 64, None,
                        server.DEFAULT_MAX_REQUEST_BYTES)
     return s, Sampler(tok.num_real_tokens, 248320, 1, "cpu"), torch.randn(1, 248320)
