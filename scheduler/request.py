@@ -70,16 +70,17 @@ class Request:
     # the text: what outputs carried already (pieces, joined when read), and what follows it (held back, or not
     # taken yet); stop strings are searched in the latter only, which holds every character a new match can use
     _unsent: str = field(init=False, repr=False)
-    _sent: list[str] = field(init=False, repr=False)
-    _sent_tokens: int = field(init=False, repr=False)
+    sent: list[str] = field(init=False, repr=False)
+    sent_tokens: int = field(init=False, repr=False)  # output_ids[:sent_tokens] went out in outputs
     _sent_chars: int = field(init=False, repr=False)
-    _num_prompt: int = field(init=False, repr=False)
+    num_prompt: int = field(init=False, repr=False)
     _hold: int = field(init=False, repr=False)
     _checked: int = field(init=False, repr=False)     # text length already searched for stop strings
     # the detokenizer's table of whole token texts (IncrementalDetokenizer.whole_texts; () without one), and the
-    # same while nothing is pending in it, else (): where take_token reads a token's text
-    _table: list | tuple = field(init=False, repr=False)
-    _texts: list | tuple = field(init=False, repr=False)
+    # same while nothing is pending in it, else (): where Scheduler.update reads most tokens' texts, as add() would
+    # give them without changing anything
+    text_table: list | tuple = field(init=False, repr=False)
+    token_texts: list | tuple = field(init=False, repr=False)
     # ---- scheduling (the scheduler's) --------------------------------------------------------------------------
     status: RequestStatus = RequestStatus.WAITING
     # num_computed and num_scheduled (properties below) are these plus the steps its decode batch has taken
@@ -105,12 +106,12 @@ class Request:
         self.stops = tuple(params.stop)
         self.min_tokens, self.max_tokens = params.min_tokens, params.max_tokens
         self._hold = max((len(s) for s in params.stop), default=1) - 1
-        self._sent, self._sent_chars, self._unsent = [], 0, ""
-        self._checked = self._sent_tokens = 0
-        self._num_prompt = len(self.prompt_ids)  # (the prompt is not changed once here)
+        self.sent, self._sent_chars, self._unsent = [], 0, ""
+        self._checked = self.sent_tokens = 0
+        self.num_prompt = len(self.prompt_ids)  # (the prompt is not changed once here)
         d = self.detokenizer
-        self._table = getattr(d, "whole_texts", None) or ()
-        self._texts = () if getattr(d, "pending", True) else self._table
+        self.text_table = getattr(d, "whole_texts", None) or ()
+        self.token_texts = () if getattr(d, "pending", True) else self.text_table
 
     # ---- scheduling views -----------------------------------------------------------------------------------
     # Once its prefill is scheduled, the scheduler moves it on by one token per step together with every other
@@ -180,42 +181,28 @@ class Request:
     @property
     def text(self) -> str:
         """The completion's text so far (a stop string and what follows it removed)."""
-        sent = self._sent
+        sent = self.sent
         if len(sent) > 1:  # amortised: joins only new pieces once
             sent[:] = ["".join(sent)]
         return (sent[0] if sent else "") + self._unsent
 
-    def take_token(self, token_id: int) -> RequestOutput | None:
-        """append_token, then take_output, for a token that does not end the request, of a request that holds no
-        text back (no stop strings): what Scheduler.update does with most tokens, in one call. While no bytes of a
-        character are pending, a token that decodes whole on its own has its text read from the detokenizer's table,
-        as add() would give it without changing anything."""
-        ids = self.output_ids
-        ids.append(token_id)
-        try:
-            text = self._texts[token_id] if token_id >= 0 else None
-        except IndexError:
-            text = None
-        if not text:
-            d = self.detokenizer
-            text = d.add(token_id)
-            self._texts = () if d.pending else self._table
-        if text:
-            self._sent.append(text)
-        if self.stream:  # (every token before this one has gone out already)
-            n = self._sent_tokens = len(ids)
-            return RequestOutput(self.request_id, text, [token_id], False, None, self._num_prompt, n, None)
-        return None
+    def detokenize(self, token_id: int) -> str:
+        """The text a token adds, from the detokenizer itself (add()): for one whose text is not in token_texts."""
+        d = self.detokenizer
+        text = d.add(token_id)
+        self.token_texts = () if d.pending else self.text_table
+        return text
 
     def append_token(self, token_id: int, text: bool = True) -> None:
         """Add one sampled token and its text (not with `text` False: a stop token that ends the request), to be
-        searched for stop strings and taken (take_output)."""
+        searched for stop strings and taken (take_output). (Scheduler.update writes out the same for a token that
+        ends nothing of a request without stop strings, and takes its output at once.)"""
         self.output_ids.append(token_id)
         if text:
             delta = self.detokenizer.add(token_id)
             if delta:
                 self._unsent += delta
-        self._texts = ()  # (take_token's table: the detokenizer may now be pending)
+        self.token_texts = ()  # (the detokenizer may now be pending)
 
     def cut_at_stop_string(self, search: bool = True) -> bool:
         """Whether a stop string ends in the text added since the last call; the text is cut before the earliest.
@@ -257,20 +244,20 @@ class Request:
         else:
             self._unsent = ""
         if text:
-            self._sent.append(text)
+            self.sent.append(text)
             self._sent_chars += len(text)
         ids = self.output_ids
         if not self.stream:
             return None if reason is None else self._whole()
         n = len(ids)
-        new, self._sent_tokens = ids[self._sent_tokens:], n
-        return RequestOutput(self.request_id, text, new, reason is not None, reason, self._num_prompt, n,
+        new, self.sent_tokens = ids[self.sent_tokens:], n
+        return RequestOutput(self.request_id, text, new, reason is not None, reason, self.num_prompt, n,
                              self.error)
 
     def _whole(self) -> RequestOutput:
         """The one output of a request that does not stream, once it has ended: everything it produced."""
         ids = self.output_ids
-        return RequestOutput(self.request_id, self.text, list(ids), True, self.finish_reason, self._num_prompt,
+        return RequestOutput(self.request_id, self.text, list(ids), True, self.finish_reason, self.num_prompt,
                              len(ids), self.error)
 
 

@@ -411,9 +411,20 @@ class Scheduler:
             try:
                 n = len(req.output_ids) + 1  # with this token
                 if not (token in req.stop_set and n > req.min_tokens or req.stops or n >= req.max_tokens):
-                    out = req.take_token(token)  # (most tokens: nothing ends, nothing is held back)
-                    if out is not None:
-                        add(out)
+                    # most tokens: nothing ends, nothing is held back (no stop strings): append_token and
+                    # take_output in one, written out here (a call per token costs the host more than the rest)
+                    req.output_ids.append(token)
+                    try:
+                        text = req.token_texts[token] if token >= 0 else None
+                    except IndexError:
+                        text = None
+                    if not text:
+                        text = req.detokenize(token)
+                    if text:
+                        req.sent.append(text)
+                    if req.stream:  # (every token before this one has gone out already)
+                        req.sent_tokens = n
+                        add(RequestOutput(req.request_id, text, [token], False, None, req.num_prompt, n, None))
                     continue
                 if token in req.stop_set and n > req.min_tokens:
                     req.append_token(token, text=False)

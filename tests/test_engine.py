@@ -540,18 +540,23 @@ def test_a_failing_request_fails_alone(engine, hf_tokens, monkeypatch):
     there, and the engine keeps serving."""
     broken = SamplingParams(temperature=1.0, max_tokens=8)
 
-    def or_fail(take):  # what the postprocess (Scheduler.update) calls per token, which detokenizes
-        def take_or_fail(self, token_id, *args):
-            if self.request_id == "broken-output":
-                raise UnicodeError("the detokenizer broke")
-            return take(self, token_id, *args)
-        return take_or_fail
+    class BrokenDetokenizer:  # what the postprocess (Scheduler.update) reaches for the text of each token
+        pending = False
 
-    for name in ("take_token", "append_token"):
-        monkeypatch.setattr(Request, name, or_fail(getattr(Request, name)))
+        def add(self, token_id):
+            raise UnicodeError("the detokenizer broke")
+
+        def flush(self):
+            return ""
+
+    def break_both():
+        broken.top_p = "0.9"  # torch refuses it in the step
+        req = engine.requests["broken-output"]
+        req.detokenizer, req.token_texts, req.text_table = BrokenDetokenizer(), (), ()
+
     reqs = [("ok", PROMPTS[0], GREEDY), ("broken-sampling", PROMPTS[1], broken),
             ("broken-output", PROMPTS[5], SamplingParams(max_tokens=8)), ("ok3", PROMPTS[3], GREEDY)]
-    done = run_broken(engine, reqs, lambda: setattr(broken, "top_p", "0.9"))  # torch refuses it in the step
+    done = run_broken(engine, reqs, break_both)
     assert done["ok"][:2] == (hf_tokens[0], "length") and done["ok3"][:2] == (hf_tokens[3], "length")
     assert done["broken-sampling"][1] == done["broken-output"][1] == "error"
     assert "TypeError" in done["broken-sampling"][2] and "detokenizer broke" in done["broken-output"][2]
