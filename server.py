@@ -5,11 +5,13 @@ ASGI app; `qwen35.serve` builds the engine and runs it. Routes: GET /health, /pi
 POST /v1/chat/completions, /v1/completions, /invocations (= chat completions).
 
 Every request is validated here, before the engine sees it (the engine trusts what it gets), so bad input is an HTTP
-4xx with an OpenAI error body and never an engine error: the fields below, then the engine's own limits
-(engine.check_request: context length, vocabulary, what the KV cache can ever hold); every number is bounded (integers to what the sampler's tensors hold and to the
-vocabulary, floats finite and in range). A body past max_request_bytes is a 413, refused from its Content-Length or
-as soon as that much has arrived; parsing, template rendering and tokenizing run in worker threads, so a huge
-prompt never stalls the event loop (/health and every other client keep their answers). Policy on request fields:
+4xx with an OpenAI error body and never an engine error: the fields' JSON types and this server's policy below, then
+the one check of their values: SamplingParams as it is made, and the engine's limits (engine.check_request:
+RequestLimits, context length, vocabulary, what the KV cache can ever hold); every number is bounded (integers to
+what the sampler's tensors hold and to the vocabulary, floats finite and in range). A body past max_request_bytes is
+a 413, its rest read and dropped first (up to MAX_DISCARD_BYTES more) so that the client gets the answer; parsing,
+template rendering and tokenizing run in worker threads, so a huge prompt never stalls the event loop (/health and
+every other client keep their answers). Policy on request fields:
 - honoured: model (any string; responses name the served model), messages (system/user/assistant, and developer,
   which is the system role of newer OpenAI clients; content a string or a list of {"type": "text"} parts; other keys
   ignored), prompt (completions: a string or a list of token ids, or
@@ -48,14 +50,17 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from qwen35.chat_template import ChatTemplateUnavailable
-from qwen35.async_engine import GenerationError
-from scheduler.sampling_params import INT64, MAX_TEMPERATURE, SamplingParams
+from qwen35.outputs import GenerationError
+from scheduler.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_TOKEN_IDS = 1024  # far more than anyone sends; each is masked out of the logits at every step
 # A 32k-token context is about 130 KB of text and 230 KB as a token-id list; 8 MiB leaves room for JSON escapes and
 # long conversations while bounding what one request makes us parse and tokenize (seconds, in a worker thread).
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+# An oversized body is read to its end (and dropped) before the 413, up to this much past the limit: seconds on a
+# slow link at most, and its client then gets the answer instead of a reset connection.
+MAX_DISCARD_BYTES = 64 << 20
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
 
 
@@ -117,58 +122,36 @@ def _number(body: dict, name: str, default: float) -> float:
     return value
 
 
-def _sampling_params(body: dict, prompt_len: int, max_model_len: int, eos_ids: list[int], vocab_size: int,
-                     prompt_param: str) -> SamplingParams:
+def _sampling_params(body: dict, prompt_len: int, max_model_len: int, eos_ids: list[int],
+                     vocab_size: int) -> SamplingParams:
+    """The request's SamplingParams: the body's fields as JSON types, OpenAI's conventions and this server's policy
+    (what it refuses, the list sizes) here; their values are checked once, by SamplingParams as it is made and by the
+    engine's limits (RequestLimits: context length, vocabulary, KV cache), whose errors _prepare turns into 400s."""
     for name, neutral in _NEUTRAL.items():
         value = body.get(name)
         if value is not None and not any(_same(value, v) for v in neutral):
             raise APIError(f"'{name}' is not supported by this server (only {' or '.join(map(repr, neutral))})",
                            param=name)
-    room = max_model_len - prompt_len
-    if room <= 0:
-        raise APIError(f"the prompt is {prompt_len} tokens, but this model's maximum context length is "
-                       f"{max_model_len} tokens", param=prompt_param, code="context_length_exceeded")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _field(body, name, (int,), room)
-    if max_tokens < 1:
-        raise APIError(f"'{name}' must be at least 1, got {max_tokens}", param=name)
-    if max_tokens > room:
-        raise APIError(f"this model's maximum context length is {max_model_len} tokens; the request asks for "
-                       f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)",
-                       param=name, code="context_length_exceeded")
-    temperature = _number(body, "temperature", 0.0)
-    if not 0 <= temperature <= MAX_TEMPERATURE:
-        raise APIError(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}]", param="temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise APIError("'top_p' must be in (0, 1]", param="top_p")
+    # by default all the room the context leaves (a prompt that leaves none is refused by the limits)
+    max_tokens = _field(body, name, (int,), max(max_model_len - prompt_len, 1))
     top_k = _field(body, "top_k", (int,), 0)
-    if top_k < -1:
-        raise APIError("'top_k' must be >= 1, or 0 / -1 for no top-k", param="top_k")
-    top_k = 0 if top_k >= vocab_size else top_k  # keeping the whole vocabulary is no top-k
-    min_tokens = _field(body, "min_tokens", (int,), 0)
-    if not 0 <= min_tokens <= max_tokens:
-        raise APIError(f"'min_tokens' must be in [0, max_tokens={max_tokens}]", param="min_tokens")
+    top_k = 0 if top_k == -1 or top_k >= vocab_size else top_k  # -1, or the whole vocabulary: no top-k
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+    if len(stop) > MAX_STOP_STRINGS:
         raise APIError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
                        param="stop")
     extra_stop_ids = _field(body, "stop_token_ids", (list,), [])
     if len(extra_stop_ids) > MAX_STOP_TOKEN_IDS or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in extra_stop_ids):
-        raise APIError(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in "
-                       f"[0, {vocab_size})", param="stop_token_ids")
-    seed = _field(body, "seed", (int,), None)
-    if seed is not None and not INT64[0] <= seed < INT64[1]:
-        raise APIError("'seed' must fit in a signed 64-bit integer", param="seed")
-    try:  # SamplingParams checks everything again; whatever it still refuses is the client's error too
-        return SamplingParams(
-            temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_tokens=max_tokens, min_tokens=min_tokens,
-            stop=stop, stop_token_ids=sorted(set(eos_ids) | set(extra_stop_ids)) if extra_stop_ids else None,
-            ignore_eos=_field(body, "ignore_eos", (bool,), False), seed=seed)
-    except ValueError as e:
-        raise APIError(str(e)) from e
+            isinstance(t, int) and not isinstance(t, bool) for t in extra_stop_ids):
+        raise APIError(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+                       param="stop_token_ids")
+    return SamplingParams(
+        temperature=_number(body, "temperature", 0.0), top_p=_number(body, "top_p", 1.0), top_k=top_k,
+        max_tokens=max_tokens, min_tokens=_field(body, "min_tokens", (int,), 0), stop=stop,
+        stop_token_ids=sorted(set(eos_ids) | set(extra_stop_ids)) if extra_stop_ids else None,
+        ignore_eos=_field(body, "ignore_eos", (bool,), False), seed=_field(body, "seed", (int,), None))
 
 
 def _chat_messages(body: dict) -> list[dict]:
@@ -212,10 +195,8 @@ def _completion_prompt(body: dict, tokenizer) -> list[int]:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         return tokenizer.encode(prompt)
-    if (isinstance(prompt, list) and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tokenizer.num_real_tokens
-                    for t in prompt)):
-        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt  # (the ids' range is the engine's limits' to check)
     raise APIError("'prompt' must be a non-empty string or a non-empty list of token ids (one prompt per request)",
                    param="prompt")
 
@@ -300,12 +281,14 @@ class _Server:
     def _prepare(self, raw: bytes, prompt_of) -> tuple[dict, list[int], SamplingParams]:
         body = _json_object(raw)
         prompt_ids, prompt_param = prompt_of(body)
-        params = _sampling_params(body, len(prompt_ids), self.max_model_len, self.eos_ids, self.vocab_size,
-                                  prompt_param)
-        try:
+        try:  # the request's one check: SamplingParams as it is made, then the engine's limits (RequestLimits)
+            params = _sampling_params(body, len(prompt_ids), self.max_model_len, self.eos_ids, self.vocab_size)
             self.engine.check_request(prompt_ids, params)
-        except ValueError as e:  # what only the engine knows, e.g. a request bigger than the whole KV cache
-            raise APIError(str(e), param=prompt_param) from e
+        except ValueError as e:
+            field = getattr(e, "field", None)
+            param = {"prompt": prompt_param, "max_tokens": "max_completion_tokens"
+                     if body.get("max_completion_tokens") is not None else "max_tokens"}.get(field, field)
+            raise APIError(str(e), param=param, code=getattr(e, "code", None)) from e
         return body, prompt_ids, params
 
     def _chat_prompt(self, body: dict) -> tuple[list[int], str]:
@@ -330,17 +313,24 @@ class _Server:
                            code="invalid_api_key")
 
     async def _read_body(self, request: Request) -> bytes:
-        """The body, refused (413) once it is known to pass max_request_bytes: from its Content-Length before reading
-        anything, else as soon as that much has arrived, so an oversized body is never buffered whole."""
+        """The body, refused (413) past max_request_bytes; an oversized body is never buffered whole. Its rest is read
+        and dropped before the 413 goes out (up to MAX_DISCARD_BYTES more), so that a client that sends its whole body
+        before reading the answer gets it: answering first and closing would reset the connection under the bytes
+        still in flight (a client sending `Connection: close` met that). A body declared larger than that is
+        answered at once."""
+        limit = self.max_request_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_request_bytes:
+        if declared.isdigit() and int(declared) > limit + MAX_DISCARD_BYTES:
             raise self._too_large()
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > self.max_request_bytes:
-                raise self._too_large()
-            chunks.append(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > limit + MAX_DISCARD_BYTES:
+                break
+        if size > limit:
+            raise self._too_large()
         return b"".join(chunks)
 
     def _too_large(self) -> APIError:

@@ -21,6 +21,7 @@ import torch
 from dist import parallel
 from qwen35.checkpoint import load_state_dict
 from qwen35.config import ModelConfig
+from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from qwen35.synth import PRESETS
 from scheduler.plan import StepPlan
@@ -79,8 +80,9 @@ def main():
             for p in prompts:
                 refs.append(hf(p[None].to(dev)).logits[0].float())
     config = ModelConfig.from_dict({"text_config": text})
-    runner = ModelRunner(config, load_format="dummy", dtype="bfloat16", device=dev, max_num_seqs=args.prompts,
-                         max_model_len=args.prompt_len + 16, enforce_eager=True)
+    runner = ModelRunner(config, EngineArgs(model="", load_format="dummy", dtype="bfloat16", device=dev,
+                                            max_num_seqs=args.prompts, max_model_len=args.prompt_len + 16,
+                                            enforce_eager=True))
     load_state_dict(runner.model, hf.state_dict())
     ours = []
     blocks = -(-args.prompt_len // runner.block_size)

@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from dist import parallel
 from qwen35.config import LINEAR_ATTENTION, ModelConfig
+from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from qwen35.synth import PRESETS
 from scheduler.plan import StepPlan
@@ -281,9 +282,10 @@ def main(argv=None):
     batches = [int(b) for b in args.decode_batch.split(",")]
     pre = [int(v) for v in args.prefill.split("x")] if args.prefill else []
     rows = max(batches + pre[:1])
-    runner = ModelRunner(cfg, load_format="dummy", device="cuda", max_num_seqs=max(rows, 8),
-                         max_model_len=max([args.ctx] + pre[1:]) + 64, enforce_eager=args.eager,
-                         num_kv_blocks=rows * (-(-(max([args.ctx] + pre[1:]) + 64) // 16)) + 64)
+    max_len = max([args.ctx] + pre[1:]) + 64
+    runner = ModelRunner(cfg, EngineArgs(model=args.model, load_format="dummy", device="cuda",
+                                         max_num_seqs=max(rows, 8), max_model_len=max_len, enforce_eager=args.eager,
+                                         num_kv_blocks=rows * -(-max_len // 16) + 64))
     results = {"tp": parallel.tp_size(), "device": torch.cuda.get_device_name(), "model": args.model,
                "command": "benchmarks.profile_step " + " ".join(argv if argv is not None else sys.argv[1:]),
                "decode": []}

@@ -10,7 +10,7 @@ import torch
 
 from dist import parallel
 from qwen35.config import ModelConfig
-from qwen35.engine_config import resolve_device
+from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
 from scheduler.scheduler import Scheduler
@@ -82,16 +82,17 @@ class LogitsEngine:
         return logits
 
 
-def create_engine(model_config: dict, weight_dir: str, device: str = "cuda", dtype=None, *,
-                  max_num_seqs: int = 64, max_model_len: int | None = None, **runner_kwargs) -> LogitsEngine:
+def create_engine(model_config: dict, weight_dir: str | None, device: str | None = None,
+                  **engine_kwargs) -> LogitsEngine:
     """A LogitsEngine over the checkpoint in `weight_dir`; sizes come only from `model_config` (a config.json dict).
 
     The model follows the config's `model_type` (else `architectures`): Qwen3.5 (qwen3_5, qwen3_5_moe) or a dense
     LLaMA-like (llama, qwen2, qwen3). Weights: the directory's safetensors, else its `model.pt` state dict (HF
-    names); `load_format="dummy"` with weight_dir None makes random ones. Defaults (EngineConfig's, as the serving
-    engine's): fp32 on CPU, bf16 on GPU, max_model_len the model's max_position_embeddings up to 32768. Under
-    torchrun every rank must make the same calls (tensor parallel)."""
-    parallel.init_distributed(resolve_device(device).type)
-    runner = ModelRunner(ModelConfig.from_dict(model_config), model_dir=weight_dir, device=device, dtype=dtype,
-                         max_num_seqs=max_num_seqs, max_model_len=max_model_len, **runner_kwargs)
-    return LogitsEngine(runner)
+    names); `load_format="dummy"` with weight_dir None makes random ones. `device` and `engine_kwargs` are
+    EngineArgs fields, with its defaults (device: cuda when available; dtype: bf16 on GPU, fp32 on CPU;
+    max_model_len: the model's max_position_embeddings up to 32768; max_num_seqs: the requests it can hold at
+    once); it has no prefix cache.
+    Under torchrun every rank must make the same calls (tensor parallel)."""
+    args = EngineArgs(model=weight_dir or "", device=device, prefix_cache=False, **engine_kwargs)
+    parallel.init_distributed(args.device_type)
+    return LogitsEngine(ModelRunner(ModelConfig.from_dict(model_config), args, weight_dir))

@@ -18,20 +18,11 @@ import weakref
 import torch
 
 from qwen35.engine import LLMEngine
-from scheduler.request import RequestOutput
+from qwen35.outputs import GenerationError, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "RequestStream", "GenerationError"]
 log = logging.getLogger("qwen35.engine")
-
-
-class GenerationError(RuntimeError):
-    """A request ended by the engine instead of by its own stop condition: its own failure (500), or the engine
-    going away under it (shutdown, a stalled step loop: 503). `status` is the HTTP status a server answers with."""
-
-    def __init__(self, message: str, status: int = 500):
-        super().__init__(message)
-        self.status = status
 
 
 class RequestStream:

@@ -39,19 +39,26 @@ def pad_row(runner) -> tuple[int, int, int]:
     return runner.scratch_slot, 0, -1
 
 
-def decode_batch(runner, rows: torch.Tensor) -> ForwardBatch:
-    """A pure-decode batch's inputs, as device ops only (so that a CUDA graph holds them), from its rows [3, b]
-    int64: slot, position (tokens already cached) and token (-1: the one sampled for the slot, on the device). What
-    runner.prepare gives such a step, except that block tables are the slots' whole rows."""
-    slots, positions, tokens = rows[0], rows[1], rows[2]
-    b, bs = rows.shape[1], runner.block_size
-    tables = runner.block_table[slots]
+def decode_batch(runner, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None,
+                 tables: torch.Tensor | None = None, **host) -> ForwardBatch:
+    """A pure-decode batch's inputs, as device ops only (so that a CUDA graph holds them): runner.prepare's eager
+    step and the decode graphs both build theirs here. The rows: slot, position (tokens already cached) and token
+    ([b] int64 device tensors; a token -1, or tokens None for every row: the one sampled for the slot, on the
+    device). `tables`: the rows' block tables (default: the slots' whole rows). `host`: the ForwardBatch fields the
+    caller knows besides (the eager step's host lists and logits rows); a graph knows none when it is captured, and
+    the decode ops read none."""
+    b, bs = slots.shape[0], runner.block_size
+    if tables is None:
+        tables = runner.block_table[slots]
     blocks = tables.gather(1, (positions // bs)[:, None])[:, 0]
-    return ForwardBatch(
-        input_ids=torch.where(tokens < 0, runner.slot_tokens[slots], tokens), positions=positions,
+    fed = runner.slot_tokens[slots]
+    fields = dict(
+        input_ids=fed if tokens is None else torch.where(tokens < 0, fed, tokens), positions=positions,
         slot_mapping=blocks.long() * bs + positions % bs, cu_seqlens=None, start_pos=None,
         context_lens=(positions + 1).to(torch.int32), block_tables=tables, state_slots=slots, logits_indices=None,
         seq_lens_cpu=[1] * b, start_pos_cpu=[1] * b, state_slots_cpu=[runner.scratch_slot] * b, is_decode=True)
+    fields.update(host)
+    return ForwardBatch(**fields)
 
 
 TAIL_MODES = ("greedy", "sampled")
@@ -91,11 +98,11 @@ class DecodeGraphs:
         t0 = time.time()
         runner, model = self.runner, self.runner.model
         for b in sorted(capture_sizes(runner.max_num_seqs), reverse=True):  # largest first: pool reuse
-            model(decode_batch(runner, self.rows[:, :b]))  # warm-up outside the graph (lazy inits, NCCL, compiles)
+            model(decode_batch(runner, *self.rows[:, :b]))  # warm-up outside the graph (lazy inits, NCCL, compiles)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = model(decode_batch(runner, self.rows[:, :b]))
+                out = model(decode_batch(runner, *self.rows[:, :b]))
             self.graphs[b] = (graph, out)
         self._size_for = [min(s for s in self.graphs if s >= n) for n in range(max(self.graphs) + 1)]
         torch.cuda.synchronize()

@@ -38,7 +38,7 @@ def resolve_model(name_or_path: str, cache_dir: str | None = None, load_format: 
         return os.path.abspath(path)
     if name_or_path in synth.TINY_PRESETS:
         return _synthesized(name_or_path, os.path.join(cache_root(cache_dir), "synth"))
-    if name_or_path in synth.PRESETS and load_format == "dummy":
+    if name_or_path in synth.PRESETS and load_format in ("dummy", "dummy-spec"):
         return _synthesized(name_or_path, os.path.join(cache_root(cache_dir), "synth"), weights=False)
     if name_or_path in synth.PRESETS:
         raise ValueError(

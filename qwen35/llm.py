@@ -10,14 +10,17 @@ import atexit
 from typing import Mapping, Sequence
 
 from dist import parallel
-from qwen35.engine import EngineArgs, LLMEngine
+from qwen35.engine import LLMEngine
+from qwen35.engine_config import EngineArgs
 from qwen35.outputs import CompletionOutput, Usage
 from scheduler.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, tp: int | None = None, dtype: str | None = None, **engine_kwargs):
-        args = EngineArgs(model=model, tp=tp, dtype=dtype, **engine_kwargs)
+    def __init__(self, model: str, **engine_kwargs):
+        """`model`: a directory, a Hugging Face id or a preset; `engine_kwargs`: EngineArgs fields (tp, dtype, device,
+        max_num_seqs, ...), with its defaults."""
+        args = EngineArgs(model=model, **engine_kwargs)
         parallel.init_distributed(args.device_type)
         self.engine = LLMEngine(args)
         if not parallel.is_driver():

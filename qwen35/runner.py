@@ -30,12 +30,12 @@ from layers.sampler import bind_feed_tokens, feed_tokens_fast
 from layers.varlen import SEQ_TILE
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
-from qwen35.cuda_graphs import RING_HALVES, tail_mode
-from qwen35.engine_config import EngineConfig
+from qwen35.cuda_graphs import RING_HALVES, decode_batch, tail_mode
+from qwen35.engine_config import EngineArgs, EngineConfig
 from qwen35.model import Qwen35Model
 from qwen35.mtp import attach_mtp
 from qwen35.synth_spec import init_spec_weights
-from scheduler.plan import StepPlan
+from scheduler.plan import StepPlan, can_checkpoint
 
 log = logging.getLogger("qwen35.runner")
 
@@ -63,50 +63,51 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, model_dir: str | None = None, load_format: str = "safetensors",
-                 dtype=None, device=None, block_size: int = 16, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.85,
-                 num_kv_blocks: int | None = None, enforce_eager: bool = False, seed: int = 0,
-                 num_snapshot_slots: int = 0, kernels: str | None = None, mtp: bool = False,
-                 spec_acceptance: float = 0.6):
+    def __init__(self, config: ModelConfig, args: EngineArgs, model_dir: str | None = None,
+                 num_snapshot_slots: int = 0):
+        """`args`: the engine's settings (what the runner reads of them: load_format, dtype, device, block_size,
+        max_num_seqs, max_model_len, gpu_memory_utilization, num_kv_blocks, enforce_eager, seed, kernels, mtp,
+        spec_acceptance); `model_dir`: the checkpoint directory args.model resolved to (None with a dummy
+        load_format); `num_snapshot_slots`: DeltaNet state slots to keep for the prefix cache's snapshots."""
         self.config = config
-        self.engine_config = EngineConfig.resolve(config, device, dtype, max_model_len)
+        self.engine_config = EngineConfig.resolve(config, args.device, args.dtype, args.max_model_len)
         self.device, self.dtype = self.engine_config.device, self.engine_config.dtype
         self.max_model_len = self.engine_config.max_model_len
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
+        self.block_size = args.block_size
+        self.max_num_seqs = args.max_num_seqs
         self.num_snapshot_slots = num_snapshot_slots
-        self.enforce_eager = enforce_eager
+        self.enforce_eager = args.enforce_eager
         config.check_tp(parallel.tp_size())
         # the kernel set is chosen once, here: the layers bind their implementations as they are built
-        self.kernels = backend.resolve(kernels, self.device)
+        self.kernels = backend.resolve(args.kernels, self.device)
         backend.set_kernels(self.kernels)
         self._feed_tokens = bind_feed_tokens()
-        torch.manual_seed(seed)
+        torch.manual_seed(args.seed)
         self.model = Qwen35Model(config, dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
-        if mtp:  # the MTP head: loaded and initialised with the rest, its KV cache allocated with the others
+        if args.mtp or args.load_format == "dummy-spec":  # the MTP head: loaded and initialised with the rest,
+            # its KV cache allocated with the others
             attach_mtp(self.model)
-        if load_format in ("dummy", "dummy-spec"):
-            init_dummy_weights(self.model, seed)
-            if load_format == "dummy-spec":
-                init_spec_weights(self.model, spec_acceptance, seed)
-        elif load_format == "safetensors":
+        if args.load_format in ("dummy", "dummy-spec"):
+            init_dummy_weights(self.model, args.seed)
+            if args.load_format == "dummy-spec":
+                init_spec_weights(self.model, args.spec_acceptance, args.seed)
+        elif args.load_format == "safetensors":
             if model_dir is None:
                 raise ValueError("load_format 'safetensors' needs a model directory")
             load_checkpoint(self.model, model_dir, self.device, progress=parallel.is_driver())
         else:
-            raise ValueError(f"unknown load_format {load_format!r} (use 'safetensors', 'dummy' or 'dummy-spec')")
+            raise ValueError(f"unknown load_format {args.load_format!r} (use 'safetensors', 'dummy' or 'dummy-spec')")
         self.model.eval()
         if self.device.type == "cuda" and self.kernels == "fast":
             # small all-reduces over peer buffers (dist/allreduce.py), set up before the KV budget is measured
             elt = torch.empty((), dtype=self.dtype).element_size()
-            if parallel.setup_symmetric_all_reduce(max_num_seqs * config.hidden_size * elt, self.device):
-                parallel.setup_push(push_slots(config), min(push.MAX_ROWS, max_num_seqs), config.hidden_size,
+            if parallel.setup_symmetric_all_reduce(self.max_num_seqs * config.hidden_size * elt, self.device):
+                parallel.setup_push(push_slots(config), min(push.MAX_ROWS, self.max_num_seqs), config.hidden_size,
                                     self.dtype, self.device)
-        self._allocate_caches(gpu_memory_utilization, num_kv_blocks)
+        self._allocate_caches(args.gpu_memory_utilization, args.num_kv_blocks)
         self._allocate_slot_inputs()
         self.graphs = None
-        if self.device.type == "cuda" and not enforce_eager:
+        if self.device.type == "cuda" and not self.enforce_eager:
             if not all(getattr(m, "sync_free", True) for m in self.model.modules()):
                 # the torch experts loop over the experts a batch hits, a host sync a CUDA graph cannot hold
                 log.warning("no CUDA graphs: kernels %r wait for the host (use --kernels fast)", self.kernels)
@@ -213,38 +214,29 @@ class ModelRunner:
             part[:n] for part, n in zip(parts, sizes))
         width = -(-max(ctx) // bs)
         tables = self.block_table[slots_d, :width]
-        if decode:
-            positions = starts_d
-            blocks = tables.gather(1, (positions // bs)[:, None])[:, 0]
-        else:  # per token its row and position, made on the device (torch's CPU ops took ~20 ms at 8 x 1024 tokens)
-            n = cu[-1]
-            seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=self.device), cu_d.diff(),
-                                                   output_size=n)  # output_size: no host sync
-            positions = (starts_d - cu_d[:-1])[seq_of_token] + torch.arange(n, device=self.device)
-            blocks = tables[seq_of_token, positions // bs]
-        if all(from_device):  # one token per row (a row without tokens feeds one)
-            input_ids = self.slot_tokens[slots_d]
-        elif any(from_device):
-            fed = self.slot_tokens[slots_d if decode else slots_d[seq_of_token]]
-            input_ids = torch.where(tokens < 0, fed, tokens)
-        else:
-            input_ids = tokens
+        host = dict(cu_seqlens=cu_d.to(torch.int32), start_pos=starts_d.to(torch.int32), logits_indices=logits_idx,
+                    seq_lens_cpu=lens, start_pos_cpu=list(starts), state_slots_cpu=list(slots))
+        if decode:  # (one token per row: a row without tokens feeds one)
+            return decode_batch(self, slots_d, starts_d, None if all(from_device) else tokens, tables, **host)
+        # per token its row and position, made on the device (torch's CPU ops took ~20 ms at 8 x 1024 tokens)
+        n = cu[-1]
+        seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=self.device), cu_d.diff(),
+                                               output_size=n)  # output_size: no host sync
+        positions = (starts_d - cu_d[:-1])[seq_of_token] + torch.arange(n, device=self.device)
+        blocks = tables[seq_of_token, positions // bs]
+        input_ids = torch.where(tokens < 0, self.slot_tokens[slots_d[seq_of_token]], tokens) if any(from_device) \
+            else tokens
         return ForwardBatch(
             input_ids=input_ids,
             positions=positions,
             slot_mapping=blocks.long() * bs + positions % bs,
-            cu_seqlens=cu_d.to(torch.int32),
-            start_pos=starts_d.to(torch.int32),
             context_lens=ctx_d.to(torch.int32),
             block_tables=tables,
             state_slots=slots_d,
-            logits_indices=logits_idx,
-            seq_lens_cpu=lens,
-            start_pos_cpu=list(starts),
-            state_slots_cpu=list(slots),
-            is_decode=decode,
+            is_decode=False,
             checkpoints=checkpoints.view(-1, 3) if plan.checkpoints else None,
             checkpoints_cpu=list(plan.checkpoints),
+            **host,
         )
 
     def _check_rows(self, slots: list[int], starts: list[int], lens: list[int], ctx: list[int]) -> None:
@@ -266,12 +258,8 @@ class ModelRunner:
         checkpoint of the plan writes (two writes of one launch land in no defined order)."""
         lens, seen = plan.seq_lens, set()
         for row, pos, dst in plan.checkpoints:
-            ok = 0 <= row < plan.num_seqs and self.max_num_seqs <= dst < self.scratch_slot and not {(row, pos),
-                                                                                                   dst} & seen
-            if ok:
-                start, n = plan.start_pos[row], lens[row]
-                ok = (n > 1 or start == 0) and start < pos <= start + n and ((pos - start) % CHUNK == 0
-                                                                             or pos == start + n)
+            ok = (0 <= row < plan.num_seqs and self.max_num_seqs <= dst < self.scratch_slot
+                  and not {(row, pos), dst} & seen and can_checkpoint(plan.start_pos[row], lens[row], pos, CHUNK))
             if not ok:
                 raise ValueError(f"bad step plan: checkpoint (row {row}, position {pos}, slot {dst}) is not a chunk "
                                  f"boundary or the end of a prefill row of {plan.num_seqs}, or not a snapshot slot "
@@ -382,7 +370,7 @@ class ModelRunner:
             p.block_tables.append(list(range(block, block + nblk)))
             p.want_logits.append(True)
             block += nblk
-        ends = [(i, start + n) for i, (start, n) in enumerate(rows) if n > 1 or (start == 0 and n)]
+        ends = [(i, start + n) for i, (start, n) in enumerate(rows) if n and can_checkpoint(start, n, start + n, CHUNK)]
         for (i, end), slot in zip(ends[::-1][:checkpoint], self.snapshot_slots):
             p.checkpoints.append((i, end, slot))
         return p

@@ -23,6 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain
 
+def can_checkpoint(start: int, n: int, pos: int, chunk: int) -> bool:
+    """Whether the DeltaNet prefill kernels can write a row's state after `pos` tokens: the row (n tokens from
+    position start) runs them, which one token on a state does not (it runs the decode op), and pos is inside it, a
+    multiple of their `chunk` from the row's start or the row's end. The scheduler cuts rows by it, the runner
+    refuses plans against it."""
+    return (n > 1 or start == 0) and start < pos <= start + n and ((pos - start) % chunk == 0 or pos == start + n)
+
+
 COMMANDS = ("step", "idle", "exit")
 VERSION = 3
 HEADER = 8

@@ -29,6 +29,14 @@ from dataclasses import dataclass, field
 from scheduler.pools import BlockPool
 
 
+def check_snapshot_interval(interval: int, chunk: int) -> None:
+    """ValueError unless a snapshot every `interval` prompt tokens can be a checkpoint of the DeltaNet prefill kernels,
+    which stop at multiples of their `chunk`: a multiple of it, or 0 for no interval snapshots."""
+    if interval < 0 or interval % chunk:
+        raise ValueError(f"the prefix cache's snapshot interval (--prefix-cache-interval, got {interval}) must be a "
+                         f"multiple of {chunk} (the DeltaNet chunk), or 0 for none")
+
+
 @dataclass(eq=False)
 class Node:
     """One full KV block of a cached chain; the root is the empty prefix (no block, never removed)."""

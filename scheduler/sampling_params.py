@@ -15,6 +15,16 @@ GREEDY_TEMPERATURE = 1e-5
 INT64 = (-2**63, 2**63)  # what torch generators and index tensors can hold
 
 
+class RequestError(ValueError):
+    """A request that can never run, found where it comes in (SamplingParams, RequestLimits): the message names the
+    problem; `field` is the request field it is about (a SamplingParams field, or "prompt") and `code` a kind a
+    client can act on ("context_length_exceeded"), for the server's error body."""
+
+    def __init__(self, message: str, field: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.field, self.code = field, code
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0          # 0 (or below GREEDY_TEMPERATURE) = greedy
@@ -38,8 +48,8 @@ class SamplingParams:
             self.max_tokens = int(self.max_tokens)
             self.min_tokens = int(self.min_tokens or 0)
         except (TypeError, OverflowError) as e:  # e.g. float(10**400): a parameter error like any other
-            raise ValueError(f"invalid sampling parameter: {e}") from e
-        self.validate()
+            raise RequestError(f"invalid sampling parameter: {e}") from e
+        self.validate()  # (once: what is made here is trusted from then on)
 
     @property
     def greedy(self) -> bool:
@@ -52,26 +62,30 @@ class SamplingParams:
         return (0.0 if self.greedy else self.temperature), float(min(self.top_k, 1 << 24)), self.top_p
 
     def validate(self) -> None:
-        """Raise ValueError naming the bad field (the server turns it into an HTTP 400). Bounds every number, so
-        nothing that passes can overflow a tensor or index outside the vocabulary later (the engine checks ids
-        against its vocabulary size)."""
+        """Raise RequestError naming the bad field (the server turns it into an HTTP 400). Bounds every number, so
+        nothing that passes can overflow a tensor or index outside the vocabulary later (RequestLimits checks ids
+        against the model's vocabulary)."""
         # past ~100 the distribution is uniform to fp32 precision; huge values would overflow logits / T
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+            raise RequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}",
+                               "temperature")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not 0 <= self.top_k < INT64[1]:
-            raise ValueError(f"top_k must be >= 0 (0 = no top-k) and fit in 64 bits, got {self.top_k}")
+            raise RequestError(f"top_k must be >= 0 (0 = no top-k) and fit in 64 bits, got {self.top_k}", "top_k")
         if not 1 <= self.max_tokens < INT64[1]:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+            raise RequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
+            raise RequestError("stop must be a list of non-empty strings", "stop")
         if self.stop_token_ids is not None and not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < INT64[1] for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative token ids")
+            raise RequestError("stop_token_ids must be a list of non-negative token ids", "stop_token_ids")
         if self.seed is not None:
-            self.seed = int(self.seed)
+            try:
+                self.seed = int(self.seed)
+            except (TypeError, ValueError) as e:
+                raise RequestError(f"seed must be an integer, got {self.seed!r}", "seed") from e
             if not INT64[0] <= self.seed < INT64[1]:
-                raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
+                raise RequestError(f"seed must fit in a signed 64-bit integer, got {self.seed}", "seed")

@@ -30,13 +30,16 @@ is built, so a freed slot or block is only reused by work queued after the last 
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler.plan import StepPlan
+from scheduler.plan import StepPlan, can_checkpoint
 from scheduler.pools import BlockPool, StateSlotPool
-from scheduler.prefix_cache import Match, PrefixCache
-from scheduler.request import Request, RequestStatus
+from scheduler.prefix_cache import Match, PrefixCache, check_snapshot_interval
+from scheduler.request import Request, RequestOutput, RequestStatus
+
+log = logging.getLogger("qwen35.scheduler")
 
 
 @dataclass
@@ -46,14 +49,10 @@ class ScheduledStep:
     sampled: list[Request] = field(default_factory=list)   # the requests of the logits rows, in row order
     admitted: list[Request] = field(default_factory=list)  # admitted in this step: the plan's last rows, one each
     num_prompt_tokens: int = 0                              # prompt tokens fed (prefill chunks)
-    # the step's first rows when they are the decode batch's: its list of requests at this step, never changed
-    # (DecodeBatch); one list object for as long as the batch keeps its members, so that what is worked out once
-    # for its requests (the engine's sampling hints) can be kept beside it
-    decode_rows: list[Request] | None = None
-    # whether a decode row's token may be its request's last (max_tokens): from the step at which the batch's first
-    # member can end (DecodeBatch.ends_at) until it is worked out again; the engine's postprocess checks max_tokens
-    # for the decode rows only then
-    decode_ends: bool = True
+    # the step's first num_decode rows are the decode batch's (DecodeBatch), and decode_hints their sampling_hints,
+    # worked out when the batch last changed
+    num_decode: int = 0
+    decode_hints: tuple | None = None
     joining: list[Request] = field(default_factory=list)   # whose prefill ends in this step: they decode from the next
 
 
@@ -81,6 +80,7 @@ class DecodeBatch:
         self._none: list[int] = []
         self.steps = 0                  # steps taken
         self.ends_at = NEVER            # no member has all its tokens scheduled before `steps` reaches this
+        self.hints: tuple | None = None  # sampling_hints of the members, worked out when a step needs them
 
     def join(self, reqs: list[Request]) -> None:
         """Requests whose prefill is scheduled to end (not members, none prefilling after the step being built)."""
@@ -89,6 +89,7 @@ class DecodeBatch:
                "start": [r.num_computed - k for r in reqs], "empty": [self._none] * len(reqs),
                "want": [True] * len(reqs)}
         self.ends_at = min(self.ends_at, k + min(r.params.max_tokens - r.num_scheduled for r in reqs))
+        self.hints = None
         for r in reqs:
             r.join_batch(self)
         if self.order and min(new["order"]) < self.order[-1]:  # not all behind the members: merge by admission
@@ -109,6 +110,7 @@ class DecodeBatch:
             gone = set(reqs)
             keep = [i for i, r in enumerate(self.reqs) if r not in gone]
             cut = lambda old: [old[i] for i in keep]  # noqa: E731
+        self.hints = None
         for req in reqs:
             req.leave_batch()
         for name in ("reqs", "order", "slots", "start", "empty", "want"):
@@ -130,10 +132,11 @@ class Scheduler:
         if max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= the number of "
                              f"concurrent sequences ({self.max_num_seqs})")
-        if snapshot_interval < 0 or snapshot_interval % chunk:
-            raise ValueError(f"the prefix cache's snapshot interval ({snapshot_interval}) must be a multiple of the "
-                             f"DeltaNet chunk ({chunk}), or 0 for none")
+        check_snapshot_interval(snapshot_interval, chunk)
         self.max_num_batched_tokens = max_num_batched_tokens
+        # every request that has not ended, by id: queued, running, or with tokens still on the device
+        self.requests: dict[str, Request] = {}
+        self.completion_tokens = 0          # sampled tokens taken into their requests (update)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # admission order
         # the prefix cache; off without snapshot slots
@@ -152,7 +155,11 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        """Queue a request (checked where it came in: RequestLimits)."""
+        """Queue a request (checked where it came in: RequestLimits). Its id must be free: a second record under one
+        id would leave the first unreachable, so that is refused (ValueError)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def _admit(self) -> Request | None:
@@ -316,9 +323,9 @@ class Scheduler:
             self._copies, self._later = self._later, ([], [])
         if step.joining:
             decode.join(step.joining)
-        # requests whose last token this step schedules: the decode rows' only once one of them can be
+        # requests whose last token this step schedules leave the scheduler now (their tokens end them in update);
+        # the decode rows are looked at only once one of them can be such
         sampled, batch_ends = step.sampled, n and decode.steps >= decode.ends_at
-        step.decode_ends = bool(batch_ends)
         if batch_ends or len(sampled) > n:
             ended = [r for r in (sampled if batch_ends else sampled[n:]) if r.num_scheduled == r.params.max_tokens]
             if ended:
@@ -334,22 +341,24 @@ class Scheduler:
         reqs, k = decode.reqs, decode.steps
         # (k + p: the positions moved on by the steps taken, in one pass of C, no Python frame per row)
         start = list(map(k.__add__, decode.start))
+        if decode.hints is None:
+            decode.hints = sampling_hints(reqs)
         if shared:
             plan = StepPlan(decode.slots, decode.empty, start, decode.empty, decode.want)
-            step = ScheduledStep(plan, reqs, reqs, decode_rows=reqs)
+            step = ScheduledStep(plan, reqs, reqs, num_decode=len(reqs), decode_hints=decode.hints)
         else:
             plan = StepPlan(decode.slots.copy(), decode.empty.copy(), start, decode.empty.copy(), decode.want.copy())
-            step = ScheduledStep(plan, reqs.copy(), reqs.copy(), decode_rows=reqs)
+            step = ScheduledStep(plan, reqs.copy(), reqs.copy(), num_decode=len(reqs), decode_hints=decode.hints)
         decode.steps = k + 1  # every member's num_computed and num_scheduled one up
         return step
 
     def _add_chunk(self, step: ScheduledStep, req: Request, budget: int, table: list[int]) -> int:
         start = req.num_computed
         end = min(req.num_prompt_tokens, start + budget)
-        for p, _ in req.snapshots:  # a checkpoint falls on a chunk boundary of its row, or ends the row
+        for p, _ in req.snapshots:  # a row is cut where a checkpoint inside it could not be written
             if p >= end:
                 break
-            if (p - start) % self.chunk:
+            if not can_checkpoint(start, end - start, p, self.chunk):
                 end = p
                 break
         row = step.plan.num_seqs
@@ -360,10 +369,10 @@ class Scheduler:
             step.joining.append(req)
         if self.cache:
             self._extend(req, req.prompt_ids, end)
-            # a checkpoint of this row, unless it is one token on a state (that row runs the decode op): a copy
-            on_kernels = end - start > 1 or start == 0
+            # a checkpoint of this row, else (one token on a state: that row runs the decode op) a copy after it
             while req.snapshots and req.snapshots[0][0] <= end:
                 p, speculative = req.snapshots.pop(0)
+                on_kernels = can_checkpoint(start, end - start, p, self.chunk)
                 self._snapshot(req, req.prompt_ids, p, speculative, self.step_no, self._later,
                                (step.plan.checkpoints, row) if on_kernels else None)
         return end - start
@@ -384,6 +393,79 @@ class Scheduler:
         if want:
             req.num_scheduled += 1
             step.sampled.append(req)
+
+    # ---- a step's tokens: where requests end -----------------------------------------------------------------
+    def update(self, rows: list[Request], tokens: list[int]) -> list[RequestOutput]:
+        """A step's sampled tokens reach their requests (`rows`: the requests of its logits rows, in order), and the
+        one place a request ends: on a stop token once min_tokens completion tokens exist (the token is kept, its
+        text is not), on a stop string in its text from then on (the string and what follows are cut), or with its
+        max_tokens-th token. An ended request is freed here. Returns the step's outputs, in row order (a request that
+        does not stream gives none until it ends), then those of requests whose own token handling raised: each of
+        these fails alone (finish_reason "error")."""
+        outputs, failed, dropped = [], [], 0
+        add = outputs.append
+        for req, token in zip(rows, tokens):
+            if req.finish_reason is not None:  # ended while this step was queued (aborted, failed, stopped): dropped
+                dropped += 1
+                continue
+            try:
+                n = len(req.output_ids) + 1  # with this token
+                if not (token in req.stop_set and n > req.min_tokens or req.stops or n >= req.max_tokens):
+                    # most tokens: nothing ends, nothing is held back (no stop strings): append_token and
+                    # take_output in one, written out here (a call per token costs the host more than the rest)
+                    req.output_ids.append(token)
+                    try:
+                        text = req.token_texts[token] if token >= 0 else None
+                    except IndexError:
+                        text = None
+                    if not text:
+                        text = req.detokenize(token)
+                    if text:
+                        req.sent.append(text)
+                    if req.stream:  # (every token before this one has gone out already)
+                        req.sent_tokens = n
+                        add(RequestOutput(req.request_id, text, [token], False, None, req.num_prompt, n, None))
+                    continue
+                if token in req.stop_set and n > req.min_tokens:
+                    req.append_token(token, text=False)
+                    req.finish("stop")
+                else:
+                    req.append_token(token)
+                    if req.stops and req.cut_at_stop_string(n >= req.min_tokens):
+                        req.finish("stop", flush=False)
+                    elif n >= req.max_tokens:
+                        req.finish("length")
+                out = req.take_output()
+            except Exception as e:
+                failed.append(self.fail(req, e))
+                continue
+            if req.finish_reason is not None:
+                self.free(req)
+                del self.requests[req.request_id]
+            if out is not None:
+                add(out)
+        self.completion_tokens += min(len(rows), len(tokens)) - dropped - len(failed)
+        return outputs + failed if failed else outputs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request from outside (the caller went away), its resources freed at once; its final output
+        (finish_reason "abort"), or None for an unknown or already ended id. A step already queued may still run its
+        rows: their tokens are dropped (update)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.free(req)
+        req.abort()
+        return req.take_output()
+
+    def fail(self, req: Request, error: Exception) -> RequestOutput:
+        """End one request with an error of its own (what it brought broke its sampling or its output handling),
+        never the step loop; its final output."""
+        log.error("request %s failed: %s: %s", req.request_id, type(error).__name__, error)
+        self.free(req)
+        req.fail(error)
+        self.requests.pop(req.request_id, None)
+        return req.take_output()
 
     # ---- leaving ---------------------------------------------------------------------------------------------
     def free(self, *reqs: Request) -> None:
@@ -436,3 +518,21 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+
+def sampling_hints(rows: list[Request], first: int = 0) -> tuple[bool, bool, bool, list[tuple[int, Request]]]:
+    """Over requests sampled from rows first, first + 1, ...: (every one greedy, any with top-k, any with top-p,
+    the (row, request) of those with min_tokens), what the sampler's kernels for a step are chosen by. A request
+    already ended (failed while being bound) is left out: its row's token is dropped."""
+    greedy_only, any_top_k, any_top_p, with_min = True, False, False, []
+    for i, req in enumerate(rows, first):
+        if req.finish_reason is not None:
+            continue
+        p = req.params
+        if not p.greedy:
+            greedy_only = False
+            any_top_k |= p.top_k > 0
+            any_top_p |= p.top_p < 1.0
+        if p.min_tokens:
+            with_min.append((i, req))
+    return greedy_only, any_top_k, any_top_p, with_min

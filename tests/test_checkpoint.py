@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qwen35.config import ModelConfig
+from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from qwen35.synth import write_checkpoint
 from scheduler.plan import StepPlan
@@ -29,7 +30,8 @@ def ckpts(tmp_path_factory):
 
 
 def runner_for(path, **kw):
-    return ModelRunner(ModelConfig.from_dir(path), model_dir=path, device="cpu", max_num_seqs=2, max_model_len=256, **kw)
+    return ModelRunner(ModelConfig.from_dir(path), EngineArgs(model=path, device="cpu", max_num_seqs=2,
+                                                              max_model_len=256, **kw), path)
 
 
 def logits_of(runner, ids):

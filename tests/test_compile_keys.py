@@ -12,6 +12,7 @@ import torch
 from layers.deltanet_prefill import CHUNK
 from layers.sampler import Sampler, SamplingStep
 from qwen35.config import ModelConfig
+from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from tests.triton_keys import launch_key, record, unmet
 
@@ -31,8 +32,9 @@ def random_rows(rng: random.Random) -> list[tuple[int, int]]:
 
 
 def test_warm_up_meets_the_kernel_variants_of_random_steps(tiny_dir):
-    runner = ModelRunner(ModelConfig.from_dir(tiny_dir), model_dir=tiny_dir, device="cpu", dtype="bfloat16",
-                         kernels="fast", max_num_seqs=SEQS, max_model_len=BUDGET, num_snapshot_slots=4)
+    args = EngineArgs(model=tiny_dir, device="cpu", dtype="bfloat16", kernels="fast", max_num_seqs=SEQS,
+                      max_model_len=BUDGET)
+    runner = ModelRunner(ModelConfig.from_dir(tiny_dir), args, tiny_dir, num_snapshot_slots=4)
     with record() as met:
         runner.warm_up(BUDGET)
     assert {"_prefill_kernel", "_state_kernel", "_gate_up_kernel"} <= set(met), sorted(met)

@@ -21,6 +21,7 @@ from qwen35.engine import EngineArgs, LLMEngine
 from qwen35.sampling_params import SamplingParams
 from qwen35.tokenizer import BYTE_TO_CHAR, IncrementalDetokenizer, load_tokenizer
 from scheduler.request import Request
+from scheduler.scheduler import Scheduler
 
 from hf_reference import free_port, join_ranks
 
@@ -116,17 +117,20 @@ def assert_pools_empty(engine):
 
 # ---- outputs: stop handling and detokenization ----------------------------------------------------------------
 
-def record(tok, params, prompt=(1, 2, 3)) -> Request:
-    return Request("r", list(prompt), params, tuple(EOS), IncrementalDetokenizer(tok, list(prompt)))
+def record(tok, params, prompt=(1, 2, 3)) -> tuple[Scheduler, Request]:
+    """A request record, queued in a scheduler of its own, whose update() takes its tokens (where requests end)."""
+    req = Request("r", list(prompt), params, tuple(EOS), IncrementalDetokenizer(tok, list(prompt)))
+    sched = Scheduler(num_kv_blocks=8, block_size=16, num_state_slots=1, max_num_seqs=1, max_num_batched_tokens=8)
+    sched.add(req)
+    return sched, req
 
 
 def stream(tok, ids, params, prompt=(1, 2, 3)):
     """Feed `ids` one at a time to a request record; returns (streamed text chunks, the record)."""
-    st = record(tok, params, prompt)
+    sched, st = record(tok, params, prompt)
     chunks = []
     for t in ids:
-        st.append_token(t)
-        chunks.append(st.take_output().text)
+        chunks.append(sched.update([st], [t])[0].text)
         if st.is_finished:
             break
     return chunks, st
@@ -194,15 +198,15 @@ def test_stop_tokens_and_ignore_eos(tok):
 
 
 def test_min_tokens_suppresses_stop_tokens(tok):
-    st = record(tok, SamplingParams(max_tokens=10, min_tokens=2), [1])
+    sched, st = record(tok, SamplingParams(max_tokens=10, min_tokens=2), [1])
     assert st.suppressed_ids(len(st.output_ids)) == tuple(EOS)
-    st.append_token(100)
+    sched.update([st], [100])
     assert st.suppressed_ids(len(st.output_ids)) == tuple(EOS)
-    st.append_token(101)
+    sched.update([st], [101])
     assert st.suppressed_ids(len(st.output_ids)) == ()
-    st.append_token(EOS[1])
+    sched.update([st], [EOS[1]])
     assert st.finish_reason == "stop"
-    assert record(tok, SamplingParams(min_tokens=2, ignore_eos=True), [1]).suppressed_ids(0) == ()
+    assert record(tok, SamplingParams(min_tokens=2, ignore_eos=True), [1])[1].suppressed_ids(0) == ()
 
 
 def test_multibyte_utf8_split_over_tokens(tok):
@@ -538,17 +542,24 @@ def test_a_failing_request_fails_alone(engine, hf_tokens, monkeypatch):
     output handling) ends that request with finish_reason "error" and frees it; the others go on as if it were not
     there, and the engine keeps serving."""
     broken = SamplingParams(temperature=1.0, max_tokens=8)
-    take = Request.take_token  # the postprocess's one call per token: append_token, then take_output
 
-    def take_or_fail(self, token_id):
-        if self.request_id == "broken-output":
+    class BrokenDetokenizer:  # what the postprocess (Scheduler.update) reaches for the text of each token
+        pending = False
+
+        def add(self, token_id):
             raise UnicodeError("the detokenizer broke")
-        return take(self, token_id)
 
-    monkeypatch.setattr(Request, "take_token", take_or_fail)
+        def flush(self):
+            return ""
+
+    def break_both():
+        broken.top_p = "0.9"  # torch refuses it in the step
+        req = engine.requests["broken-output"]
+        req.detokenizer, req.token_texts, req.text_table = BrokenDetokenizer(), (), ()
+
     reqs = [("ok", PROMPTS[0], GREEDY), ("broken-sampling", PROMPTS[1], broken),
             ("broken-output", PROMPTS[5], SamplingParams(max_tokens=8)), ("ok3", PROMPTS[3], GREEDY)]
-    done = run_broken(engine, reqs, lambda: setattr(broken, "top_p", "0.9"))  # torch refuses it in the step
+    done = run_broken(engine, reqs, break_both)
     assert done["ok"][:2] == (hf_tokens[0], "length") and done["ok3"][:2] == (hf_tokens[3], "length")
     assert done["broken-sampling"][1] == done["broken-output"][1] == "error"
     assert "TypeError" in done["broken-sampling"][2] and "detokenizer broke" in done["broken-output"][2]

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from qwen35.config import ModelConfig
 from qwen35.cuda_graphs import decode_batch, pad_row
+from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
 from tests.compare import max_diff
@@ -68,8 +69,8 @@ def moe_dir(tmp_path_factory):
 
 
 def make_runner(path, **kw):
-    return ModelRunner(ModelConfig.from_dir(path), model_dir=path, block_size=BLOCK, max_num_seqs=MAX_SEQS,
-                       max_model_len=MAX_LEN, **kw)
+    return ModelRunner(ModelConfig.from_dir(path), EngineArgs(model=path, block_size=BLOCK, max_num_seqs=MAX_SEQS,
+                                                              max_model_len=MAX_LEN, **kw), path)
 
 
 def model_logits(runner, batch, fast: bool) -> torch.Tensor:
@@ -116,12 +117,12 @@ def test_graph_rows_make_prepares_batch_and_pads_touch_only_scratch(moe_dir):
     runner.execute(prefill)
     plan = next(p for p in decodes if p.num_seqs == 3)
     batch = runner.prepare(plan)
-    mine = decode_batch(runner, graph_rows(plan, 3, runner))
+    mine = decode_batch(runner, *graph_rows(plan, 3, runner))
     for name in ("input_ids", "positions", "slot_mapping", "context_lens", "state_slots"):
         assert torch.equal(getattr(mine, name), getattr(batch, name)), name
     width = batch.block_tables.shape[1]
     assert torch.equal(mine.block_tables[:, :width], batch.block_tables)
-    padded = decode_batch(runner, graph_rows(plan, MAX_SEQS, runner))
+    padded = decode_batch(runner, *graph_rows(plan, MAX_SEQS, runner))
     alone, after_alone, with_pads = from_same_caches(
         runner, lambda: model_logits(runner, batch, fast=True), lambda: model_logits(runner, padded, fast=True))
     assert max_diff(with_pads[:3], alone) <= TOL

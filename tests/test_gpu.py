@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qwen35.config import ModelConfig
+from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
 from tests.hf_reference import build_hf_model
@@ -22,8 +23,9 @@ def tiny_dir(tmp_path_factory):
 
 def test_cuda_graph_decode_equals_eager(tiny_dir):
     cfg = ModelConfig.from_dir(tiny_dir)
-    runners = [ModelRunner(cfg, model_dir=tiny_dir, device="cuda", dtype="bfloat16", max_num_seqs=8,
-                           max_model_len=256, enforce_eager=eager) for eager in (True, False)]
+    runners = [ModelRunner(cfg, EngineArgs(model=tiny_dir, device="cuda", dtype="bfloat16", max_num_seqs=8,
+                                           max_model_len=256, enforce_eager=eager), tiny_dir)
+               for eager in (True, False)]
     assert runners[0].graphs is None and runners[1].graphs is not None
     gen = torch.Generator().manual_seed(0)
     for n in (1, 3, 8):  # 3 runs the graph of 4 with a padded row
@@ -55,10 +57,11 @@ def test_warm_up_leaves_no_kernel_to_compile(tiny_dir, tmp_path):
         import glob, random, torch
         from layers.deltanet_prefill import CHUNK
         from qwen35.config import ModelConfig
+        from qwen35.engine_config import EngineArgs
         from qwen35.runner import ModelRunner
         budget = 512
-        r = ModelRunner(ModelConfig.from_dir({tiny_dir!r}), model_dir={tiny_dir!r}, device="cuda", dtype="bfloat16",
-                        max_num_seqs=16, max_model_len=1024, num_snapshot_slots=2)
+        args = EngineArgs(model={tiny_dir!r}, device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=1024)
+        r = ModelRunner(ModelConfig.from_dir({tiny_dir!r}), args, {tiny_dir!r}, num_snapshot_slots=2)
         print("warm-up steps", r.warm_up(budget))
         from layers.backend import on_compile
         on_compile(lambda kernel: print("KERNEL", kernel[:600]))

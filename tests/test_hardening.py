@@ -139,6 +139,59 @@ def test_oversized_body_is_413(keyed):
     assert http.get("/health").status_code == 200
 
 
+@pytest.fixture()
+def front():
+    """server.build_app on uvicorn in a thread, on a free port (no engine behind it: for what is refused before)."""
+    import uvicorn
+
+    from qwen35.tokenizer import load_tokenizer
+
+    class NoEngine:
+        ready = True
+
+    app = server.build_app(NoEngine(), load_tokenizer(None), "m", 4096)
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert time.time() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    yield uv.config.port
+    uv.should_exit = True
+    thread.join(10)
+
+
+def test_oversized_body_gets_its_413_not_a_reset(front):
+    """A 20 MB body (the limit is 8 MiB): the client gets the 413 and its error body after sending all of it, also a
+    client that reads nothing before its last byte is out and asks for the connection to close (answering first
+    and closing reset it under the bytes still in flight); and with no Content-Length (chunks). A body declared
+    past the limit by more than the server reads to drop is answered at once (here nothing of it is sent)."""
+    port = front
+    big = json.dumps({"prompt": "x" * (20 << 20)}).encode()
+    url = f"http://127.0.0.1:{port}{CMPL}"
+    for headers in ({}, {"Connection": "close"}):
+        assert_error_body(httpx.post(url, content=big, headers=headers, timeout=60), 413)
+    chunks = (big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20))
+    error = assert_error_body(httpx.post(url, content=chunks, timeout=60), 413)
+    assert error["code"] == "request_too_large" and str(server.DEFAULT_MAX_REQUEST_BYTES) in error["message"]
+
+    def raw(head: bytes, body: bytes) -> bytes:  # sends everything, then reads the answer to its end
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as c:
+            c.sendall(head + body)
+            answer = b""
+            while chunk := c.recv(1 << 16):
+                answer += chunk
+            return answer
+
+    head = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n" % CMPL.encode()
+    answer = raw(head + b"Content-Length: %d\r\n\r\n" % len(big), big)
+    assert answer.startswith(b"HTTP/1.1 413") and b'"code":"request_too_large"' in answer, answer[:300]
+    huge = server.DEFAULT_MAX_REQUEST_BYTES + server.MAX_DISCARD_BYTES + 1
+    answer = raw(head + b"Content-Length: %d\r\n\r\n" % huge, b"")
+    assert answer.startswith(b"HTTP/1.1 413") and b'"code":"request_too_large"' in answer, answer[:300]
+
+
 def test_health_answers_while_a_huge_prompt_is_tokenized(keyed):
     http, _, _ = keyed
     prompt = "the quick brown fox jumps over the lazy dog. " * 50_000  # 2.2 MB: seconds to tokenize
@@ -232,7 +285,8 @@ def test_fuzz_completions_never_5xx(keyed, fields):
 @pytest.fixture(scope="module")
 def boundary():
     """The server's validation on its own, with the engine's request limits of the keyed server (max_model_len 64,
-    the tiny model's vocabulary) and no engine behind them, and a sampler over the real vocabulary."""
+    the tokenizer's real tokens, as LLMEngine makes them) and no engine behind them, and a sampler over the real
+    vocabulary."""
     from types import SimpleNamespace
 
     from layers.sampler import Sampler
@@ -240,7 +294,7 @@ def boundary():
     from scheduler.request import RequestLimits
 
     tok = load_tokenizer(None)
-    limits = RequestLimits(vocab_size=248320, max_model_len=64, num_kv_blocks=512, block_size=16)
+    limits = RequestLimits(vocab_size=tok.num_real_tokens, max_model_len=64, num_kv_blocks=512, block_size=16)
     s = server._Server(SimpleNamespace(check_request=limits.check), tok, "m", 64, None,
                        server.DEFAULT_MAX_REQUEST_BYTES)
     return s, Sampler(tok.num_real_tokens, 248320, 1, "cpu"), torch.randn(1, 248320)

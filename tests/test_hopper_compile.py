@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from qwen35.config import ModelConfig
+from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from qwen35.synth import PRESETS
 from scheduler.plan import StepPlan
@@ -15,8 +16,9 @@ from tests.hopper_compile import compile_all, hopper_backend_available, recorded
 def test_decode_and_prefill_kernels_compile_for_hopper():
     if not hopper_backend_available():
         pytest.skip("this Triton has no NVIDIA backend to compile with")
-    runner = ModelRunner(ModelConfig.from_dict(PRESETS["tiny"]), load_format="dummy", device="cpu",
-                         dtype="bfloat16", kernels="fast", max_num_seqs=4, max_model_len=128)
+    runner = ModelRunner(ModelConfig.from_dict(PRESETS["tiny"]),
+                         EngineArgs(model="tiny", load_format="dummy", device="cpu", dtype="bfloat16", kernels="fast",
+                                    max_num_seqs=4, max_model_len=128))
     tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
     with recorded() as launches:
         runner.execute(StepPlan([0, 1], [list(range(1, 21)), list(range(3, 12))], [0, 0], tables, [True, True]))

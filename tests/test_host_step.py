@@ -1,12 +1,14 @@
-"""The host side of a decode step (issue #10): what is kept from step to step must equal what would be built fresh.
+"""The host side of a decode step (issue #10): what is kept from step to step must equal what would be built fresh,
+and the one postprocess path (Scheduler.update) must give every request what it asked for.
 
 - the scheduler's decode batch (scheduler.DecodeBatch: the decoding requests' rows kept across steps, their counts
   moved by one number) against the same scheduler building every row with _add_row, as it did before, on random
   workloads in lockstep: every plan, every row's request, every count and every pool the same;
-- the engine's sampling hints kept with the decode rows against hints worked out from every row;
-- the postprocess's one call per token (Request.take_token) against append_token + take_output;
-- its shortest way for many rows at once (ShortWay, the decode rows) against a take_token per row, on records and
-  through the engine (random workloads: stop tokens and strings, max_tokens ends, stream or not, aborts);
+- the sampling hints kept with the decode batch against hints worked out from every row;
+- the records through Scheduler.update: a request that does not stream gets what one that streams got in pieces,
+  with the engine's detokenizer (its table of token texts) and one that keeps its own text, on random completions;
+  and through the engine, random traffic (stop tokens and strings, max_tokens ends, stream or not, aborts): every
+  output adds up to its record, every end is the one its tokens call for;
 - the detokenizer's table of token texts filled at once against the one filled as tokens come.
 """
 import random
@@ -109,9 +111,10 @@ def test_decode_batch_equals_rows_built_fresh(lag, cache, seed):
         assert ids(step_f.admitted) == ids(step_r.admitted)
         assert step_f.num_prompt_tokens == step_r.num_prompt_tokens
         assert state(fast.s) == state(ref.s)
-        if step_f.decode_rows is not None:
-            assert ids(step_f.decode_rows) == ids(step_f.rows[:len(step_f.decode_rows)])
-            steady += step_f.rows is step_f.decode_rows
+        # the decode batch's rows are the step's first ones, those fed from the device
+        assert step_f.num_decode == sum(not t for t in plan_r.token_ids)
+        assert not any(plan_f.token_ids[:step_f.num_decode])
+        steady += 0 < step_f.num_decode == len(step_f.rows)
     for sim in sims:
         sim.run()
         if sim.s.cache:
@@ -155,7 +158,7 @@ def test_sampling_hints_kept_with_the_decode_rows(tiny_dir, monkeypatch):
         got = fresh(self, step, admitted)
         ref = fresh(self, ScheduledStep(step.plan, step.rows, step.sampled, step.admitted), admitted)
         assert got == ref
-        steps.append(step.decode_rows is not None)
+        steps.append(step.num_decode > 0)
         return got
 
     monkeypatch.setattr(engine_module.LLMEngine, "_sampling_step", checked)
@@ -175,14 +178,19 @@ def test_sampling_hints_kept_with_the_decode_rows(tiny_dir, monkeypatch):
 
 # ---- the postprocess ---------------------------------------------------------------------------------------------
 
+def take(sched: Scheduler, req: Request, token: int):
+    """One token through the postprocess (Scheduler.update, where requests end): the request's output, or None."""
+    out = sched.update([req], [token])
+    return out[0] if out else None
+
+
 @pytest.mark.parametrize("warm", [False, True])
-def test_take_token_equals_append_then_take(tiny_dir, warm):
+def test_whole_output_equals_the_streamed_one(tiny_dir, warm):
     """Random completions (plain text, split UTF-8 characters, special and stop tokens), random parameters (stop
     strings, stop ids, min_tokens, max_tokens, ignore_eos), prompts ending inside a character, aborts and failures
-    between tokens: take_token gives the outputs and the record of append_token followed by take_output. The
-    record that takes tokens has the engine's detokenizer (keep_text=False: its shortest way, text read from the
-    table, is open), the other one that keeps text (every token through add()); the table is filled at start
-    (warm) or as tokens are met."""
+    between tokens, through Scheduler.update: a record with the engine's detokenizer (keep_text=False: text from
+    its table of token texts) gives the outputs of one whose detokenizer keeps its own text, and one that does not
+    stream gives, at its end, all that these streamed; the table is filled at start (warm) or as tokens are met."""
     tok = load_tokenizer(tiny_dir)
     if warm:
         tok.warm_detokenizer()
@@ -190,7 +198,7 @@ def test_take_token_equals_append_then_take(tiny_dir, warm):
     words = tok.encode("The answer is 42. naïve 日本語 🙂 Q: what next? stop here\n")
     split = [tok.token_to_id(BYTE_TO_CHAR[b]) for b in "語🙂".encode()]
     eos = [248046, 248044]
-    shortest = 0
+    ends = {}
     for case in range(300):
         ids = [rng.choice(words + split + eos + [248045]) for _ in range(rng.randint(1, 25))]
         params = SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.3,
@@ -198,11 +206,14 @@ def test_take_token_equals_append_then_take(tiny_dir, warm):
                                 stop_token_ids=rng.choice([None, None, [words[0]]]))
         params.min_tokens = rng.randint(0, params.max_tokens) if rng.random() < 0.3 else 0
         prompt = [rng.choice(words + split) for _ in range(3)]
+        sched = Scheduler(num_kv_blocks=8, block_size=16, num_state_slots=3, max_num_seqs=3, max_num_batched_tokens=8)
         a = Request("a", list(prompt), params, tuple(eos), IncrementalDetokenizer(tok, prompt, keep_text=False))
         b = Request("b", list(prompt), params, tuple(eos), IncrementalDetokenizer(tok, prompt))
         # one that does not stream: nothing until it ends, then one output with everything a's outputs carried
-        c = Request("a", list(prompt), params, tuple(eos), IncrementalDetokenizer(tok, prompt, keep_text=False),
+        c = Request("c", list(prompt), params, tuple(eos), IncrementalDetokenizer(tok, prompt, keep_text=False),
                     stream=False)
+        for r in (a, b, c):
+            sched.add(r)
         streamed = ["", []]
 
         def check_whole(out_a, out_c):
@@ -218,27 +229,27 @@ def test_take_token_equals_append_then_take(tiny_dir, warm):
 
         for t in ids:
             if rng.random() < 0.03:  # ended from outside between two tokens
-                end = rng.choice(["abort", "fail"])
-                for r in (a, b, c):
-                    r.abort() if end == "abort" else r.fail(ValueError("x"))
-                out_a, out_b = a.take_output(), b.take_output()
+                if rng.random() < 0.5:
+                    out_a, out_b, out_c = (sched.abort(r.request_id) for r in (a, b, c))
+                else:
+                    out_a, out_b, out_c = (sched.fail(r, ValueError("x")) for r in (a, b, c))
                 out_b.request_id = "a"
                 assert out_a == out_b and a.text == b.text, case
-                check_whole(out_a, c.take_output())
+                check_whole(out_a, out_c)
                 break
-            shortest += a._short and t not in a._stop_set
-            out_a = a.take_token(t)
-            b.append_token(t)
-            out_b = b.take_output()
+            out_a, out_b = take(sched, a, t), take(sched, b, t)
             out_b.request_id = "a"
             assert out_a == out_b, (case, t)
             assert (a.text, a.output_ids, a.finish_reason) == (b.text, b.output_ids, b.finish_reason)
-            check_whole(out_a, c.take_token(t))
-            if rng.random() < 0.2:  # (read between tokens: what c took on its short way is decoded then)
-                assert c.text == a.text, case
+            out_c = take(sched, c, t)
+            if out_c is not None:
+                out_c.request_id = "a"
+            check_whole(out_a, out_c)
             if a.is_finished:
+                ends[a.finish_reason] = ends.get(a.finish_reason, 0) + 1
                 break
-    assert shortest > 500  # the shortest way was taken, often
+        assert not sched.requests or not a.is_finished, case  # an ended request is out of the scheduler
+    assert ends.keys() == {"stop", "length"} and min(ends.values()) > 30, ends
 
 
 def test_detokenizer_table_filled_at_once_equals_filled_as_met(tiny_dir):
@@ -255,99 +266,19 @@ def test_detokenizer_table_filled_at_once_equals_filled_as_met(tiny_dir):
         assert a.text == b.text
 
 
-# ---- the postprocess's short way for the decode rows at once -----------------------------------------------------
+# ---- the postprocess through the engine --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_short_way_rows_equal_take_token(tiny_dir, seed):
-    """ShortWay.take over rows of records against a take_token per row on twins of them that never take its
-    shortest way (their detokenizers keep no table), driven as the engine does: random tokens (plain text, stop
-    tokens, specials, bytes of split characters), rows that stream or not, stop strings, stop ids, min_tokens,
-    ignore_eos; aborted and failed rows that stay one more step in the rows (the step in flight), finished ones
-    leaving them (a new row list); a step where a row's token can be its last goes one by one, as the scheduler
-    says (decode_ends). Every step's outputs, in order, and every record's text, tokens and end are the same."""
-    from scheduler.request import ShortWay
-
-    tok = load_tokenizer(tiny_dir)
-    tok.warm_detokenizer()
-    rng = random.Random(seed)
-    table = tok._clean[True]
-    plain = [t for t in range(1000, 3000) if table[t]]
-    eos = (248046, 248044)
-    rare = tok.encode(" Q: 42") + list(eos) + [248045] + [tok.token_to_id(BYTE_TO_CHAR[b]) for b in "語🙂".encode()]
-
-    def record(i, params, prompt, stream, short=True):  # short=False: a detokenizer without a table, no short way
-        return Request(f"r{i}", list(prompt), params, eos, IncrementalDetokenizer(tok, prompt, keep_text=not short),
-                       stream)
-
-    pairs, n = [], 0  # (batched record, reference record)
-    taken = whole = 0
-    for step in range(400):
-        while len(pairs) < 24 and rng.random() < 0.3:
-            params = SamplingParams(max_tokens=rng.choice([2, 5, 20, 60]), ignore_eos=rng.random() < 0.2,
-                                    stop=rng.choice([[]] * 8 + [["Q:"], ["4"]]),
-                                    stop_token_ids=rng.choice([None] * 6 + [[plain[0]]]))
-            params.min_tokens = rng.randint(0, params.max_tokens) if rng.random() < 0.2 else 0
-            prompt, stream = [rng.choice(plain + rare) for _ in range(3)], rng.random() < 0.6
-            pairs.append((record(n, params, prompt, stream), record(n, params, prompt, stream, short=False)))
-            n += 1
-        if not pairs:
-            continue
-        rows, refs = [a for a, _ in pairs], [b for _, b in pairs]
-        short = ShortWay(rows)
-        for _ in range(rng.randint(1, 8)):  # steps of these rows, as long as none leaves
-            tokens = [rng.choice(rare) if rng.random() < 0.02 else rng.choice(plain) for _ in rows]
-            got, want = [], []
-            ends = any(len(r.output_ids) + 1 >= r.params.max_tokens for r in refs)
-            left = zip(rows, tokens) if ends else short.take(tokens, got)
-            for req, t in left:  # (the engine's loop)
-                if req.finish_reason is None:
-                    out = req.take_token(t)
-                    if out is not None:
-                        got.append(out)
-            for req, t in zip(refs, tokens):
-                if req.finish_reason is None:
-                    out = req.take_token(t)
-                    if out is not None:
-                        want.append(out)
-            assert got == want, (seed, step)
-            if not ends:
-                taken += short.taken
-                whole += short.taken == len(rows)
-            if rng.random() < 0.05:  # ended from outside, between steps; its row stays for the step in flight
-                i, abort = rng.randrange(len(rows)), rng.random() < 0.5
-                for req in (rows[i], refs[i]):
-                    req.abort() if abort else req.fail(ValueError("x"))
-                assert rows[i].take_output() == refs[i].take_output()
-            if any(r.finish_reason is not None for r in refs):
-                break
-        for a, b in pairs:
-            assert (a.text, a.output_ids, a.finish_reason, a.error) == (b.text, b.output_ids, b.finish_reason,
-                                                                        b.error)
-        pairs = [(a, b) for a, b in pairs if b.finish_reason is None]
-    assert taken > 1000 and whole > 100, (taken, whole)
-
-
-def _serve(tiny_dir, monkeypatch, batched: bool, seed: int, overlap: bool) -> tuple[list, dict]:
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_traffic_ends_each_request_as_its_tokens_call_for(tiny_dir, seed, overlap):
     """One engine, its forward replaced by seeded random tokens (mostly plain text; now and then a stop token, a
     special token, a byte of a split character, a piece of a stop string), serving random requests (stream or not,
     stop strings, stop ids, min_tokens, ignore_eos, max_tokens from 1) that arrive in bursts and are sometimes
-    aborted: every step's outputs, and how the short way went (rows it took, steps it took whole and in part)."""
-    from qwen35 import engine as engine_module
+    aborted. Every request ends once; what its outputs carried adds up to its record (text and tokens, the counts);
+    its end is the one its tokens call for: "length" after max_tokens tokens with no stop before, "stop" on a stop
+    token past min_tokens or with a stop string in its text (cut there); and the engine counts every token taken."""
     from qwen35.engine import EngineArgs, LLMEngine
-    from scheduler.request import ShortWay
 
-    used = {"rows": 0, "whole": 0, "part": 0, "none": 0}
-
-    class Counted(ShortWay):
-        __slots__ = ()
-
-        def take(self, tokens, outputs):
-            yield from super().take(tokens, outputs)
-            used["rows"] += self.taken
-            used["whole" if self.taken == len(self.rows) else "part" if self.taken else "none"] += 1
-
-    monkeypatch.setattr(engine_module, "ShortWay", Counted)
-    monkeypatch.setattr(engine_module, "SHORT_WAY_ROWS", 2 if batched else 1 << 30)
     eng = LLMEngine(EngineArgs(model=tiny_dir, max_num_seqs=12, max_model_len=128, max_num_batched_tokens=48,
                                dtype="float32", device="cpu", overlap=overlap))
     tok = eng.tokenizer
@@ -364,9 +295,19 @@ def _serve(tiny_dir, monkeypatch, batched: bool, seed: int, overlap: bool) -> tu
         return torch.tensor(picks) if n else None
 
     eng._run_step = run_step
-    steps = []
-    n = 0
-    while (n < 150 or eng.has_unfinished()) and len(steps) < 3000:  # (ends by then: a request that never ends fails)
+    records, got, ends = {}, {}, {}
+    n = steps = 0
+
+    def collect(out):
+        assert out.request_id not in ends, out  # nothing after the end
+        text, tokens = got.get(out.request_id, ("", []))
+        got[out.request_id] = (text + out.text, tokens + out.token_ids)
+        if out.finished:
+            ends[out.request_id] = out
+
+    while n < 150 or eng.has_unfinished():
+        steps += 1
+        assert steps < 3000, "requests did not end"
         if n < 150 and (rng.random() < 0.2 or not eng.has_unfinished()):
             for _ in range(rng.choice([1, 1, 3, 8])):
                 params = SamplingParams(max_tokens=rng.choice([1, 2, 7, 20, 40, 60, 100]),
@@ -376,26 +317,29 @@ def _serve(tiny_dir, monkeypatch, batched: bool, seed: int, overlap: bool) -> tu
                 params.min_tokens = rng.randint(0, params.max_tokens) if rng.random() < 0.2 else 0
                 prompt = [rng.randrange(1000, 5000) for _ in range(rng.randint(1, 12))]
                 eng.add_request(f"q{n}", prompt, params, stream=rng.random() < 0.6)
+                records[f"q{n}"] = eng.requests[f"q{n}"]
                 n += 1
         if eng.has_unfinished() and rng.random() < 0.03:
-            rid = rng.choice(sorted(eng.requests))
-            steps.append(("abort", rid, eng.abort_request(rid)))
-        steps.append(eng.step())
-    steps.append(("total", eng.total_completion_tokens, eng.has_unfinished()))
-    return steps, used
-
-
-@pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_short_way_for_many_rows_equals_one_by_one(tiny_dir, monkeypatch, seed, overlap):
-    """The postprocess taking the decode rows' tokens at once (ShortWay) against a take_token per row, on the same
-    random workload: every step's outputs (text, token ids, counts, finish reasons, which and in what order), every
-    abort's output and the tokens counted are the same; the short way took most rows, some steps whole and some in
-    part (around rows it left to take_token)."""
-    ref, unused = _serve(tiny_dir, monkeypatch, False, seed, overlap)
-    got, used = _serve(tiny_dir, monkeypatch, True, seed, overlap)
-    assert unused["rows"] == 0
-    assert len(got) == len(ref)
-    for i, (a, b) in enumerate(zip(got, ref)):
-        assert a == b, i
-    assert used["rows"] > 1000 and used["whole"] > 10 and used["part"] > 50, used
+            collect(eng.abort_request(rng.choice(sorted(eng.requests))))
+        for out in eng.step():
+            collect(out)
+    assert ends.keys() == records.keys() and not eng.requests
+    reasons = {}
+    for rid, req in records.items():
+        out, (text, tokens) = ends[rid], got[rid]
+        assert (text, tokens) == (req.text, req.output_ids), rid
+        assert (out.num_completion_tokens, out.finish_reason) == (len(tokens), req.finish_reason), rid
+        reasons[out.finish_reason] = reasons.get(out.finish_reason, 0) + 1
+        p, k = req.params, len(tokens)
+        stop_at = next((i + 1 for i, t in enumerate(tokens) if t in req.stop_set and i + 1 > p.min_tokens), None)
+        if out.finish_reason == "length":
+            assert k == p.max_tokens and stop_at is None, rid
+        elif out.finish_reason == "stop":
+            assert stop_at == k or (p.stop and k >= p.min_tokens), rid
+            if stop_at != k:  # a stop string: cut from the text, which no longer holds one
+                full = tok.decode(tokens, skip_special_tokens=True)
+                assert any(s in full for s in p.stop) and not any(s in req.text for s in p.stop), rid
+        else:
+            assert out.finish_reason == "abort" and k < p.max_tokens and stop_at is None, rid
+    assert eng.total_completion_tokens == sum(len(r.output_ids) for r in records.values())
+    assert min(reasons.get(r, 0) for r in ("stop", "length", "abort")) >= 3, reasons

@@ -17,6 +17,7 @@ import torch
 
 from qwen35.api import create_engine
 from qwen35.config import ModelConfig
+from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
 from tests.hf_reference import hf_decode_logits, run_tp2
@@ -93,8 +94,9 @@ def tp_reference(request, tmp_path_factory):
 
 
 def make_runner(path, **kw):
-    return ModelRunner(ModelConfig.from_dir(path), model_dir=path, device="cpu", dtype="float32", block_size=BLOCK,
-                       max_num_seqs=4, max_model_len=256, **kw)
+    return ModelRunner(ModelConfig.from_dir(path), EngineArgs(model=path, device="cpu", dtype="float32",
+                                                              block_size=BLOCK, max_num_seqs=4, max_model_len=256,
+                                                              **kw), path)
 
 
 def blocks(seq: int, length: int) -> list[int]:

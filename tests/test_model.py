@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qwen35.config import ModelConfig
+from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
 from tests.hf_reference import build_hf_model, caches, from_same_caches, hf_decode_logits, run_tp2
@@ -26,8 +27,9 @@ def reference(request, tmp_path_factory):
 
 
 def make_runner(path, **kw):
-    return ModelRunner(ModelConfig.from_dir(path), model_dir=path, device="cpu", dtype="float32",
-                       block_size=BLOCK, max_num_seqs=8, max_model_len=512, **kw)
+    return ModelRunner(ModelConfig.from_dir(path), EngineArgs(model=path, device="cpu", dtype="float32",
+                                                              block_size=BLOCK, max_num_seqs=8, max_model_len=512,
+                                                              **kw), path)
 
 
 def blocks_for(seq: int, length: int) -> list[int]:

@@ -7,6 +7,7 @@ max |logit difference| <= 1e-4 in fp32.
 import torch
 
 from qwen35.config import ModelConfig
+from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
 from tests.hf_reference import hf_decode_logits
@@ -15,8 +16,9 @@ from tests.test_model import BLOCK, TOL_HF, blocks_for, reference, worst_decode_
 
 def make_fast_runner(path):
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return ModelRunner(ModelConfig.from_dir(path), model_dir=path, device=device, dtype="float32",
-                       block_size=BLOCK, max_num_seqs=8, max_model_len=512, kernels="fast", enforce_eager=True)
+    args = EngineArgs(model=path, device=device, dtype="float32", block_size=BLOCK, max_num_seqs=8, max_model_len=512,
+                      kernels="fast", enforce_eager=True)
+    return ModelRunner(ModelConfig.from_dir(path), args, path)
 
 
 def test_fast_kernels_prefill_then_decode_match_transformers(reference):

@@ -229,9 +229,10 @@ def test_a_checkpoint_without_the_head_is_a_clear_error(ckpts, tmp_path):
 
 
 def test_dummy_loader_makes_a_head(ckpts):
+    from qwen35.engine_config import EngineArgs
     from qwen35.runner import ModelRunner
-    runner = ModelRunner(ModelConfig.from_dir(ckpts["per_expert"]), load_format="dummy", device="cpu",
-                         dtype="float32", max_num_seqs=2, max_model_len=64, mtp=True)
+    args = dict(model="", device="cpu", dtype="float32", max_num_seqs=2, max_model_len=64)
+    runner = ModelRunner(ModelConfig.from_dir(ckpts["per_expert"]), EngineArgs(load_format="dummy", mtp=True, **args))
     mtp = runner.model.mtp
     assert mtp.attn in runner.attn_layers and mtp.attn.k_cache is not None  # one more layer's KV cache
     for norm in (mtp.norm, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers[0].input_layernorm):
@@ -239,12 +240,12 @@ def test_dummy_loader_makes_a_head(ckpts):
     for p in (mtp.fc.weight, mtp.layers[0].mlp.experts.down_proj, mtp.attn.q_proj.weight):
         assert abs(p.std().item() - synth.INIT_STD) < 0.1 * synth.INIT_STD
     # --load-format dummy-spec: the same, then made into the synthetic-acceptance weights
-    spec = ModelRunner(ModelConfig.from_dict(small_vocab()), load_format="dummy-spec", device="cpu", dtype="float32",
-                       max_num_seqs=2, max_model_len=64, mtp=True, spec_acceptance=0.7).model
+    spec = ModelRunner(ModelConfig.from_dict(small_vocab()),
+                       EngineArgs(load_format="dummy-spec", spec_acceptance=0.7, **args)).model  # (implies mtp)
     H = spec.config.hidden_size
     assert torch.equal(spec.mtp.fc.weight[:, :H], torch.eye(H)) and (spec.mtp.norm.weight > 0).all()
     with pytest.raises(ValueError, match="dummy-spec"):
-        ModelRunner(spec.config, load_format="random", device="cpu", max_num_seqs=2, max_model_len=64)
+        ModelRunner(spec.config, EngineArgs(load_format="random", **args))
 
 
 # ------------------------------------------------------------------------------------ forward and drafting

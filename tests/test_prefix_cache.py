@@ -250,8 +250,8 @@ def test_prefill_from_checkpoints_equals_one_long_prefill(tiny_dir, kernels):
     from qwen35.config import ModelConfig
     from qwen35.runner import ModelRunner
     from scheduler.plan import StepPlan
-    runner = ModelRunner(ModelConfig.from_dir(tiny_dir), model_dir=tiny_dir, dtype="float32", device="cpu",
-                         max_num_seqs=4, max_model_len=256, num_snapshot_slots=2, kernels=kernels)
+    args = EngineArgs(model=tiny_dir, dtype="float32", device="cpu", max_num_seqs=4, max_model_len=256, kernels=kernels)
+    runner = ModelRunner(ModelConfig.from_dir(tiny_dir), args, tiny_dir, num_snapshot_slots=2)
     ids = SHARED  # 150 tokens
     snap64, snap100 = runner.snapshot_slots
     whole = runner.execute(StepPlan([0], [ids], [0], [list(range(10))], [True]), gather="all")

@@ -81,7 +81,8 @@ class Sim:
             n = len(req.output_ids)
             if n >= req.params.max_tokens or n == self.stop_after.get(req.request_id):
                 req.finish_reason = "length" if n >= req.params.max_tokens else "stop"
-                self.s.free(req)
+                self.s.free(req)  # (what Scheduler.update does with a request that ends)
+                del self.s.requests[req.request_id]
                 self.ended_at[req.request_id] = step_no
                 del self.live[req.request_id]
 
@@ -310,11 +311,11 @@ def test_abort_frees_everything():
     assert prefilling.status is RequestStatus.RUNNING and prefilling.is_prefilling
     assert waiting.status is RequestStatus.WAITING  # no state slot left
     assert s.blocks.num_used == 8 + 9 and s.slots.num_free == 0
-    for r in (waiting, prefilling, decoding):  # what the engine's abort does
-        s.free(r)
-        r.abort()
+    for r in (waiting, prefilling, decoding):
+        assert s.abort(r.request_id).finish_reason == "abort"
         del sim.live[r.request_id]
         assert r.status is RequestStatus.RELEASED and r.finish_reason == "abort"
+    assert s.abort("decoding") is None and not s.requests  # ended: unknown from then on
     s.free(decoding)  # a second free returns nothing twice
     assert_pools_full(s)
     step = s.schedule()

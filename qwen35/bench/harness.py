@@ -138,7 +138,7 @@ def run(args, eargs, modes: set, argv) -> None:
     seqs = max([b for b, _ in prefill] + batches + [args.mixed_concurrency])
     longest = max([n for _, n in prefill] + [args.harness_context + args.harness_steps + 2,
                                              prompt_lens[1] + output_lens[1]])
-    eng = create_engine(raw, None if eargs.load_format == "dummy" else model_dir, device=eargs.device_type,
+    eng = create_engine(raw, None if eargs.load_format in ("dummy", "dummy-spec") else model_dir, device=eargs.device_type,
                         dtype=eargs.dtype, max_num_seqs=seqs, max_model_len=eargs.max_model_len or longest,
                         load_format=eargs.load_format, block_size=eargs.block_size,
                         gpu_memory_utilization=eargs.gpu_memory_utilization, num_kv_blocks=eargs.num_kv_blocks,
