@@ -5,10 +5,15 @@
 #   ab        the same profile at TP=4 with QWEN35_ALLREDUCE=oneshot (the boundaries before push)
 #   record    qwen35.bench --mode record at each TP in RECORD_TPS (RECORD_ARGS; TP=1 only on a GPU of > 100 GB)
 #   base      the same at TP=4 from .base/ (a carried snapshot of an earlier commit: `git archive C | tar -x -C .base`)
+#   tune      benchmarks.tune_moe (TUNE_TPS, default "4 2"; --quick) on GPU TUNE_GPU into $OUT/moe_configs.json
+#   usetuned  copy $OUT/moe_configs.json over layers/moe_configs.json (the records after it use the new tiles)
+#   dense     issue #29: benchmarks.profile_decode_calls and the llama-1b create_engine traces on GPU DENSE_GPU
+# RECORD_GPU0: the first GPU of a record (several stages may run side by side on one machine); RECORD_TAG names its
+# files; each torchrun takes its own port.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (the server's and the tokenizer's packages)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (the server's and the tokenizer's packages), installed once
+  [ -d /tmp/site/orjson ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
@@ -16,7 +21,8 @@ fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NGPU=$(nvidia-smi -L | wc -l)
 echo "device: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$NGPU, $(date -u +%FT%TZ)"
-devs() { seq -s, 0 $(($1 - 1)); }
+devs() { seq -s, ${2:-0} $((${2:-0} + $1 - 1)); }
+port() { echo $((29500 + ${1:-0} * 7 + RANDOM % 5)); }
 prof() {  # prof TP TAG [env...]
   local tp=$1 tag=$2; shift 2
   [ "$tp" -gt "$NGPU" ] && return
@@ -40,13 +46,29 @@ for stage in "$@"; do
       echo "base record tp=4 rc=$?"; grep -v "^\s*$" "$OUT/record_base_tp4.log" | tail -8 ;;
     record)
       big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+      g0=${RECORD_GPU0:-0}
       for tp in ${RECORD_TPS:-4}; do
-        [ "$tp" -gt "$NGPU" ] && continue
+        [ $((g0 + tp)) -gt "$NGPU" ] && continue
         if [ "$tp" -eq 1 ] && [ "$big" -lt 100000 ]; then echo "record tp=1 skipped: the full model needs an H200"; continue; fi
-        CUDA_VISIBLE_DEVICES=$(devs $tp) timeout ${RECORD_TIMEOUT:-400} torchrun --nproc-per-node "$tp" -m qwen35.bench \
-          --mode record ${RECORD_ARGS:---batch-sizes 1,8,32,64} --out "$OUT/record_tp$tp.json" > "$OUT/record_tp$tp.log" 2>&1
-        echo "record tp=$tp rc=$?"; grep -v "^\s*$" "$OUT/record_tp$tp.log" | tail -14
+        f="$OUT/record${RECORD_TAG:+_$RECORD_TAG}_tp$tp"
+        CUDA_VISIBLE_DEVICES=$(devs $tp $g0) timeout ${RECORD_TIMEOUT:-400} torchrun --nproc-per-node "$tp" \
+          --master-port $(port $g0) -m qwen35.bench --mode record ${RECORD_ARGS:---batch-sizes 1,8,32,64} \
+          --out "$f.json" > "$f.log" 2>&1
+        echo "record ${RECORD_TAG} tp=$tp rc=$?"; grep -v "^\s*$" "$f.log" | tail -14
       done ;;
+    tune)
+      [ -f "$OUT/moe_configs.json" ] || cp layers/moe_configs.json "$OUT/moe_configs.json"
+      CUDA_VISIBLE_DEVICES=${TUNE_GPU:-0} timeout ${TUNE_TIMEOUT:-330} python3 -m benchmarks.tune_moe \
+        --tp ${TUNE_TPS:-4 2} ${TUNE_ARGS:---quick} --out "$OUT/moe_configs.json" > "$OUT/tune.log" 2>&1
+      echo "tune rc=$?"; grep -E "TP=|gemv " "$OUT/tune.log" | tail -20 ;;
+    usetuned) cp "$OUT/moe_configs.json" layers/moe_configs.json && echo "layers/moe_configs.json replaced" ;;
+    dense)
+      g=${DENSE_GPU:-0}
+      CUDA_VISIBLE_DEVICES=$g timeout 200 python3 -m benchmarks.profile_decode_calls --json "$OUT/dense_profile.json" \
+        > "$OUT/dense_profile.log" 2>&1; echo "dense profile rc=$?"; head -60 "$OUT/dense_profile.log"
+      CUDA_VISIBLE_DEVICES=$g timeout 300 torchrun --nproc-per-node 1 --master-port $(port $g) -m qwen35.bench \
+        --model llama-1b --mode prefill,decode,mixed --out "$OUT/dense_harness.json" > "$OUT/dense_harness.log" 2>&1
+      echo "dense harness rc=$?"; grep -E "prefill|decode|mixed" "$OUT/dense_harness.log" | tail -12 ;;
   esac
   echo "[$stage: $(( $(date +%s) - t0 )) s]"
 done
