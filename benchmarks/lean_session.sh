@@ -6,6 +6,7 @@
 #   record    qwen35.bench --mode record at each TP in RECORD_TPS (RECORD_ARGS; TP=1 only on a GPU of > 100 GB)
 #   base      the same at TP=4 from .base/ (a carried snapshot of an earlier commit: `git archive C | tar -x -C .base`)
 #   tune      benchmarks.tune_moe (TUNE_TPS, default "4 2"; --quick) on GPU TUNE_GPU into $OUT/moe_configs.json
+#   pack      everything under $OUT but the JSON files into $OUT/logs.tgz (at most 8 files come back from a call)
 #   usetuned  copy $OUT/moe_configs.json over layers/moe_configs.json (the records after it use the new tiles)
 #   dense     issue #29: benchmarks.profile_decode_calls and the llama-1b create_engine traces on GPU DENSE_GPU
 # RECORD_GPU0: the first GPU of a record (several stages may run side by side on one machine); RECORD_TAG names its
@@ -50,17 +51,18 @@ for stage in "$@"; do
       for tp in ${RECORD_TPS:-4}; do
         [ $((g0 + tp)) -gt "$NGPU" ] && continue
         if [ "$tp" -eq 1 ] && [ "$big" -lt 100000 ]; then echo "record tp=1 skipped: the full model needs an H200"; continue; fi
-        f="$OUT/record${RECORD_TAG:+_$RECORD_TAG}_tp$tp"
+        f="$OUT/record${RECORD_TAG:+_${RECORD_TAG}}_tp$tp"
         CUDA_VISIBLE_DEVICES=$(devs $tp $g0) timeout ${RECORD_TIMEOUT:-400} torchrun --nproc-per-node "$tp" \
           --master-port $(port $g0) -m qwen35.bench --mode record ${RECORD_ARGS:---batch-sizes 1,8,32,64} \
           --out "$f.json" > "$f.log" 2>&1
-        echo "record ${RECORD_TAG} tp=$tp rc=$?"; grep -v "^\s*$" "$f.log" | tail -14
+        echo "record ${RECORD_TAG:-} tp=$tp rc=$?"; grep -v "^\s*$" "$f.log" | tail -14
       done ;;
     tune)
       [ -f "$OUT/moe_configs.json" ] || cp layers/moe_configs.json "$OUT/moe_configs.json"
       CUDA_VISIBLE_DEVICES=${TUNE_GPU:-0} timeout ${TUNE_TIMEOUT:-330} python3 -m benchmarks.tune_moe \
         --tp ${TUNE_TPS:-4 2} ${TUNE_ARGS:---quick} --out "$OUT/moe_configs.json" > "$OUT/tune.log" 2>&1
       echo "tune rc=$?"; grep -E "TP=|gemv " "$OUT/tune.log" | tail -20 ;;
+    pack) (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz $(ls | grep -v '\.json$') && ls | grep -v -e '\.json$' -e '^logs.tgz$' | xargs -r rm -rf) ;;
     usetuned) cp "$OUT/moe_configs.json" layers/moe_configs.json && echo "layers/moe_configs.json replaced" ;;
     dense)
       g=${DENSE_GPU:-0}
