@@ -41,7 +41,8 @@ except ImportError:  # pragma: no cover
     triton = None
     tl = None
 
-MAX_ROWS = 8        # rows of the decode steps that push (batch <= 8: the GEMVs and down + combine push themselves)
+MAX_ROWS = 64       # rows of the decode steps that push (every graph-captured batch; the GEMVs and down + combine
+                    # push from their epilogues up to their own row limits, push_ after the GEMMs past them)
 CLEAR_BLOCK = 1024  # elements per program step when emptying a slot
 
 
@@ -58,6 +59,7 @@ class Inbox:
     keep: object = None
     table: torch.Tensor = field(init=False)
     next_slot: int = field(init=False, default=0)
+    rows: int = field(init=False, default=0)  # of this forward's boundaries (claim)
 
     def __post_init__(self):
         if any(p % 16 for p in self.ptrs):
@@ -75,9 +77,13 @@ class Inbox:
         """Elements of one (boundary, source rank) region."""
         return self.max_rows * self.hidden
 
-    def claim(self) -> int:
-        """The next boundary of this forward (its producer claims it; the consumer reads its Pushed)."""
+    def claim(self, rows: int) -> int:
+        """The next boundary of this forward, of `rows` rows (its producer claims it; the consumer reads its
+        Pushed). Every boundary of a forward has the same rows: what a slot's emptying clears."""
         i = self.next_slot
+        if i and rows != self.rows:
+            raise RuntimeError(f"a forward pushed boundaries of {self.rows} and of {rows} rows")
+        self.rows = rows
         if i >= self.slots:
             raise RuntimeError(f"a forward pushed more than the inbox's {self.slots} boundaries")
         self.next_slot += 1
@@ -179,10 +185,10 @@ def end_step(box: Inbox | None = None) -> None:
         return
     if box.next_slot < 2:
         raise RuntimeError("a forward that pushes must push at least 2 boundaries")
-    n = box.world * box.region_stride
-    _clear_kernel[(min(triton.cdiv(n, CLEAR_BLOCK), 64),)](box.table, box.rank, box.next_slot - 1,
-                                                            box.region_stride, P=box.world, DTYPE=_tl(box.dtype),
-                                                            BLOCK=CLEAR_BLOCK, num_warps=4)
+    used = box.rows * box.hidden
+    _clear_kernel[(min(triton.cdiv(used, CLEAR_BLOCK), 64),)](box.table, box.rank, box.next_slot - 1, used,
+                                                               box.region_stride, P=box.world,
+                                                               DTYPE=_tl(box.dtype), BLOCK=CLEAR_BLOCK, num_warps=4)
     box.next_slot = 0
 
 
@@ -213,8 +219,8 @@ def push_(x: torch.Tensor, box: Inbox | None = None) -> Pushed:
     if not box.takes(x.shape, x.dtype):
         raise ValueError(f"push_: {tuple(x.shape)} {x.dtype} does not fit the inbox "
                          f"({box.max_rows} rows of {box.hidden}, {box.dtype})")
-    slot = box.claim()
     rows, H = x2.shape
+    slot = box.claim(rows)
     block = min(1024, triton.next_power_of_2(H))
     _push_kernel[(rows, triton.cdiv(H, block))](x2, x2.stride(0), H, slot, *launch_args(box), P=box.world,
                                                 BLOCK=block, num_warps=4)
@@ -244,16 +250,19 @@ if triton is not None:
             tl.store(peer_buffer(table, p, vals.dtype) + off + cols, vals, mask=mask)
 
     @triton.jit
-    def clear_slot(slot, table, rank, region_stride, P: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-        """This program's share of slot `slot` of my inbox, emptied (programs split it by the grid)."""
+    def clear_slot(slot, used, table, rank, region_stride, P: tl.constexpr, DTYPE: tl.constexpr,
+                   BLOCK: tl.constexpr):
+        """This program's share of slot `slot` of my inbox, emptied (programs split it by the grid): the first
+        `used` elements (rows x hidden of the forward that filled it: every boundary of a forward has its rows) of
+        each source's region, all that a forward can have written there."""
         IT: tl.constexpr = tl.int16 if DTYPE.primitive_bitwidth == 16 else tl.int32  # (read as bits: empty is -1)
-        n = P * region_stride
-        base = peer_buffer(table, rank, IT) + slot.to(tl.int64) * n
+        base = peer_buffer(table, rank, IT) + slot.to(tl.int64) * P * region_stride
         pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
         step = tl.num_programs(0) * tl.num_programs(1) * BLOCK
         cols = tl.arange(0, BLOCK)
-        for start in range(pid * BLOCK, n, step):
-            tl.store(base + start + cols, tl.full([BLOCK], -1, IT), mask=start + cols < n)
+        for p in tl.static_range(P):
+            for start in range(pid * BLOCK, used, step):
+                tl.store(base + p * region_stride + start + cols, tl.full([BLOCK], -1, IT), mask=start + cols < used)
 
     @triton.jit
     def pull_sum(slot, row, cols, mask, table, rank, region_stride, H, P: tl.constexpr, DTYPE: tl.constexpr):
@@ -270,9 +279,10 @@ if triton is not None:
             acc += bits.to(DTYPE, bitcast=True).to(tl.float32)
         return acc
 
-    @triton.jit(do_not_specialize=["slot"])
-    def _clear_kernel(table, rank, slot, region_stride, P: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-        clear_slot(slot, table, rank, region_stride, P, DTYPE, BLOCK)
+    @triton.jit(do_not_specialize=["slot", "used"])
+    def _clear_kernel(table, rank, slot, used, region_stride, P: tl.constexpr, DTYPE: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        clear_slot(slot, used, table, rank, region_stride, P, DTYPE, BLOCK)
 
     @triton.jit(do_not_specialize=["slot"])
     def _push_kernel(x_ptr, sx, H, slot, table, rank, region_stride, P: tl.constexpr, BLOCK: tl.constexpr):
@@ -282,7 +292,7 @@ if triton is not None:
         vals = tl.load(x_ptr + row * sx + cols, mask=mask)
         push_rows(vals, row, cols, mask, slot, table, rank, region_stride, H, P)
         if slot > 0:
-            clear_slot(slot - 1, table, rank, region_stride, P, x_ptr.dtype.element_ty, BLOCK)
+            clear_slot(slot - 1, tl.num_programs(0) * H, table, rank, region_stride, P, x_ptr.dtype.element_ty, BLOCK)
 
     @triton.jit(do_not_specialize=["slot"])
     def _consume_kernel(out_ptr, H, slot, table, rank, region_stride, P: tl.constexpr, BLOCK: tl.constexpr):

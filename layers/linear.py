@@ -209,7 +209,7 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
         r_out = x2 if norm.residual_out is None else norm.residual_out
         nw, h, sr, eps = norm.weight, norm.out, r.stride(0), norm.eps
     inbox = box if box is not None else (norm.x.inbox if pulled else None)
-    slot = box.claim() if box is not None else 0
+    slot = box.claim(M) if box is not None else 0
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x2, weight, weight if bias is None else bias, y, r, r_out, nw, h, M, N, K, x2.stride(0), weight.stride(0),
         y.stride(0), sr, eps, norm.x.slot if pulled else 0, slot, *inbox_args(inbox, x.device),
@@ -383,7 +383,7 @@ if triton is not None:
                 tl.store(y_ptr + m * sy + n, y.to(dt), mask=ym)
         if PUSH:
             if push_slot > 0:
-                push.clear_slot(push_slot - 1, table, rank, region_stride, P, dt, 1024)
+                push.clear_slot(push_slot - 1, M * N, table, rank, region_stride, P, dt, 1024)
 
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr,

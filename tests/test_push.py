@@ -132,6 +132,11 @@ def test_what_the_inbox_does_not_take():
         push.install(None)
     with pytest.raises(ValueError, match="does not fit"):
         push.push_(torch.randn(5, 32), box)
+    box = inboxes(2, 2, 4, 32)[1][0]
+    push.begin_step(box)
+    push.push_(torch.randn(2, 32), box)
+    with pytest.raises(RuntimeError, match="of 2 and of 3 rows"):  # a slot is emptied by its forward's rows
+        push.push_(torch.randn(3, 32), box)
 
 
 def _processes_worker(rank, world, bufs, parts, residual, w, out):
@@ -225,7 +230,7 @@ def _model_worker(rank, world, port, path, plans, ws_bufs, ws_bytes, box_bufs, o
                             torch.float32, torch.device("cpu"), keep=box_bufs))
     claims = []
     claim = push.Inbox.claim
-    push.Inbox.claim = lambda self: claims.append(1) or claim(self)
+    push.Inbox.claim = lambda self, rows: claims.append(1) or claim(self, rows)
     results = []
     for p in plans:
         before = len(claims)

@@ -137,7 +137,7 @@ def down_combine_fast(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor
     if T == 0:
         return out
     box = push.pushes((T, H), act.dtype) if partial else None
-    slot = box.claim() if box is not None else 0
+    slot = box.claim(T) if box is not None else 0
     width = triton.next_power_of_2(max(inter, w.shared_down.shape[1]))
     tile = cap_tile(tile or DOWN_COMBINE_TILE, triton.next_power_of_2(H), width, least=4)
     _down_combine_kernel[(T, triton.cdiv(H, tile["BLOCK_N"]))](
@@ -283,6 +283,6 @@ if triton is not None:
         if PUSH:
             push.push_rows(y.to(dt), t, cols, cmask, push_slot, table, rank, region_stride, H, P)
             if push_slot > 0:
-                push.clear_slot(push_slot - 1, table, rank, region_stride, P, dt, 1024)
+                push.clear_slot(push_slot - 1, tl.num_programs(0) * H, table, rank, region_stride, P, dt, 1024)
         else:
             tl.store(out_ptr + t * so + cols, y.to(dt), mask=cmask)
