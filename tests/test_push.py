@@ -286,7 +286,7 @@ def _gpu_worker(rank, world, port, out_file):
     dev = torch.device("cuda", rank)
     H, K, N = 2048, 512, 1024
     assert parallel.setup_symmetric_all_reduce(64 * H * 2, dev)
-    assert parallel.setup_push(4, 8, H, torch.bfloat16, dev)
+    assert parallel.setup_push(4, push.MAX_ROWS, H, torch.bfloat16, dev)
     errors = []
     gen = torch.Generator(device="cuda").manual_seed(rank)
     shared = torch.Generator(device="cuda").manual_seed(99)
@@ -333,7 +333,7 @@ def _gpu_worker(rank, world, port, out_file):
             if not all(torch.equal(p, parts[0]) for p in parts):
                 errors.append(f"{tag}: ranks differ")
 
-    for rows in (1, 2, 8):
+    for rows in (1, 2, 8, 32, 64, 2, 1):  # (after 64 rows, fewer: a forward empties the rows it filled)
         y = torch.randn(rows, K, generator=gen, device="cuda").to(torch.bfloat16)
         residual = torch.randn(rows, H, generator=shared, device="cuda").to(torch.bfloat16)
         check(f"eager {rows} rows", y, residual, step(y, residual))
@@ -359,7 +359,7 @@ def _gpu_worker(rank, world, port, out_file):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (symmetric memory between devices)")
 def test_gpu_push_pull_two_ranks(tmp_path):
     """Two GPUs, real symmetric memory: a GEMV pushing and a GEMV pulling with the norm folded in, push_ and the pull
-    + norm kernel; eager at 1, 2 and 8 rows and replayed from a CUDA graph over new data; identical on both ranks."""
+    + norm kernel; eager at 1, 2, 8, 32 and 64 rows (then fewer again) and replayed from a CUDA graph over new data; identical on both ranks."""
     from tests.hf_reference import free_port
     out_file = str(tmp_path / "errors.pt")
     mp.start_processes(_gpu_worker, args=(2, free_port(), out_file), nprocs=2, join=True, start_method="spawn")
