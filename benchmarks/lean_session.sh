@@ -41,7 +41,7 @@ for stage in "$@"; do
     profile) for tp in ${PROFILE_TPS:-4 2}; do prof "$tp" push; done ;;
     ab) prof 4 oneshot QWEN35_ALLREDUCE=oneshot ;;
     base)  # the record at TP=4 of the code in .base/ (a carried snapshot of an earlier commit), same machine
-      (cd .base && CUDA_VISIBLE_DEVICES=$(devs 4) PYTHONPATH=$PWD timeout ${RECORD_TIMEOUT:-400} torchrun \
+      (cd .base && CUDA_VISIBLE_DEVICES=$(devs 4) PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout ${RECORD_TIMEOUT:-400} torchrun \
         --nproc-per-node 4 -m qwen35.bench --mode record ${RECORD_ARGS:---batch-sizes 1,8,32,64} \
         --out "$OUT/record_base_tp4.json" > "$OUT/record_base_tp4.log" 2>&1)
       echo "base record tp=4 rc=$?"; grep -v "^\s*$" "$OUT/record_base_tp4.log" | tail -8 ;;
