@@ -325,8 +325,9 @@ def _gpu_worker(rank, world, port, out_file):
         # the pulling GEMV against the plain GEMV on the rows it stored: at one row the folded GEMV runs wider
         # programs (GEMV_CONFIG norm_tile_1), whose fp32 sums go in another order, so its bf16 outputs may differ
         # by an ulp (|z| ~ 0.5 here: 0.004); rows pulled from a stale or half-written inbox differ by ~|z|
-        if max_diff(z, linear_fast(h1, w_in)) > 0.01:
-            errors.append(f"{tag}: the pulling GEMV differs from the GEMV on its own stored rows")
+        d = max_diff(z, linear_fast(h1, w_in))
+        if d > 0.01:
+            errors.append(f"{tag}: the pulling GEMV differs from the GEMV on its own stored rows by {d}")
         want_h2, want_res2 = add_rms_norm_torch(gathered_sum(h1), res1, norm_w, EPS)
         if not torch.equal(res2, want_res2) or max_diff(h2, want_h2) > 0.02:
             errors.append(f"{tag}: boundary 2 residual {max_diff(res2, want_res2)}, norm {max_diff(h2, want_h2)}")
