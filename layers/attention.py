@@ -406,8 +406,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate, splits: int,
-                        tile: int = DECODE_TILE, min_tiles: int = MIN_TILES_PER_SPLIT) -> torch.Tensor:
-    """paged_decode_attention_fast with the split count and tile size given (tests run every split path)."""
+                        tile: int = DECODE_TILE, min_tiles: int = MIN_TILES_PER_SPLIT, warps: int = 4,
+                        stages: int = 2) -> torch.Tensor:
+    """paged_decode_attention_fast with the split count and tile size given (tests run every split path; the
+    benchmark sweeps tiles, warps and stages)."""
     B, H, D = q.shape
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = H // n_kv
@@ -430,7 +432,7 @@ def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: 
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0), gate.stride(0), gate.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         TILE=tile, MIN_TILES=min_tiles, BLOCK_S=triton.next_power_of_2(splits), ONE_SPLIT=splits == 1,
-        HAS_GATE=has_gate, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        HAS_GATE=has_gate, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return out
 
 
