@@ -50,19 +50,21 @@ class LogitsEngine:
         except Exception:
             self.remove(request_ids)  # all or nothing: no half-admitted request keeps capacity
             raise
-        return self._run(request_ids, prompts)
+        return self._run([self._state[r] for r in request_ids], prompts)
 
     def decode(self, request_ids: list, token_ids) -> torch.Tensor:
         """Feed one token to each listed (live) request; logits [B, vocab] of the next token."""
         tokens = torch.as_tensor(token_ids).reshape(-1)
         if tokens.numel() != len(request_ids) or len(set(request_ids)) != len(request_ids):
             raise ValueError("decode needs exactly one token per request and distinct request ids")
-        unknown = [r for r in request_ids if r not in self._state]
-        if unknown:
-            raise KeyError(f"decode: no live request {unknown[0]!r} (prefill it first)")
-        for rid in request_ids:
-            self._grow(rid, 1)
-        return self._run(request_ids, tokens)
+        states = list(map(self._state.get, request_ids))
+        if None in states:
+            raise KeyError(f"decode: no live request {request_ids[states.index(None)]!r} (prefill it first)")
+        bs, longest = self.runner.block_size, self.runner.max_model_len
+        for rid, st in zip(request_ids, states):
+            if st["len"] % bs == 0 or st["len"] >= longest:  # (else the token fits the request's last block)
+                self._grow(rid, 1)
+        return self._run(states, tokens)
 
     def remove(self, request_ids: list) -> None:
         for rid in request_ids:
@@ -81,17 +83,22 @@ class LogitsEngine:
             st["blocks"] += self.blocks.allocate(need)
 
     @torch.inference_mode()
-    def _run(self, request_ids: list, tokens: list[list[int]] | torch.Tensor) -> torch.Tensor:
-        """One forward: prompts (lists) or one token per row (a tensor, written on the device into the rows' slots,
-        which a row without tokens feeds: a device tensor costs no host sync). A row sends its block table only when
-        the table grew since the runner got it (the runner keeps each slot's table)."""
-        states = [self._state[r] for r in request_ids]
+    def _run(self, states: list[dict], tokens: list[list[int]] | torch.Tensor) -> torch.Tensor:
+        """One forward: prompts (lists) or one token per row (a tensor). Tokens elsewhere than the runner's device
+        travel in the plan (the one copy of the step's rows); a tensor on its device is written there into the
+        rows' slots (runner.slot_tokens, which a row without tokens feeds), so that a call fed the argmax of the
+        last one's logits costs no host sync and the host can queue it while the device still runs the last. A row
+        sends its block table only when the table grew since the runner got it (the runner keeps each slot's
+        table)."""
         slots = [s["slot"] for s in states]
-        if isinstance(tokens, torch.Tensor):
-            self._feed(slots, tokens)
+        if isinstance(tokens, list):
+            lens = [len(t) for t in tokens]
+        elif tokens.device == self.runner.device:
+            slots_d = torch.tensor(slots, dtype=torch.int64, pin_memory=self.runner._pin)
+            self.runner.slot_tokens.index_copy_(0, slots_d.to(tokens.device, non_blocking=True), tokens.long())
             tokens, lens = [[]] * len(slots), [1] * len(slots)
         else:
-            lens = [len(t) for t in tokens]
+            tokens, lens = [[t] for t in tokens.tolist()], [1] * len(slots)
         tables = [list(s["blocks"]) if len(s["blocks"]) != s.get("sent") else [] for s in states]
         plan = StepPlan(state_slots=slots, token_ids=tokens, start_pos=[s["len"] for s in states],
                         block_tables=tables, want_logits=[True] * len(slots))
@@ -100,19 +107,6 @@ class LogitsEngine:
             s["len"] += n
             s["sent"] = len(s["blocks"])
         return logits
-
-    def _feed(self, slots: list[int], tokens: torch.Tensor) -> None:
-        """tokens[i] becomes the token slots[i] feeds next (runner.slot_tokens): one copy from the host (slots, and
-        the tokens when they are there) and one scatter."""
-        runner = self.runner
-        if tokens.device.type == "cpu":
-            host = torch.tensor([slots, tokens.tolist()], dtype=torch.int64, pin_memory=runner._pin)
-            slots_d, tokens_d = host.to(runner.device, non_blocking=True)
-        else:
-            slots_d = torch.tensor(slots, dtype=torch.int64, pin_memory=runner._pin).to(runner.device,
-                                                                                         non_blocking=True)
-            tokens_d = tokens.to(runner.device, torch.int64)
-        runner.slot_tokens.index_copy_(0, slots_d, tokens_d)
 
     @torch.inference_mode()
     def warm_up(self, max_tokens: int) -> dict:
