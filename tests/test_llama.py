@@ -511,11 +511,30 @@ def test_bench_latency_and_create_engine_traces_run(tiny_llama, tmp_path):
     cli.main(["--model", tiny_llama, "--load-format", "dummy", "--device", "cpu", "--mode", "prefill,decode,mixed",
               "--harness-prefill", "2x24", "--harness-decode-batches", "3", "--harness-context", "10",
               "--harness-steps", "2", "--mixed-requests", "5", "--mixed-concurrency", "2",
-              "--mixed-prompt-lens", "3-20", "--mixed-output-lens", "1-4", "--out", str(out)])
+              "--mixed-prompt-lens", "3-20", "--mixed-output-lens", "4-8", "--mixed-requeue", "0.5",
+              "--out", str(out)])
     res = json.loads(out.read_text())
-    assert res["prefill"][0]["batch"] == 2 and res["decode"][0]["steps"] == 2
-    mixed = res["mixed"]
-    assert mixed["output_tokens"] >= mixed["requests"] and mixed["prefill_tokens"] >= 3 * mixed["requests"]
+    assert res["prefill"][0]["batch"] == 2 and res["prefill"][0]["first_ms"] > 0 and res["create_engine_s"] > 0
+    assert res["decode"][0]["steps"] == 2 and res["decode"][0]["first_call_ms"] > 0 < res["decode"][0]["tenth_call_ms"]
+    for key in ("mixed", "mixed_requeue"):  # every request gets all its output tokens, requeued ones included
+        mixed = res[key]
+        assert mixed["prefill_tokens"] >= 3 * mixed["requests"] + mixed["reprefilled_tokens"]
+        assert 4 * mixed["requests"] <= mixed["output_tokens"] <= 8 * mixed["requests"]
+    assert res["mixed"]["requeued"] == 0 < res["mixed_requeue"]["requeued"]
+    assert res["mixed_requeue"]["reprefilled_tokens"] >= res["mixed_requeue"]["requeued"]
+
+
+@pytest.mark.parametrize("preset,params", [("llama-1b", 1.236e9), ("llama-3b", 3.213e9)])
+def test_benchmark_presets_resolve_without_weights(preset, params, tmp_path, monkeypatch):
+    """The bench's LLaMA-like presets (--load-format dummy: a config.json, no weights): a dense Llama of the
+    parameter count of Llama-3.2-1B / -3B (1.24B / 3.21B, tied embeddings)."""
+    from qwen35.hub import resolve_model
+    monkeypatch.setenv("QWEN35_CACHE", str(tmp_path))
+    c = ModelConfig.from_dir(resolve_model(preset, load_format="dummy"))
+    layer = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim \
+        + c.num_attention_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    assert c.model_type == "llama" and c.tie_word_embeddings and c.rope_scaling["rope_type"] == "llama3"
+    assert abs(c.vocab_size * c.hidden_size + c.num_hidden_layers * layer - params) <= 1e-3 * params
 
 
 def test_sentencepiece_vocabulary_streams():
