@@ -94,8 +94,7 @@ class LogitsEngine:
         if isinstance(tokens, list):
             lens = [len(t) for t in tokens]
         elif tokens.device == self.runner.device:
-            slots_d = torch.tensor(slots, dtype=torch.int64, pin_memory=self.runner._pin)
-            self.runner.slot_tokens.index_copy_(0, slots_d.to(tokens.device, non_blocking=True), tokens.long())
+            self._feed(slots, tokens)
             tokens, lens = [[]] * len(slots), [1] * len(slots)
         else:
             tokens, lens = [[t] for t in tokens.tolist()], [1] * len(slots)
@@ -108,14 +107,20 @@ class LogitsEngine:
             s["sent"] = len(s["blocks"])
         return logits
 
+    def _feed(self, slots: list[int], tokens: torch.Tensor) -> None:
+        """tokens (on the runner's device) become the tokens `slots` feed next: the slots' one copy from the host
+        and a scatter, no sync."""
+        slots_d = torch.tensor(slots, dtype=torch.int64, pin_memory=self.runner._pin)
+        self.runner.slot_tokens.index_copy_(0, slots_d.to(tokens.device, non_blocking=True), tokens.long())
+
     @torch.inference_mode()
     def warm_up(self, max_tokens: int) -> dict:
         """Meet before any call what a call can meet: the prefill and mixed kernel variants up to `max_tokens`
         tokens a step (runner.warm_up_plans), a decode call of every graph size (its first replay: a graph's
-        first launch uploads it; without graphs, an eager decode step of that size) and the LM head over every
-        row count up to max_num_seqs (its GEMV / GEMM variants go by rows). Request state is not touched: the
-        decode rows are the scratch slot's (graphs) or slots that every later prefill resets, and no request is
-        live yet. Returns what ran."""
+        first launch uploads it; without graphs, an eager decode step of that size), the LM head over every
+        row count up to max_num_seqs (its GEMV / GEMM variants go by rows) and the feed of a decode call's device
+        tokens at each row count. Request state is not touched: the decode rows are the scratch slot's (graphs) or
+        slots that every later prefill resets, and no request is live yet. Returns what ran."""
         if self._state:
             raise RuntimeError("warm_up runs before any request (it writes slots and blocks from 0)")
         runner, t0 = self.runner, time.perf_counter()
@@ -130,8 +135,10 @@ class LogitsEngine:
                     runner.execute(plan, gather="all")
         hidden = torch.zeros(runner.max_num_seqs, runner.config.hidden_size, dtype=runner.dtype,
                              device=runner.device)
+        scratch = torch.zeros(runner.max_num_seqs, dtype=torch.int64, device=runner.device)
         for n in range(1, runner.max_num_seqs + 1):
             runner.model.compute_logits(hidden[:n], gather="all")
+            self._feed([runner.scratch_slot] * n, scratch[:n])  # (its pinned buffer of each size, first used here)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
         done = {"steps": steps, "decode_sizes": len(sizes), "logits_shapes": runner.max_num_seqs,

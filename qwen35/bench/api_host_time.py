@@ -68,7 +68,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     for b in ints(args.batch_sizes):
-        print(f"batch {b:3d}: {decode_call_us(b, args.context, args.calls, args.reps):7.1f} us per decode call (host)", flush=True)
+        us = decode_call_us(b, args.context, args.calls, args.reps)
+        print(f"batch {b:3d}: {us:7.1f} us per decode call (host)", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ prefill,decode,mixed`.
 
 Every call returns next-token logits [B, vocab] on every rank (as a harness compares them with its reference); the
 token fed back is the logits' argmax. create_engine warms up to the largest prefill call made here, so the first
-call of a shape is reported beside the steady ones. Prompts are random ids, the same on every rank (seeded), so that under
-torchrun every rank makes the same calls. Timings are wall time around the calls, after a CUDA synchronize.
+call of a shape is reported beside the steady ones. Prompts are random ids, the same on every rank (seeded), so
+that under torchrun every rank makes the same calls. Timings are wall time around the calls, after a CUDA synchronize.
 run() is the modes' driver (cli.py), on every rank.
 """
 from __future__ import annotations
