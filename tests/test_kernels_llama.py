@@ -6,8 +6,9 @@ CPU (fp32, tiny shapes, Triton through the interpreter): max |diff| <= 1e-5 (the
 bit-exact), the same tolerances as tests/test_kernels_attention.py and tests/test_kernels_norm.py for Qwen3.5.
 GPU (`-m gpu`, bf16, Llama-3.2-1B / Qwen3-like shapes: 32 q / 8 KV heads of 64 at TP=1, 4 / 1 at TP=8; 16 / 4
 of 128 with q/k norm; the decode kernel also at head dims 64-256, GQA 1, 4, 8): plain norm within one bf16 ulp
-(>= 99% bit-equal); norm + RoPE + cache >= 99% bit-equal and <= 0.05 max abs; ungated decode relative L2 <= 1e-2 at every split count; the whole Llama model, CUDA graph
-replay vs eager over a changing decode batch (fp32 <= 1e-3, bf16 <= 3e-2, as tests/test_fast_paths.py argues).
+(>= 99% bit-equal); norm + RoPE + cache >= 99% bit-equal and <= 0.05 max abs; ungated decode relative L2 <= 1e-2
+at every split count; the whole Llama model, CUDA graph replay vs eager over a changing decode batch (fp32 <= 1e-3,
+bf16 <= 3e-2, as tests/test_fast_paths.py argues).
 """
 import math
 from types import SimpleNamespace
