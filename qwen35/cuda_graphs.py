@@ -128,7 +128,7 @@ class DecodeGraphs:
         pad = b - n
         host = torch.tensor([*slots, *[slot] * pad, *positions, *[pos] * pad,
                              *(tokens if tokens is not None else [tok] * n), *[tok] * pad],
-                            dtype=torch.int64, pin_memory=True)
+                            dtype=torch.int64, pin_memory=self.runner._pin)
         self.rows[:, :b].copy_(host.view(3, b), non_blocking=True)
         graph, out = self.graphs[b]
         graph.replay()

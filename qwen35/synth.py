@@ -143,6 +143,15 @@ PRESETS.update({
                        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                        bos_token_id=128000, eos_token_id=128001),
+    # Llama-3.2-3B-shaped (3.2B parameters): the same family's 3B sizes as commonly quoted (hidden 3072, MLP 8192,
+    # 28 layers, 24 heads / 8 KV heads of 128, tied, the same vocabulary and RoPE); not checked against the hub here.
+    # For benchmarks with dummy weights.
+    "llama-3b": _llama("bfloat16", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+                       num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
+                       rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                       bos_token_id=128000, eos_token_id=128001),
 })
 TINY_PRESETS = ("tiny", "tiny-dense", "tiny-llama")
 

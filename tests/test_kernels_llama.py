@@ -1,13 +1,14 @@
 """The fast kernels with the LLaMA-likes' options (layers/norm.py plain RMSNorm; layers/attention.py without the
 output gate, with no / plain / zero-centred q/k norm, full rotary dims, q/k/v and o biases) against their torch
-oracles.
+oracles, at head dims that are not powers of two (24, 80, 96) beside the usual ones.
 
 CPU (fp32, tiny shapes, Triton through the interpreter): max |diff| <= 1e-5 (the residual sum exact, V rows
 bit-exact), the same tolerances as tests/test_kernels_attention.py and tests/test_kernels_norm.py for Qwen3.5.
 GPU (`-m gpu`, bf16, Llama-3.2-1B / Qwen3-like shapes: 32 q / 8 KV heads of 64 at TP=1, 4 / 1 at TP=8; 16 / 4
-of 128 with q/k norm): plain norm within one bf16 ulp (>= 99% bit-equal); norm + RoPE + cache >= 99% bit-equal
-and <= 0.05 max abs; ungated decode relative L2 <= 1e-2 at every split count; the whole Llama model, CUDA graph
-replay vs eager over a changing decode batch (fp32 <= 1e-3, bf16 <= 3e-2, as tests/test_fast_paths.py argues).
+of 128 with q/k norm; the decode kernel also at head dims 64-256, GQA 1, 4, 8): plain norm within one bf16 ulp
+(>= 99% bit-equal); norm + RoPE + cache >= 99% bit-equal and <= 0.05 max abs; ungated decode relative L2 <= 1e-2
+at every split count; the whole Llama model, CUDA graph replay vs eager over a changing decode batch (fp32 <= 1e-3,
+bf16 <= 3e-2, as tests/test_fast_paths.py argues).
 """
 import math
 from types import SimpleNamespace
@@ -53,7 +54,8 @@ def ungated_case(H, KV, D, RD, T, gen, **kw):
 NORMS = {"none": (False, False), "plain": (True, True), "zero-centred": (True, False)}
 
 
-@pytest.mark.parametrize("H,KV,D,RD", [(5, 1, 16, 16), (6, 2, 8, 8), (4, 1, 24, 24), (3, 3, 32, 8)])
+@pytest.mark.parametrize("H,KV,D,RD", [(5, 1, 16, 16), (6, 2, 8, 8), (4, 1, 24, 24), (3, 3, 32, 8), (4, 1, 80, 80),
+                                       (8, 1, 96, 96)])
 @pytest.mark.parametrize("norm", list(NORMS))
 @pytest.mark.parametrize("T", [1, 7])
 def test_ungated_norm_rope_cache_fast_equals_torch(H, KV, D, RD, norm, T):
@@ -82,7 +84,8 @@ def test_ungated_norm_rope_cache_fast_equals_torch(H, KV, D, RD, norm, T):
 
 
 # -------------------------------------------------------------------------------------- ungated decode
-@pytest.mark.parametrize("heads,kv,D,block_size", [(5, 1, 16, 4), (6, 2, 8, 8), (3, 3, 24, 4)])
+@pytest.mark.parametrize("heads,kv,D,block_size", [(5, 1, 16, 4), (6, 2, 8, 8), (3, 3, 24, 4), (4, 1, 80, 4),
+                                                    (8, 1, 96, 8)])
 @pytest.mark.parametrize("lens", [[37], [3, 40, 1, 17, 8]])
 def test_ungated_decode_fast_equals_torch(heads, kv, D, block_size, lens):
     gen = torch.Generator().manual_seed(heads * 7 + len(lens))
@@ -176,6 +179,26 @@ def test_gpu_ungated_decode_attention_bf16(tp, lens):
     assert rel(A.paged_decode_attention_fast(q, kc, vc, tables, ctx, 64 ** -0.5, None), ref) <= 1e-2
     for splits in (1, 5, 64):
         assert rel(A.paged_decode_launch(q, kc, vc, tables, ctx, 64 ** -0.5, None, splits), ref) <= 1e-2
+
+
+# issue #29's head dims and GQA ratios (tests/test_llama.py UNSEEN runs them in whole models): (q heads, KV heads, D)
+HEAD_DIMS = [(8, 8, 64), (16, 4, 80), (32, 4, 96), (24, 8, 128), (16, 2, 256), (8, 8, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv,D", HEAD_DIMS)
+def test_gpu_decode_attention_every_head_dim_bf16(heads, kv, D):
+    """The ungated decode kernel at each head dim (80 and 96: not powers of two, masked tiles) and GQA ratio 1, 4, 8,
+    at every split count, against the torch oracle (relative L2 <= 1e-2, as above)."""
+    lens = [1, 15, 16, 17, 300, 1024, 33, 2048]
+    gen = torch.Generator().manual_seed(D + heads)
+    width = math.ceil(max(lens) / 16)
+    q, kc, vc, tables, ctx, _ = decode_inputs(heads, kv, D, 16, lens, width, width * len(lens) + 1, gen,
+                                              torch.bfloat16, "cuda")
+    ref = A.paged_decode_attention_torch(q, kc, vc, tables, ctx, D ** -0.5, None)
+    assert rel(A.paged_decode_attention_fast(q, kc, vc, tables, ctx, D ** -0.5, None), ref) <= 1e-2
+    for splits in (1, 5, 64):
+        assert rel(A.paged_decode_launch(q, kc, vc, tables, ctx, D ** -0.5, None, splits), ref) <= 1e-2
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ cached decode steps), 1e-5 between two runs of our own forward (TP=2 vs 1); a mo
 safetensors one load bit-identical weights. Every norm weight and bias is perturbed away from transformers' init
 (ones / zeros), so that a (1 + w) vs w mix-up or a dropped bias cannot pass. The fast kernel set runs through
 Triton's interpreter. RoPE scalings: our cos/sin cache against transformers' rotary embedding (1e-6).
+Unseen configs (issue #29: head dims 64-256, GQA 1/4/8, ...; UNSEEN says why 5 cover the list): through create_engine,
+a prefill call and 16 decode calls on the CPU (1e-4, both kernel sets), 64 on a GPU (bf16, allclose 1e-2).
 """
 import json
 import os
@@ -184,6 +186,102 @@ def test_tensor_parallel_2_equals_1(tp_reference, tmp_path, kernels):
     for a, b in zip(single, run_tp2(make_runner, pt, plans, kernels, out_file)):
         assert a.shape == b.shape == (2, vocab)
         assert (a - b).abs().max().item() <= TOL_SELF
+
+
+# ----------------------------------------------------------------------------------- unseen configs (issue #29)
+# Every head dim the issue lists (64, 80, 96, 128, 256; 80 and 96 not powers of two), every GQA ratio (1, 4, 8), tied
+# and untied embeddings, Llama-3 RoPE scaling, Qwen2's q/k/v biases and Qwen3's q/k norms, each at least once and
+# combined 5 configs instead of their product: the options act on different parts of the layer (the head dim and
+# the GQA ratio on the attention kernels' tiles and head groups, biases on the projections, q/k norm and RoPE on the
+# fused norm + rope + cache kernel, tying on the LM head), so a product adds no path that the 5 do not run.
+#   head_dim  GQA (q/kv)  embeddings  family, options
+#   64        1 (2/2)     untied      llama, llama3 RoPE
+#   80        4 (4/1)     tied        qwen2, q/k/v biases
+#   96        8 (8/1)     untied      qwen3, q/k norm
+#   128       4 (8/2)     tied        llama, llama3 RoPE, q/k/v/o + MLP biases
+#   256       1 (2/2)     tied        qwen3, q/k norm
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+UNSEEN_BASE = dict(hidden_size=64, intermediate_size=96, rms_norm_eps=1e-6, max_position_embeddings=512,
+                   vocab_size=384, num_hidden_layers=2, rope_theta=5e5)
+UNSEEN = {
+    "llama-d64-mha-llama3": ("llama", dict(UNSEEN_BASE, head_dim=64, num_attention_heads=2, num_key_value_heads=2,
+                                           rope_scaling=LLAMA3)),
+    "qwen2-d80-gqa4-tied": ("qwen2", dict(UNSEEN_BASE, head_dim=80, num_attention_heads=4, num_key_value_heads=1,
+                                          tie_word_embeddings=True, num_hidden_layers=1)),
+    "qwen3-d96-gqa8-qknorm": ("qwen3", dict(UNSEEN_BASE, head_dim=96, num_attention_heads=8, num_key_value_heads=1,
+                                            tie_word_embeddings=False, num_hidden_layers=1)),
+    "llama-d128-gqa4-tied-bias-llama3": ("llama", dict(UNSEEN_BASE, head_dim=128, num_attention_heads=8,
+                                                       num_key_value_heads=2, tie_word_embeddings=True,
+                                                       attention_bias=True, mlp_bias=True, rope_scaling=LLAMA3,
+                                                       num_hidden_layers=1)),
+    "qwen3-d256-mha-tied-qknorm": ("qwen3", dict(UNSEEN_BASE, head_dim=256, num_attention_heads=2,
+                                                 num_key_value_heads=2, tie_word_embeddings=True,
+                                                 num_hidden_layers=1)),
+}
+UNSEEN_PROMPTS = (13, 22)  # two requests of different lengths, prefilled in one call, decoded together
+UNSEEN_STEPS = 16
+
+
+def unseen_dir(name: str, tmp_path_factory, dtype=torch.float32):
+    """(transformers model, a directory with its safetensors) for UNSEEN[name]."""
+    kind, kw = UNSEEN[name]
+    hf = build_hf(kind, kw, seed=len(name))
+    path = str(tmp_path_factory.mktemp(name))
+    hf.to(dtype).save_pretrained(path)
+    return hf.float(), path
+
+
+def unseen_calls(hf, path: str, steps: int, **engine_kwargs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(our logits, transformers') per call, on the CPU: one prefill call of both prompts (their last tokens), then
+    `steps` decode calls of both requests, each fed a random token (a tensor on the engine's device), through
+    create_engine."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    vocab = cfg["vocab_size"]
+    eng = create_engine(cfg, path, max_num_seqs=2, block_size=BLOCK, max_model_len=256, **engine_kwargs)
+    prompts = [random_ids(vocab, n, n) for n in UNSEEN_PROMPTS]
+    fed = [random_ids(vocab, steps, 100 + i) for i in range(2)]
+    refs = [hf_decode_logits(hf, p, f) for p, f in zip(prompts, fed)]
+    assert all(r[0].abs().max() > 0.1 for r in refs)  # a non-trivial function
+    dev, ids = eng.runner.device, ["a", "b"]
+    calls = [(eng.prefill(ids, [torch.tensor(p) for p in prompts]), [r[0] for r in refs])]
+    for i in range(steps):
+        calls.append((eng.decode(ids, torch.tensor([fed[0][i], fed[1][i]], device=dev)), [r[i + 1] for r in refs]))
+    return [(ours.float().cpu(), torch.stack(ref)) for ours, ref in calls]
+
+
+@pytest.fixture(scope="module", params=list(UNSEEN))
+def unseen(request, tmp_path_factory):
+    return unseen_dir(request.param, tmp_path_factory)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fast"])
+def test_unseen_configs_match_transformers(unseen, kernels):
+    """CPU, fp32, through create_engine: the torch kernels and the fast ones (Triton's interpreter); a prefill call
+    and 16 decode calls of two requests, every call within TOL_HF of transformers."""
+    hf, path = unseen
+    errors = [(ours - ref).abs().max().item() for ours, ref in
+              unseen_calls(hf, path, UNSEEN_STEPS, device="cpu", dtype="float32", kernels=kernels)]
+    assert len(errors) == 1 + UNSEEN_STEPS and max(errors) <= TOL_HF, errors
+
+
+@pytest.fixture(scope="module", params=list(UNSEEN))
+def unseen_bf16(request, tmp_path_factory):
+    return unseen_dir(request.param, tmp_path_factory, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_unseen_configs_allclose_transformers_bf16(unseen_bf16):
+    """The GPU's fast path (Triton kernels, CUDA graphs, the warm-up) in bf16 on bf16 weights, against transformers
+    in fp32 on the same weights: a prefill call and 64 decode calls of two requests, every call allclose within
+    1e-2 (rtol and atol; bf16 through the torch kernels on the CPU stays within 0.85 of that bound)."""
+    hf, path = unseen_bf16
+    calls = unseen_calls(hf, path, 64, device="cuda", dtype="bfloat16", kernels="fast",
+                         max_num_batched_tokens=64)
+    assert len(calls) == 65
+    bad = [i for i, (ours, ref) in enumerate(calls) if not torch.allclose(ours, ref, rtol=1e-2, atol=1e-2)]
+    assert not bad, [(calls[i][0] - calls[i][1]).abs().max().item() for i in bad]
 
 
 # ---------------------------------------------------------------------------------------------- create_engine
@@ -413,11 +511,30 @@ def test_bench_latency_and_create_engine_traces_run(tiny_llama, tmp_path):
     cli.main(["--model", tiny_llama, "--load-format", "dummy", "--device", "cpu", "--mode", "prefill,decode,mixed",
               "--harness-prefill", "2x24", "--harness-decode-batches", "3", "--harness-context", "10",
               "--harness-steps", "2", "--mixed-requests", "5", "--mixed-concurrency", "2",
-              "--mixed-prompt-lens", "3-20", "--mixed-output-lens", "1-4", "--out", str(out)])
+              "--mixed-prompt-lens", "3-20", "--mixed-output-lens", "4-8", "--mixed-requeue", "0.5",
+              "--out", str(out)])
     res = json.loads(out.read_text())
-    assert res["prefill"][0]["batch"] == 2 and res["decode"][0]["steps"] == 2
-    mixed = res["mixed"]
-    assert mixed["output_tokens"] >= mixed["requests"] and mixed["prefill_tokens"] >= 3 * mixed["requests"]
+    assert res["prefill"][0]["batch"] == 2 and res["prefill"][0]["first_ms"] > 0 and res["create_engine_s"] > 0
+    assert res["decode"][0]["steps"] == 2 and res["decode"][0]["first_call_ms"] > 0 < res["decode"][0]["tenth_call_ms"]
+    for key in ("mixed", "mixed_requeue"):  # every request gets all its output tokens, requeued ones included
+        mixed = res[key]
+        assert mixed["prefill_tokens"] >= 3 * mixed["requests"] + mixed["reprefilled_tokens"]
+        assert 4 * mixed["requests"] <= mixed["output_tokens"] <= 8 * mixed["requests"]
+    assert res["mixed"]["requeued"] == 0 < res["mixed_requeue"]["requeued"]
+    assert res["mixed_requeue"]["reprefilled_tokens"] >= res["mixed_requeue"]["requeued"]
+
+
+@pytest.mark.parametrize("preset,params", [("llama-1b", 1.236e9), ("llama-3b", 3.213e9)])
+def test_benchmark_presets_resolve_without_weights(preset, params, tmp_path, monkeypatch):
+    """The bench's LLaMA-like presets (--load-format dummy: a config.json, no weights): a dense Llama of the
+    parameter count of Llama-3.2-1B / -3B (1.24B / 3.21B, tied embeddings)."""
+    from qwen35.hub import resolve_model
+    monkeypatch.setenv("QWEN35_CACHE", str(tmp_path))
+    c = ModelConfig.from_dir(resolve_model(preset, load_format="dummy"))
+    layer = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim \
+        + c.num_attention_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    assert c.model_type == "llama" and c.tie_word_embeddings and c.rope_scaling["rope_type"] == "llama3"
+    assert abs(c.vocab_size * c.hidden_size + c.num_hidden_layers * layer - params) <= 1e-3 * params
 
 
 def test_sentencepiece_vocabulary_streams():

@@ -4,6 +4,7 @@ the package first).
 
     torchrun --nproc-per-node N -m qwen35.bench ...   the bench modes (cli.py)
     python -m qwen35.bench.host_time ...              host time per decode step, on any machine
+    python -m qwen35.bench.api_host_time ...          host time per create_engine decode call, on any machine
 
 cli          the command line: modes, tables printed, the results file
 args         its flags, and the comma lists they take
@@ -15,6 +16,7 @@ step_timing  runner-level timings: decode and prefill steps, the memory floor, k
 trace        the closed-loop levels of the serving contract, warm and cold
 workload     synthetic prompts and output lengths (shared with benchmarks/throughput.py)
 latency      one request at a time, optionally beside transformers' generate
-harness      the create_engine traces (prefill, decode, mixed)
+harness      the create_engine traces (prefill, decode, mixed, mixed with requests removed and prefilled again)
 host_time    host time per decode step without a GPU, split into phases on request
+api_host_time  host time per create_engine decode call without a GPU (the decode graphs' host side, no forward)
 """

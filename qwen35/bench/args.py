@@ -58,6 +58,9 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-prompt-lens", default="128-2048", help="uniform range LO-HI")
     g.add_argument("--mixed-output-lens", default="16-256", help="uniform range LO-HI")
     g.add_argument("--mixed-prefill-batch", type=int, default=4, help="most new requests per prefill call")
+    g.add_argument("--mixed-requeue", type=float, default=0.1,
+                   help="mixed_requeue: the chance per decode call that a live request is removed unfinished and "
+                        "queued again at a random place (prefilled again from its prompt and output so far)")
     ap.add_argument("--out", default=None,
                     help="results JSON (default with record, latency or the create_engine traces: "
                          "benchmarks/results/<date>_<bench|latency|harness>_<device>_tp<N>.json)")
