@@ -8,7 +8,8 @@
 #   tune      benchmarks.tune_moe (TUNE_TPS, default "4 2"; --quick) on GPU TUNE_GPU into $OUT/moe_configs.json
 #   pack      everything under $OUT but the JSON files into $OUT/logs.tgz (at most 8 files come back from a call)
 #   usetuned  copy $OUT/moe_configs.json over layers/moe_configs.json (the records after it use the new tiles)
-#   dense     issue #29: benchmarks.profile_decode_calls and the llama-1b create_engine traces on GPU DENSE_GPU
+#   dense     issue #29: benchmarks.profile_decode_calls and the llama-1b / llama-3b create_engine traces on GPU DENSE_GPU
+#   sweep     issue #29: benchmarks.sweep_decode_attention on GPU SWEEP_GPU
 # RECORD_GPU0: the first GPU of a record (several stages may run side by side on one machine); RECORD_TAG names its
 # files; each torchrun takes its own port.
 set -uo pipefail
@@ -36,8 +37,8 @@ for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
     tests)
-      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest ${GPU_TESTS:-tests/test_push.py tests/test_allreduce.py} -m gpu -q \
-        -p no:cacheprovider ${GPU_K:+-k "$GPU_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
+      CUDA_VISIBLE_DEVICES=${TEST_GPUS:-$(devs $NGPU)} timeout ${TESTS_TIMEOUT:-300} python3 -m pytest ${GPU_TESTS:-tests/test_push.py tests/test_allreduce.py} -m gpu -q \
+        -p no:cacheprovider ${GPU_K:+-k "$GPU_K"} 2>&1 | tee "$OUT/gpu_tests${TEST_TAG:-}.log" | tail -8 ;;
     profile) for tp in ${PROFILE_TPS:-4 2}; do prof "$tp" push; done ;;
     ab) prof 4 oneshot QWEN35_ALLREDUCE=oneshot ;;
     base)  # the record at TP=4 of the code in .base/ (a carried snapshot of an earlier commit), same machine
@@ -70,7 +71,13 @@ for stage in "$@"; do
         > "$OUT/dense_profile.log" 2>&1; echo "dense profile rc=$?"; head -60 "$OUT/dense_profile.log"
       CUDA_VISIBLE_DEVICES=$g timeout 300 torchrun --nproc-per-node 1 --master-port $(port $g) -m qwen35.bench \
         --model llama-1b --mode prefill,decode,mixed --out "$OUT/dense_harness.json" > "$OUT/dense_harness.log" 2>&1
-      echo "dense harness rc=$?"; grep -E "prefill|decode|mixed" "$OUT/dense_harness.log" | tail -12 ;;
+      echo "dense harness rc=$?"; grep -E "prefill|decode|mixed|create" "$OUT/dense_harness.log" | tail -14
+      CUDA_VISIBLE_DEVICES=$g timeout 300 torchrun --nproc-per-node 1 --master-port $(port $g) -m qwen35.bench \
+        --model llama-3b --mode prefill,decode,mixed --out "$OUT/dense_harness_3b.json" > "$OUT/dense_harness_3b.log" 2>&1
+      echo "dense harness 3b rc=$?"; grep -E "prefill|decode|mixed|create" "$OUT/dense_harness_3b.log" | tail -14 ;;
+    sweep)
+      CUDA_VISIBLE_DEVICES=${SWEEP_GPU:-0} timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.sweep_decode_attention \
+        --json "$OUT/sweep_decode.json" > "$OUT/sweep_decode.log" 2>&1; echo "sweep rc=$?"; grep -v "^\s*$" "$OUT/sweep_decode.log" | tail -16 ;;
   esac
   echo "[$stage: $(( $(date +%s) - t0 )) s]"
 done
