@@ -5,6 +5,9 @@ sequence computes what T single decode steps compute, and rollback leaves nothin
   state and the conv tail of counts[b] decode steps; both exact (torch.equal) in fp32: the same ops token by token.
   Odd dims (dk 5, dv 6, 3 value heads on 1 key head), conv kernels 2 and 4, T = 1..4, counts 1..T, slots out of
   order.
+- fast == torch through Triton's interpreter (the same shapes, T = 1..4, fp32): outputs and states
+  within TOL_FAST (fp32: the kernel's sums run in another order), conv tails bit-exact (data movement), slots outside
+  the batch untouched; with the value columns of a head split over programs (dv 10 in slabs of 4) and unsplit.
 - model (the tiny preset with its MTP head, fp32, CPU, torch kernels): a verify batch's hidden states == T single
   decode steps' (TOL: the mixed-step attention against the decode attention, same fp32 function); after commit(n)
   and one more decode step from the accepted tokens, the hidden state == a sequence that only ever saw the accepted
@@ -19,6 +22,7 @@ from layers.deltanet_verify import commit_fast, commit_torch, verify_fast, verif
 from tests.test_kernels_deltanet import tiny_cfg
 
 TOL = 1e-5
+TOL_FAST = 1e-5
 EPS = 1e-6
 
 
@@ -77,6 +81,31 @@ def test_verify_and_commit_equal_single_decode_steps(dims, T):
             assert torch.equal(ssm[slot], after[n - 1][1][slot]), (b, n)
         others = [s for s in range(8) if s not in slots.tolist()]
         assert torch.equal(conv[others], conv0[others]) and torch.equal(ssm[others], ssm0[others])
+
+
+@pytest.mark.parametrize("dims", [(1, 3, 5, 6, 4), (2, 2, 4, 10, 2)])
+@pytest.mark.parametrize("T", [1, 2, 3, 4])
+@pytest.mark.parametrize("block_v", [4, 64])
+def test_fast_equals_torch(dims, T, block_v, monkeypatch):
+    monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", block_v)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "batched_block_v", block_v)
+    layer = make_layer(*dims)
+    slots = torch.tensor([5, 1, 6])
+    proj = proj_rows(layer, 3 * T, seed=10 + T)
+    conv0, ssm0 = layer.conv_state.clone(), layer.ssm_state.clone()
+    want = verify_torch(proj, conv0, ssm0, slots, *args(layer), layer.norm.weight, EPS, T)
+    got = verify_fast(proj, layer.conv_state, layer.ssm_state, slots, *args(layer), layer.norm.weight, EPS, T)
+    assert (got - want).abs().max().item() <= TOL_FAST
+    assert torch.equal(layer.conv_state, conv0) and torch.equal(layer.ssm_state, ssm0)
+    for counts in ([1, T, 1], [T, (T + 1) // 2, max(1, T - 1)]):
+        conv_t, ssm_t, conv_f, ssm_f = conv0.clone(), ssm0.clone(), conv0.clone(), ssm0.clone()
+        n = torch.tensor(counts)
+        commit_torch(proj, conv_t, ssm_t, slots, *args(layer), n, T)
+        commit_fast(proj, conv_f, ssm_f, slots, *args(layer), n, T)
+        assert torch.equal(conv_f, conv_t)
+        assert (ssm_f - ssm_t).abs().max().item() <= TOL_FAST
+        others = [s for s in range(8) if s not in slots.tolist()]
+        assert torch.equal(ssm_f[others], ssm0[others])
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -178,3 +207,23 @@ def test_model_verify_step_equals_single_steps_and_rolls_back(tiny, T):
         rows = torch.cat([torch.arange(c) + i * T for i, c in enumerate(counts)])
         h_acc = catch_up(model, acc, ref[rows], newest, acc.cu_seqlens[1:].long() - 1)
         assert (h_mtp - h_acc).abs().max().item() <= TOL
+
+
+@pytest.mark.timeout(900)
+def test_fast_kernels_compile_for_hopper():
+    """verify_fast's and commit_fast's launches (bf16 storage, the tiny preset's head dims: dk = dv = 16, 2 value
+    heads per key head) compile for sm_90 through Triton's compiler and ptxas (tests/hopper_compile.py)."""
+    from tests.hopper_compile import compile_all, hopper_backend_available, recorded
+    if not hopper_backend_available():
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    layer = make_layer(2, 4, 16, 16, 4)
+    conv, ssm = layer.conv_state.bfloat16(), layer.ssm_state
+    w = [t.bfloat16() if t is not layer.A_log else t for t in args(layer)]
+    T, slots = 3, torch.tensor([5, 1])
+    proj = proj_rows(layer, 2 * T, seed=1).bfloat16()
+    with recorded() as launches:
+        verify_fast(proj, conv, ssm, slots, *w, layer.norm.weight, EPS, T)
+        commit_fast(proj, conv, ssm, slots, *w, torch.tensor([1, 3]), T)
+    names = {e["name"] for e in launches}
+    assert "_verify_kernel" in names, names
+    assert compile_all(launches) == []
