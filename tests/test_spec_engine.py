@@ -6,12 +6,15 @@ on the tiny preset, fp32, CPU, torch kernels.
   max_tokens 1, 2, 3, 4, 5 and 24, a stop token and a stop string that fall inside accepted runs, and min_tokens;
   with the synthetic-acceptance weights (`dummy-spec`: drafts accepted, the runs are long; the measured acceptance
   is > 0.9) and with the checkpoint's own random weights (drafts rejected: rollback on every step).
+- TP=2 over gloo (k = 2, dummy-spec): greedy and seeded sampled outputs == TP=1's.
 - /metrics reports the drafted and accepted counters; one request through the HTTP server gives the same text as
   without speculation.
 """
+import os
 import random
 
 import pytest
+import torch
 
 from qwen35.engine import EngineArgs, LLMEngine
 from scheduler.sampling_params import SamplingParams
@@ -104,3 +107,40 @@ def test_http_server_with_speculation(tiny_dir, tmp_path):
         assert drafted > 0 and accepted / drafted > 0.9
     finally:
         stop_tiny(port, log)
+
+
+SEEDED = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+
+
+def tp_requests():
+    return [("g0", PROMPTS[0], SamplingParams(max_tokens=16, ignore_eos=True)),
+            ("g2", PROMPTS[2], SamplingParams(max_tokens=9, ignore_eos=True)), ("seeded", PROMPTS[3], SEEDED)]
+
+
+def _tp_worker(rank, port, tiny_dir, cache_dir, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      QWEN35_CACHE=cache_dir)
+    torch.set_num_threads(1)
+    from dist import parallel
+    parallel.init_distributed("cpu")
+    try:
+        eng = make(tiny_dir, 2, tp=2)
+        if rank == 0:
+            done, _ = run(eng, tp_requests())
+            eng.shutdown()
+            torch.save({k: v[0] for k, v in done.items()}, out_path)
+        else:
+            eng.run_worker_loop()
+    finally:
+        parallel.destroy()
+
+
+def test_tp2_matches_tp1(tiny_dir, cache_dir, tmp_path):
+    from hf_reference import free_port
+    out = tmp_path / "tp2.pt"
+    torch.multiprocessing.spawn(_tp_worker, args=(free_port(), tiny_dir, cache_dir, str(out)), nprocs=2)
+    got = torch.load(out)
+    tp1, _ = run(make(tiny_dir, 2), tp_requests())
+    assert got == {k: v[0] for k, v in tp1.items()}
+    off, _ = run(make(tiny_dir, 0), tp_requests()[:2])
+    assert got["g0"] == off["g0"][0] and got["g2"] == off["g2"][0]
