@@ -405,7 +405,10 @@ class ModelRunner:
     def _propose(self, batch: ForwardBatch, hidden: torch.Tensor, newest: torch.Tensor, last_rows: torch.Tensor,
                  k: int, sampling) -> None:
         """k drafts for the step's sampled rows (self.logit_slots; their newest tokens and last accepted rows) into
-        the slots' draft buffers, drawn at the draw numbers after this step's tokens."""
+        the slots' draft buffers, drawn at the draw numbers after this step's tokens. The head's catch-up covers
+        every row of the step; a prefill chunk that does not end its prompt has no sampled token, so its last
+        position's entry is written for a stand-in token (the plan does not carry the prompt's next one): drafts
+        only, verification is exact."""
         slots = self.logit_slots
         d = propose(self.model, batch, hidden, newest, last_rows, k, self._sample_batch(slots, sampling),
                     block_tables=self.block_table[slots], num_real_tokens=self.sampler.num_real_tokens,
@@ -532,12 +535,29 @@ class ModelRunner:
             b *= 2
         return plans
 
+    def _warm_up_verify(self) -> None:
+        """The DeltaNet verify and commit kernels' variants (layers/deltanet_verify.py: the slab width goes by rows,
+        decode_launch), on the scratch slot (every layer launches the same variants). The rest of a verify step
+        runs kernels the prefill and decode steps compile."""
+        from layers.deltanet import DECODE_CONFIG
+        m, T = self.gdn_layers[0], 2  # (T is never 1 or a multiple of 16: one variant)
+        width = m.conv_dim + m.num_v_heads * m.dv + 2 * m.num_v_heads
+        for rows in (1, DECODE_CONFIG["batched_from"]):
+            proj = torch.zeros(rows * T, width, dtype=self.dtype, device=self.device)
+            slots = torch.full((rows,), self.scratch_slot, dtype=torch.int64, device=self.device)
+            m._verify_op(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight,
+                         m.norm.eps, T)
+            m._commit_op(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias,
+                         torch.ones(rows, dtype=torch.int64, device=self.device), T)
+
     @torch.inference_mode()
     def warm_up(self, max_tokens: int) -> int:
         """Run warm_up_plans (every rank, the same plans); returns how many ran."""
         plans = self.warm_up_plans(max_tokens)
         for plan in plans:
             self.execute(plan, gather="none")
+        if self.spec_max_k and self.gdn_layers and self.kernels == "fast" and self.device.type == "cuda":
+            self._warm_up_verify()
         if self._feed_tokens is feed_tokens_fast and self.device.type == "cuda":
             # the feed kernel's two variants (rank 0's also writes the host's buffer), on the scratch slot
             token = torch.zeros(1, dtype=torch.int64, device=self.device)

@@ -7,15 +7,17 @@ scheduler asks `next_k(batch)` when it plans a step (the drafts that step propos
 most that many (fewer where a row's max_tokens or a suppressed stop id leaves no room: Scheduler).
 
 `auto`: with acceptance a per draft (the probability that a draft is accepted given the ones before it were: an
-exponential average of the a that explains each verify step's accepted / drafted, ACCEPTANCE_PRIOR before any), a step of k drafts emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per row on average and costs
-step_ms(batch, k + 1) + k * draft_ms(batch); auto takes the k in 0..AUTO_MAX_K with the least expected ms per
-emitted token (k = 0: a plain step, step_ms(batch, 1) per token; ties go to the smaller k). While auto stays at 0
-the average relaxes back towards the prior, so that speculation is tried again once in a while rather than never.
+exponential average of the a that explains each verify step's accepted / drafted; ACCEPTANCE_PRIOR before any), a
+step of k drafts per row emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per row on average and costs
+step(batch x (k + 1) tokens) + k x draft_cost x step(batch tokens); auto takes the k in 0..AUTO_MAX_K with the least
+expected cost per emitted token (k = 0: a plain step; ties go to the smaller k). While auto stays at 0 the average
+relaxes back towards the prior, so that speculation is tried again once in a while rather than never.
 
 The cost table: COST_TABLE below is a placeholder of the right shape, NOT a measurement (to be replaced by the
 table `qwen35.bench --mode spec` measures, per GPU kind and TP). It is the cost of a step relative to a batch-1
-plain step, by tokens in the step (batch x (k + 1)); the points at 2 and 4 tokens follow the ratios issue #28
-quotes for one H200 (1.32x, 1.82x), the rest is a guess that grows slower than linearly as a batch reads most
+plain step, by tokens in the step (batch x (k + 1)); the points at 2 and 4 tokens take the ratios issue #28
+quotes for steps of 2 and 4 sequences on one H200 (1.32x, 1.82x; a verify step of n positions of one sequence may
+cost less), the rest is a guess that grows slower than linearly as a batch reads most
 experts anyway. A draft step (the MTP layer and an LM head) is taken as DRAFT_COST of a step of the same batch.
 CostTable.from_json overrides both (EngineArgs.spec_cost_table).
 """

@@ -7,6 +7,7 @@ on the tiny preset, fp32, CPU, torch kernels.
   with the synthetic-acceptance weights (`dummy-spec`: drafts accepted, the runs are long; the measured acceptance
   is > 0.9) and with the checkpoint's own random weights (drafts rejected: rollback on every step).
 - TP=2 over gloo (k = 2, dummy-spec): greedy and seeded sampled outputs == TP=1's.
+- GPU (bf16, fast kernels, dummy-spec): greedy outputs identical with k = 2 and auto and without speculation.
 - /metrics reports the drafted and accepted counters; one request through the HTTP server gives the same text as
   without speculation.
 """
@@ -144,3 +145,15 @@ def test_tp2_matches_tp1(tiny_dir, cache_dir, tmp_path):
     assert got == {k: v[0] for k, v in tp1.items()}
     off, _ = run(make(tiny_dir, 0), tp_requests()[:2])
     assert got["g0"] == off["g0"][0] and got["g2"] == off["g2"][0]
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_outputs_equal_speculation_off(tiny_dir):
+    kw = dict(device="cuda", dtype="bfloat16", kernels="fast")
+    reqs = [(f"g{i}", p, SamplingParams(max_tokens=24, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+    off, _ = run(make(tiny_dir, 0, **kw), reqs)
+    for k in (2, "auto"):
+        eng = make(tiny_dir, k, **kw)
+        on, _ = run(eng, reqs)
+        assert on == off, k
+        assert eng.stats()["spec_accepted_tokens"] > 0
