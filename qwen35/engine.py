@@ -255,7 +255,10 @@ class LLMEngine:
         host = tokens.tolist()  # (waits for the step)
         if plan.spec_k:
             runs = [[t for t in row if t >= 0] for row in host]
-            self.speculation.record(len(runs), plan.spec_k, sum(map(len, runs)) - len(runs))
+            # drafts that could count: a row near its max_tokens has room for fewer (before update moves it on)
+            rooms = [max(0, min(plan.spec_k, r.max_tokens - r.num_scheduled)) for r in step.sampled]
+            self.speculation.record(sum(rooms), sum(min(len(run) - 1, room) for run, room in zip(runs, rooms)),
+                                    plan.spec_k)
         else:
             runs = [[t] for t in host]
         return _Launched(step.sampled, runs, None)

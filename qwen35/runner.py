@@ -172,7 +172,11 @@ class ModelRunner:
         """Per state slot, on the device: its KV block table and the token last sampled for it."""
         slots = self.scratch_slot + 1
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
-        self.block_table = torch.zeros(slots, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        # with speculation, spare columns of the scratch KV block past every table: a verify row's draft positions
+        # past its blocks read there (prepare_verify)
+        spare = -(-(self.spec_max_k + 1) // self.block_size) + 1 if self.spec_max_k else 0
+        self.block_table = torch.zeros(slots, self.max_blocks_per_seq + spare, dtype=torch.int32, device=self.device)
+        self.block_table[:, self.max_blocks_per_seq:] = self.num_kv_blocks
         self.block_table[self.scratch_slot] = self.num_kv_blocks  # padded graph rows: the scratch KV block only
         self.slot_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self._table_len = [0] * slots  # blocks set per slot, on the host: plans are checked against it
@@ -419,35 +423,40 @@ class ModelRunner:
                 self.draft_probs = torch.zeros(*self.drafts.shape, d.probs.shape[-1], device=self.device)
             self.draft_probs[slots, :k] = d.probs
 
-    def prepare_verify(self, plan: StepPlan) -> ForwardBatch:
+    def prepare_verify(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor]:
         """A verify step's inputs: row b's T = spec_k + 1 tokens (its slot's newest token, then its drafts) at
-        rows b*T .. b*T + T - 1, positions start .. start + spec_k."""
+        rows b*T .. b*T + T - 1, positions start .. start + spec_k; and per row the drafts it may accept [B]: those
+        whose positions have KV blocks (a row near its end has fewer; the scheduler drops tokens past max_tokens).
+        Positions past a row's blocks compute garbage that is never accepted: their K/V go to the scratch block,
+        their keys are read through the table's scratch columns, their RoPE position is clamped."""
         self._set_tables(plan)
         B, T, bs = plan.num_seqs, plan.spec_k + 1, self.block_size
         slots, starts = plan.state_slots, plan.start_pos
-        ctx = [s + T for s in starts]
-        self._check_rows(slots, starts, [T] * B, ctx)
+        self._check_rows(slots, starts, [1] * B, [s + 1 for s in starts])  # (the newest token's position)
         host = torch.tensor([*slots, *starts], dtype=torch.int64, pin_memory=self._pin)
         slots_d, starts_d = host.to(self.device, non_blocking=True).view(2, B)
+        end = self.slot_end[slots_d]
         positions = starts_d[:, None] + torch.arange(T, device=self.device)[None, :]
-        tables = self.block_table[slots_d, :-(-max(ctx) // bs)]
-        blocks = tables.gather(1, positions // bs)
+        valid = positions <= end[:, None]
+        tables = self.block_table[slots_d, :-(-(max(starts) + T) // bs)]
+        blocks = torch.where(valid, tables.gather(1, positions // bs), self.num_kv_blocks)
         tokens = torch.cat([self.slot_tokens[slots_d, None], self.drafts[slots_d, :T - 1]], dim=1)
         self.logit_slots = slots_d
-        return ForwardBatch(
-            input_ids=tokens.flatten(), positions=positions.flatten(),
+        batch = ForwardBatch(
+            input_ids=tokens.flatten(), positions=torch.minimum(positions, end[:, None]).flatten(),
             slot_mapping=(blocks.long() * bs + positions % bs).flatten(),
             cu_seqlens=torch.arange(0, B * T + 1, T, dtype=torch.int32, device=self.device),
             start_pos=starts_d.to(torch.int32), context_lens=(starts_d + T).to(torch.int32), block_tables=tables,
             state_slots=slots_d, logits_indices=torch.arange(B * T, device=self.device), seq_lens_cpu=[T] * B,
             start_pos_cpu=list(starts), state_slots_cpu=list(slots), is_decode=False, verify_tokens=T)
+        return batch, (end - starts_d).clamp(0, T - 1)
 
     @torch.inference_mode()
     def verify_step(self, plan: StepPlan, sampling) -> torch.Tensor:
         """Every rank: a verify step (module docstring); returns [n, T] int64 on the device, the same on every
         rank: row b's emitted tokens (its accepted drafts, then the target's token), -1 after them."""
         self._apply_copies(plan)
-        batch = self.prepare_verify(plan)
+        batch, num_drafts = self.prepare_verify(plan)
         hidden = self.model(batch)
         B, T = plan.num_seqs, plan.spec_k + 1
         V = min(self.sampler.num_real_tokens, self.config.vocab_size)
@@ -456,9 +465,9 @@ class ModelRunner:
         drafts = self.drafts[slots, :T - 1]
         rows = self._sample_batch(slots, sampling)
         if rows is None:
-            verdict = verify_greedy(logits, drafts)
+            verdict = verify_greedy(logits, drafts, num_drafts)
         else:
-            verdict = verify_drafts(logits, drafts, self.draft_probs[slots, :T - 1], rows)
+            verdict = verify_drafts(logits, drafts, self.draft_probs[slots, :T - 1], rows, num_drafts)
         counts = verdict.num_emitted
         for m in self.gdn_layers:
             m.commit(counts)

@@ -24,8 +24,9 @@ a row is cut at a snapshot position where needed. A snapshot at the end of a one
 op) or after the reply is a copy of the request's slot in the next plan.
 
 Speculative decoding (scheduler/speculation.py, on when a SpecPolicy is given): a step of decode rows alone
-verifies the drafts the step before proposed (plan.spec_k, the same for every row: at most what that step
-proposed, and 0 where a row's max_tokens leaves no room for a draft or a row's stop ids are still suppressed);
+verifies the drafts the step before proposed (plan.spec_k, the same for every row: what that step proposed, 0
+while a row's stop ids are still suppressed; a row near its max_tokens may accept fewer: the runner accepts none
+past the row's KV blocks, and update() drops tokens past max_tokens);
 every step that samples proposes drafts for the next one (plan.draft_k, the policy's choice for the running
 batch). A mixed step's decode rows take one token. A verify row counts one token when scheduled, like any decode
 row; update() then takes a run of tokens per row (the accepted drafts and one more) and moves the request's counts
@@ -354,9 +355,9 @@ class Scheduler:
         plan = step.plan
         k = self._drafted if n and plan.num_seqs == n else 0
         for req in step.rows if k else ():
-            # room: tokens left after this row's first (max_tokens); no draft position may need a suppressed id
-            k = min(k, req.max_tokens - req.num_scheduled)
-            if req.min_tokens and req.num_scheduled - 1 < req.min_tokens or k <= 0:
+            # no draft position may need a suppressed id (a row near its max_tokens takes fewer drafts: the runner
+            # accepts none past its blocks, update drops tokens past max_tokens)
+            if req.min_tokens and req.num_scheduled - 1 < req.min_tokens:
                 k = 0
                 break
         plan.spec_k = k

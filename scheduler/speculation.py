@@ -4,7 +4,7 @@ acceptance, and the cost table `auto` chooses by.
 
 The drafts a step verifies were proposed at the end of the step before, so k is chosen one step ahead: the
 scheduler asks `next_k(batch)` when it plans a step (the drafts that step proposes), and the step after verifies at
-most that many (fewer where a row's max_tokens or a suppressed stop id leaves no room: Scheduler).
+most that many (none while a row's stop ids are suppressed: Scheduler).
 
 `auto`: with acceptance a per draft (the probability that a draft is accepted given the ones before it were: an
 exponential average of the a that explains each verify step's accepted / drafted; ACCEPTANCE_PRIOR before any), a
@@ -121,13 +121,14 @@ class SpecPolicy:
             self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * ACCEPTANCE_PRIOR
         return best
 
-    def record(self, rows: int, k: int, accepted: int) -> None:
-        """A verify step of `rows` rows with k drafts each, `accepted` of them accepted in all."""
-        if rows <= 0 or k <= 0:
+    def record(self, drafted: int, accepted: int, k: int) -> None:
+        """A verify step of k drafts per row: `drafted` drafts that could have been accepted (a row near its end
+        has fewer), `accepted` of them accepted."""
+        if drafted <= 0 or k <= 0:
             return
-        self.drafted += rows * k
+        self.drafted += drafted
         self.accepted += accepted
-        a = per_draft_acceptance(accepted / (rows * k), k)
+        a = per_draft_acceptance(accepted / drafted, k)
         self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * a
 
 

@@ -39,10 +39,10 @@ def test_auto_speculates_where_it_pays_and_not_where_it_loses():
 def test_running_acceptance():
     p = SpecPolicy("auto", FLAT)
     for _ in range(200):
-        p.record(rows=4, k=2, accepted=8)  # every draft accepted
+        p.record(drafted=8, accepted=8, k=2)  # every draft accepted
     assert p.acceptance > 0.99 and p.drafted == 1600 and p.accepted == 1600
     for _ in range(200):
-        p.record(rows=4, k=2, accepted=0)
+        p.record(drafted=8, accepted=0, k=2)
     assert p.acceptance < 0.01
     assert abs(per_draft_acceptance((0.5 + 0.25) / 2, 2) - 0.5) < 1e-6  # k = 2 at a = 0.5: 0.75 of 2 accepted
     lin = policy(LINEAR, 0.0)

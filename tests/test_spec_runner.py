@@ -5,6 +5,9 @@ tiny model with a small vocabulary, fp32, CPU, torch kernels.
   synthetic-acceptance weights (`dummy-spec`: greedy drafts are always accepted, so every step emits k + 1) and with
   random weights (`dummy`: drafts are almost always rejected, so every step rolls back); rows of different lengths
   in slots out of order.
+- a row whose KV blocks end inside a verify step's draft positions accepts only the drafts that have blocks (runs
+  of 4, 4, 4, then 1 at k = 3 with the always-accepted synthetic drafts), its tokens still plain decoding's, and the
+  other rows' tokens unaffected (its writes past its blocks go to the scratch block).
 - sampled (the synthetic weights made for acceptance 0.6, temperature 1; and with top-k 4, and top-p 0.7): the
   tokens emitted at completion positions 1..3 (verify steps of k = 2: accepted drafts, residual draws, bonus tokens)
   follow the distribution plain sampling gives: a two-sample chi-square test of homogeneity per position over
@@ -105,6 +108,28 @@ def test_greedy_verify_steps_give_plain_decoding_tokens(load_format, k):
         assert min(emitted) == k + 1  # greedy drafts of the synthetic weights are always right
     else:
         assert sum(emitted) / len(emitted) < 1.5  # random weights: nearly every draft rejected
+
+
+def test_a_row_at_the_end_of_its_blocks_accepts_fewer_drafts():
+    ps, k = prompts(3), 3
+    tables = [list(range(1, 9)), [20, 21], list(range(30, 38))]  # row 1: positions 0..31 only
+    plain = make_runner("dummy-spec", 0)
+    admit(plain, [(0, 0, 1)] * 3)
+    expected = plain_tokens(plain, ps, 14)
+    spec = make_runner("dummy-spec", k)
+    admit(spec, [(0, 0, 1)] * 3)
+    plan = StepPlan([*SLOTS], [list(p) for p in ps], [0] * 3, tables, [True] * 3, draft_k=k)
+    out = [[t] for t in spec.sample_step(plan, SamplingStep()).tolist()]
+    starts, runs = [len(p) for p in ps], []
+    while starts[1] < 32:
+        emitted = spec.sample_step(decode_plan(starts, k, k), SamplingStep()).tolist()
+        for i, row in enumerate(emitted):
+            run = [t for t in row if t >= 0]
+            out[i] += run
+            starts[i] += len(run)
+        runs.append(sum(t >= 0 for t in emitted[1]))
+    assert runs == [4, 4, 4, 1]
+    assert [o[:14] for o in out] == expected
 
 
 SAMPLES = 1536
