@@ -8,6 +8,10 @@ sequence computes what T single decode steps compute, and rollback leaves nothin
 - fast == torch through Triton's interpreter (the same shapes, T = 1..4, fp32): outputs and states
   within TOL_FAST (fp32: the kernel's sums run in another order), conv tails bit-exact (data movement), slots outside
   the batch untouched; with the value columns of a head split over programs (dv 10 in slabs of 4) and unsplit.
+- GPU (real Qwen3.5-35B-A3B shapes at TP=1 and TP=8 local, bf16 proj and tails, fp32 states): verify_fast == T
+  decode_fast steps within the decode kernel's bf16 tolerances (rtol = atol = 2e-2, relative L2 <= 5e-3; the two
+  kernels compute the same function with different launch shapes), commit_fast(counts) == counts decode_fast steps:
+  states within 1e-2, conv tails bit-exact.
 - model (the tiny preset with its MTP head, fp32, CPU, torch kernels): a verify batch's hidden states == T single
   decode steps' (TOL: the mixed-step attention against the decode attention, same fp32 function); after commit(n)
   and one more decode step from the accepted tokens, the hidden state == a sequence that only ever saw the accepted
@@ -106,6 +110,35 @@ def test_fast_equals_torch(dims, T, block_v, monkeypatch):
         assert (ssm_f - ssm_t).abs().max().item() <= TOL_FAST
         others = [s for s in range(8) if s not in slots.tolist()]
         assert torch.equal(ssm_f[others], ssm0[others])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+def test_gpu_verify_fast_equals_decode_steps_bf16(tp, monkeypatch):
+    from tests.compare import max_diff, rel
+    from tests.test_kernels_deltanet import decode_args, random_proj, real_layer
+    m = real_layer("fast", tp, monkeypatch, 40)
+    gen = torch.Generator().manual_seed(tp)
+    for B, T in ((1, 2), (7, 4), (32, 3)):
+        slots = torch.randperm(39, generator=gen)[:B].cuda()
+        proj = random_proj(m, B * T, gen, "cuda", torch.bfloat16)
+        start = m.conv_state.clone(), m.ssm_state.clone()
+        steps, after = [], []
+        for t in range(T):
+            steps.append(dn.decode_fast(*decode_args(m, proj.view(B, T, -1)[:, t].contiguous(), slots)))
+            after.append((m.conv_state.clone(), m.ssm_state.clone()))
+        want = torch.stack(steps, 1).flatten(0, 1)
+        m.conv_state.copy_(start[0])
+        m.ssm_state.copy_(start[1])
+        got = verify_fast(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight,
+                          m.norm.eps, T)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        assert rel(got, want) <= 5e-3
+        counts = torch.randint(1, T + 1, (B,), generator=gen).cuda()
+        commit_fast(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias, counts, T)
+        for b, (slot, n) in enumerate(zip(slots.tolist(), counts.tolist())):
+            assert torch.equal(m.conv_state[slot], after[n - 1][0][slot])
+            assert max_diff(m.ssm_state[slot], after[n - 1][1][slot]) <= 1e-2
 
 
 # ------------------------------------------------------------------------------------------------ the model
