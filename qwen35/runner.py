@@ -186,7 +186,8 @@ class ModelRunner:
         self.logit_slots = torch.zeros(0, dtype=torch.int64, device=self.device)  # of the last step's logits rows
         # speculation (module docstring): the drafts per slot, their distributions (sampled rows: made when first
         # needed), and per slot the last position its block table covers (draft positions are clamped to it)
-        self.drafts = torch.zeros(slots, self.spec_max_k, dtype=torch.int64, device=self.device) \
+        # (running sequences' slots only: at full size the distributions are vocab x 4 B per draft, ~1 MB)
+        self.drafts = torch.zeros(self.num_state_slots, self.spec_max_k, dtype=torch.int64, device=self.device) \
             if self.spec_max_k else None
         self.draft_probs: torch.Tensor | None = None
         self.slot_end = torch.zeros(slots, dtype=torch.int64, device=self.device) if self.spec_max_k else None
