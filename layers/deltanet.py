@@ -205,11 +205,34 @@ class GatedDeltaNet(nn.Module):
         self._in_linear = linear_fast if fast else linear_torch
         self._decode_op = decode_fast if fast else decode_torch
         self._mixed = self.mixed_fast if fast else self.mixed_torch
+        from layers.deltanet_verify import commit_fast, commit_torch, verify_fast, verify_torch
+        self._verify_op = verify_fast if fast else verify_torch
+        self._commit_op = commit_fast if fast else commit_torch
+        self._pending = None  # a verify step's (proj, slots, T), kept for commit (layers/deltanet_verify.py)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         proj = self._in_linear(x, self.in_proj)
-        y = self.decode(proj, batch.state_slots) if batch.is_decode else self._mixed(proj, batch)
+        if batch.verify_tokens:
+            y = self.verify(proj, batch.state_slots, batch.verify_tokens)
+        else:
+            y = self.decode(proj, batch.state_slots) if batch.is_decode else self._mixed(proj, batch)
         return self.out_proj(y)
+
+    def verify(self, proj: torch.Tensor, slots: torch.Tensor, T: int) -> torch.Tensor:
+        """A verify step (T tokens per sequence, rows contiguous): outputs without touching the caches; the caches
+        move on at commit (layers/deltanet_verify.py)."""
+        self._pending = (proj, slots, T)
+        return self._verify_op(proj, self.conv_state, self.ssm_state, slots, self.conv1d.weight, self.A_log,
+                               self.dt_bias, self.norm.weight, self.norm.eps, T)
+
+    def commit(self, counts: torch.Tensor) -> None:
+        """After a verify step: advance each sequence by its first counts[b] tokens ([B] int64, on the device)."""
+        if self._pending is None:
+            raise RuntimeError("commit without a verify step")
+        proj, slots, T = self._pending
+        self._pending = None
+        self._commit_op(proj, self.conv_state, self.ssm_state, slots, self.conv1d.weight, self.A_log, self.dt_bias,
+                        counts, T)
 
     def decode(self, proj: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The decode op of this layer's kernel set on its caches and weights: proj [B, ...] -> y [B, Hv*dv]."""

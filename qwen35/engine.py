@@ -20,6 +20,11 @@ its request's record (detokenized there) and alone decides when a request ends: 
 max_tokens-th token; an ended request is freed there. A request that does not stream (add_request(...,
 stream=False)) gives no output until it ends, then one with everything.
 
+Speculative decoding (--speculative-tokens, scheduler/speculation.py): the scheduler sets each plan's spec_k (drafts
+verified) and draft_k (drafts proposed at its end); a verify step emits a run of tokens per row, which
+Scheduler.update takes in order. In this mode step() waits for each step's tokens before it plans the next (no
+overlap, for now): the next plan's positions and k depend on how many drafts were accepted.
+
 Requests are checked once, where they come in (check_request: the server, the offline LLM); the engine trusts
 what add_request gets. Failure policy: what one request brings (its parameters, its text) fails that request
 alone, with finish_reason "error", and never the step loop; what breaks the step itself (a forward that raises, a
@@ -46,6 +51,7 @@ from scheduler.plan import StepPlan
 from scheduler.request import Request, RequestLimits, RequestOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, ScheduledStep, sampling_hints
+from scheduler.speculation import CostTable, SpecPolicy
 
 __all__ = ["EngineArgs", "LLMEngine", "RequestOutput"]
 log = logging.getLogger("qwen35.engine")
@@ -58,7 +64,9 @@ class _Launched:
     tokens: torch.Tensor | None     # [n] int64 on the host (pinned on a GPU), written by the device (feed kernel)
     ready: torch.cuda.Event | None  # recorded after the step (its tokens written: GPU only)
 
-    def host_tokens(self) -> list[int]:
+    def host_tokens(self) -> list[int] | list[list[int]]:
+        if isinstance(self.tokens, list):  # (speculation: runs per row, on the host already)
+            return self.tokens
         if self.ready is not None:
             self.ready.synchronize()
         return self.tokens.tolist() if self.tokens is not None else []
@@ -123,12 +131,15 @@ class LLMEngine:
             gc.freeze()
         if not parallel.is_driver():
             return
+        self.speculation = SpecPolicy(args.speculative_tokens,
+                                      CostTable.from_json(args.spec_cost_table) if args.spec_cost_table else None)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or self.config.eos_token_ids)
         self.limits = RequestLimits(num_real, self.max_model_len, self.runner.num_kv_blocks,
                                     self.runner.block_size)
         self.scheduler = Scheduler(self.runner.num_kv_blocks, self.runner.block_size, self.runner.num_state_slots,
                                    args.max_num_seqs, args.max_num_batched_tokens, self.runner.snapshot_slots,
-                                   args.prefix_cache_interval, CHUNK, stateless=not self.runner.gdn_layers)
+                                   args.prefix_cache_interval, CHUNK, stateless=not self.runner.gdn_layers,
+                                   speculation=self.speculation)
         self._pin = self.device.type == "cuda"
         if self._pin:
             # allocated once: a step's tokens land in a half of the runner's pinned ring and an event marks their
@@ -140,7 +151,7 @@ class LLMEngine:
             # kernel writes them there, in the tail graph or after eager sampling), no copy queued by the host.
             self._stream = torch.cuda.current_stream(self.device)
             self._ready = [torch.cuda.Event() for _ in range(2)]
-        self.overlap = args.overlap
+        self.overlap = args.overlap and not self.speculation.enabled  # (module docstring: speculation waits)
         self._in_flight: _Launched | None = None
         self._failed: list[RequestOutput] = []  # requests that failed while their step was being queued
         self.total_prompt_tokens = 0      # prompt tokens prefilled
@@ -213,6 +224,8 @@ class LLMEngine:
             timer.launch(k)
         sampling = self._sampling_step(step, self._bind(step) if step.admitted else [])
         _send(plan, sampling)
+        if self.speculation.enabled:
+            return self._launch_spec(step, sampling, k)
         half = k % 2 if self._pin and step.sampled else None  # the ring half the step's tokens land in
         if timer is None:
             tokens = self._run_step(plan, sampling, half)
@@ -226,6 +239,29 @@ class LLMEngine:
         ready.record(self._stream)
         host = self.runner.host_view(half, len(step.sampled)) if tokens is not None else None
         return _Launched(step.sampled, host, ready)
+
+    def _launch_spec(self, step: ScheduledStep, sampling: SamplingStep, k: int) -> _Launched:
+        """_launch's end with speculation: run the step and wait for its tokens, as runs per row (one token each
+        on a plain step); count the drafted and accepted ones."""
+        plan, timer = step.plan, self.timer
+        if timer is None:
+            tokens = self._run_step(plan, sampling)
+        else:
+            tokens = timer.forward(self._run_step, plan, sampling, None)
+        self.total_prompt_tokens += step.num_prompt_tokens
+        self.num_steps = k
+        if tokens is None:
+            return _Launched(step.sampled, [], None)
+        host = tokens.tolist()  # (waits for the step)
+        if plan.spec_k:
+            runs = [[t for t in row if t >= 0] for row in host]
+            # drafts that could count: a row near its max_tokens has room for fewer (before update moves it on)
+            rooms = [max(0, min(plan.spec_k, r.max_tokens - r.num_scheduled)) for r in step.sampled]
+            self.speculation.record(sum(rooms), sum(min(len(run) - 1, room) for run, room in zip(runs, rooms)),
+                                    plan.spec_k)
+        else:
+            runs = [[t] for t in host]
+        return _Launched(step.sampled, runs, None)
 
     def _bind(self, step: ScheduledStep) -> list[tuple[int, tuple[float, float, float], int]]:
         """The sampling state of the requests admitted in `step`, for every rank's sampler: (slot, (temperature,
@@ -293,6 +329,8 @@ class LLMEngine:
             "prefix_cache_blocks": cached,
             "prefix_cache_hits": s.cache.hits if s.cache else 0,
             "prefix_cache_hit_tokens": hit_tokens,
+            # speculative decoding: drafts verified, and those accepted (0 when off)
+            "spec_drafted_tokens": self.speculation.drafted, "spec_accepted_tokens": self.speculation.accepted,
         }
 
     def _log_late_compile(self, kernel: str) -> None:

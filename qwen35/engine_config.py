@@ -11,6 +11,7 @@ import torch
 from layers.deltanet_prefill import CHUNK
 from qwen35.config import ModelConfig
 from scheduler.prefix_cache import check_snapshot_interval
+from scheduler.speculation import MAX_K, parse_speculative_tokens
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # a longer context than this must be asked for: each running sequence may reserve its KV blocks up to it
@@ -67,6 +68,9 @@ class EngineArgs:
                                               # (random weights with a chosen MTP draft acceptance: qwen35/synth_spec.py)
     spec_acceptance: float = 0.6              # "dummy-spec": the draft acceptance its weights are made for
     mtp: bool = False                         # build the MTP head (qwen35/mtp.py; "dummy-spec" needs it)
+    speculative_tokens: int | str = 0         # drafts verified per decode step: K, 0 (off) or "auto"
+                                              # (scheduler/speculation.py; needs the MTP head, built when not 0)
+    spec_cost_table: str | None = None        # "auto": a JSON cost table instead of the shipped placeholder
     block_size: int = 16
     max_num_seqs: int = 128                   # concurrent sequences = DeltaNet state slots
     max_num_batched_tokens: int = 8192        # tokens per forward step (decodes + prefill chunks)
@@ -88,12 +92,18 @@ class EngineArgs:
         return resolve_device(self.device).type
 
     @property
+    def builds_mtp(self) -> bool:
+        """Whether the runner builds the MTP head: asked for, needed by dummy-spec, or by speculation."""
+        return self.mtp or self.load_format == "dummy-spec" or parse_speculative_tokens(self.speculative_tokens) != 0
+
+    @property
     def num_snapshot_slots(self) -> int:
         """DeltaNet state slots the runner keeps for the prefix cache's snapshots."""
         return self.prefix_cache_snapshots if self.prefix_cache else 0
 
     def check(self) -> None:
         """ValueError naming the flag, before anything is loaded (what only the model tells is checked later)."""
+        self.speculative_tokens = parse_speculative_tokens(self.speculative_tokens)
         if not 0.0 < self.spec_acceptance < 1.0:
             raise ValueError(f"--spec-acceptance must be in (0, 1); got {self.spec_acceptance}")
         if self.prefix_cache:
@@ -118,6 +128,13 @@ class EngineArgs:
         g.add_argument("--spec-acceptance", type=float, default=d["spec_acceptance"],
                        help="with --load-format dummy-spec: the draft acceptance the weights are made for")
         g.add_argument("--mtp", action="store_true", default=d["mtp"], help="build the checkpoint's MTP head")
+        g.add_argument("--speculative-tokens", default=d["speculative_tokens"], type=parse_speculative_tokens,
+                       help=f"speculative decoding with the MTP head: drafts verified per decode step, 0..{MAX_K} "
+                            "(0: off) or auto (chosen per step from the batch size, the running acceptance and a "
+                            "cost table); implies --mtp")
+        g.add_argument("--spec-cost-table", default=d["spec_cost_table"],
+                       help="with --speculative-tokens auto: a JSON cost table ({\"points\": [[tokens, ms], ...], "
+                            "\"draft_cost\": fraction}) instead of the shipped placeholder")
         g.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per paged-KV block")
         g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
                        help="most concurrent sequences (also the number of DeltaNet state slots)")

@@ -117,7 +117,8 @@ def catch_up(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newe
 @torch.inference_mode()
 def propose(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newest: torch.Tensor,
             last_rows: torch.Tensor, k: int, sampling: SampleBatch | None = None,
-            block_tables: torch.Tensor | None = None, num_real_tokens: int | None = None) -> Drafts:
+            block_tables: torch.Tensor | None = None, num_real_tokens: int | None = None,
+            max_positions: torch.Tensor | None = None) -> Drafts:
     """k draft tokens per sequence of a target step (module docstring: draft alignment).
 
     batch: the target step's ForwardBatch; hidden [N, H]: its post-final-norm hidden states (every row); newest [B]:
@@ -125,7 +126,10 @@ def propose(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newes
     the step (its last row, or for a verify step its first row + accepted drafts). sampling: the sequences'
     settings, counter = the draw number of the token draft 1 proposes (None: greedy drafts). block_tables [B, W]:
     the sequences' block tables covering positions up to last + k - 1 (default: the batch's). Logits columns past
-    num_real_tokens are never drafted. Writes the head's KV at the step's positions and the draft positions."""
+    num_real_tokens are never drafted. max_positions [B]: the last position each sequence has a KV block for; draft
+    positions past it are clamped to it (no block, or no RoPE row, lies past it; a draft there is never verified, the
+    sequence ends first, and the entry the clamped one overwrites feeds drafts only). Writes the head's KV at
+    the step's positions and the draft positions."""
     if model.mtp is None:
         raise ValueError("the model has no MTP head (attach_mtp)")
     if k < 1:
@@ -146,6 +150,8 @@ def propose(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newes
         probs.append(q)
         if j + 1 < k:
             positions = positions + 1
+            if max_positions is not None:
+                positions = torch.minimum(positions, max_positions)
             step = draft_batch(tables, positions, token, batch.state_slots, block_size)
             h = mtp(model.embed_tokens(token), h, step)
     return Drafts(torch.stack(tokens, dim=1), None if probs[0] is None else torch.stack(probs, dim=1))

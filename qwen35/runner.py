@@ -8,6 +8,16 @@ on the device the slot's KV block table (set by the plans that change it) and th
 integers (from pinned memory, asynchronous: the host never waits for the device) and a few device ops, so the host
 can queue step N+1 while the device still runs step N. `execute` returns a step's logits (the logits-level API,
 benchmarks, tests); `sample_step` is the engine's step: forward, sampling and the tokens fed back, on every rank.
+
+Speculative decoding (plan.spec_k, plan.draft_k; scheduler/speculation.py): per slot the runner also keeps the
+drafts proposed for it at the end of the step before ([slots, K] int64) and, for sampled rows, the distributions
+they were drawn from ([slots, K, vocab] float32, made when first needed). A verify step (spec_k > 0, every row a
+decode row) feeds each row its newest token and its spec_k drafts, takes the logits at every position, accepts
+(layers/spec_sampling.py: greedy, or rejection sampling at the rows' draw numbers), commits the DeltaNet layers to
+the accepted tokens (layers/deltanet_verify.py), feeds each slot its last emitted token and moves its draw counter
+on by the tokens emitted. Any step with draft_k > 0 then proposes draft_k drafts for the rows it sampled
+(qwen35/mtp.py propose) into the slots' buffers. All of it queued on every rank, no host sync; verify steps and steps
+that propose run eagerly (no CUDA graph).
 """
 from __future__ import annotations
 
@@ -26,16 +36,18 @@ from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
 from layers.deltanet_prefill import CHUNK
 from layers.forward_batch import ForwardBatch
-from layers.sampler import bind_feed_tokens, feed_tokens_fast
+from layers.sampler import SampleBatch, bind_feed_tokens, feed_tokens_fast
+from layers.spec_sampling import verify as verify_drafts, verify_greedy
 from layers.varlen import SEQ_TILE
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
 from qwen35.cuda_graphs import RING_HALVES, decode_batch, tail_mode
 from qwen35.engine_config import EngineArgs, EngineConfig
 from qwen35.model import Qwen35Model
-from qwen35.mtp import attach_mtp
+from qwen35.mtp import attach_mtp, propose
 from qwen35.synth_spec import init_spec_weights
 from scheduler.plan import StepPlan, can_checkpoint
+from scheduler.speculation import max_drafts
 
 log = logging.getLogger("qwen35.runner")
 
@@ -84,9 +96,10 @@ class ModelRunner:
         self._feed_tokens = bind_feed_tokens()
         torch.manual_seed(args.seed)
         self.model = Qwen35Model(config, dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
-        if args.mtp or args.load_format == "dummy-spec":  # the MTP head: loaded and initialised with the rest,
-            # its KV cache allocated with the others
+        if args.builds_mtp:  # the MTP head: loaded and initialised with the rest, its KV cache allocated with the
+            # others
             attach_mtp(self.model)
+        self.spec_max_k = max_drafts(args.speculative_tokens)  # the draft buffers' width (0: no speculation)
         if args.load_format in ("dummy", "dummy-spec"):
             init_dummy_weights(self.model, args.seed)
             if args.load_format == "dummy-spec":
@@ -159,7 +172,11 @@ class ModelRunner:
         """Per state slot, on the device: its KV block table and the token last sampled for it."""
         slots = self.scratch_slot + 1
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
-        self.block_table = torch.zeros(slots, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        # with speculation, spare columns of the scratch KV block past every table: a verify row's draft positions
+        # past its blocks read there (prepare_verify)
+        spare = -(-(self.spec_max_k + 1) // self.block_size) + 1 if self.spec_max_k else 0
+        self.block_table = torch.zeros(slots, self.max_blocks_per_seq + spare, dtype=torch.int32, device=self.device)
+        self.block_table[:, self.max_blocks_per_seq:] = self.num_kv_blocks
         self.block_table[self.scratch_slot] = self.num_kv_blocks  # padded graph rows: the scratch KV block only
         self.slot_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self._table_len = [0] * slots  # blocks set per slot, on the host: plans are checked against it
@@ -167,6 +184,13 @@ class ModelRunner:
         # memory from torch's caching host allocator is not handed out again before then
         self._pin = self.device.type == "cuda"
         self.logit_slots = torch.zeros(0, dtype=torch.int64, device=self.device)  # of the last step's logits rows
+        # speculation (module docstring): the drafts per slot, their distributions (sampled rows: made when first
+        # needed), and per slot the last position its block table covers (draft positions are clamped to it)
+        # (running sequences' slots only: at full size the distributions are vocab x 4 B per draft, ~1 MB)
+        self.drafts = torch.zeros(self.num_state_slots, self.spec_max_k, dtype=torch.int64, device=self.device) \
+            if self.spec_max_k else None
+        self.draft_probs: torch.Tensor | None = None
+        self.slot_end = torch.zeros(slots, dtype=torch.int64, device=self.device) if self.spec_max_k else None
 
     # ---------------------------------------------------------------- forward
     def _set_tables(self, plan: StepPlan) -> None:
@@ -184,6 +208,10 @@ class ModelRunner:
                             pin_memory=self._pin)
         rows, cols, blocks = host.to(self.device, non_blocking=True).unbind(1)
         self.block_table[rows, cols] = blocks.to(torch.int32)
+        if self.slot_end is not None:
+            ends = torch.tensor([[slot, min(len(t) * self.block_size, self.max_model_len) - 1] for slot, t in sets],
+                                dtype=torch.int64, pin_memory=self._pin).to(self.device, non_blocking=True)
+            self.slot_end[ends[:, 0]] = ends[:, 1]
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:
         """The step's inputs on the device (the block tables the plan sets are written first)."""
@@ -290,7 +318,7 @@ class ModelRunner:
         graphs = self.graphs
         n = plan.num_seqs
         if not eager and graphs is not None and 0 < n <= graphs.max_size and not plan.checkpoints \
-                and plan.is_pure_decode and all(plan.want_logits):
+                and not plan.draft_k and plan.is_pure_decode and all(plan.want_logits):
             # a pure-decode step: its rows go to the graph as they are (it computes what prepare would)
             self._set_tables(plan)
             slots, starts, toks = plan.state_slots, plan.start_pos, plan.token_ids
@@ -337,7 +365,12 @@ class ModelRunner:
         """Every rank, the engine's step (after attach_sampler): the forward, sampling from this rank's vocabulary
         slice (collective; `sampling` a SamplingStep), and the tokens ([n] int64 on the device, the same on every
         rank) fed to their slots' next inputs and, on rank 0, into host_ring[half][:n]. A pure-decode step that a
-        graph runs, with sampling a tail holds (cuda_graphs.tail_mode), is two replays. Queued, no host sync."""
+        graph runs, with sampling a tail holds (cuda_graphs.tail_mode), is two replays. Queued, no host sync.
+        A verify step (plan.spec_k) returns [n, spec_k + 1] instead: each row's emitted tokens, then -1
+        (verify_step); a step with plan.draft_k also proposes drafts for its sampled rows (module docstring)."""
+        self._check_spec(plan)
+        if plan.spec_k:
+            return self.verify_step(plan, sampling)
         hidden, batch = self._forward(plan)
         if batch is None and self.graphs.tails:  # a graph ran it
             mode = tail_mode(sampling)
@@ -349,7 +382,103 @@ class ModelRunner:
         tokens = self.sampler.sample(logits, self.logit_slots, sampling)
         self._feed_tokens(tokens, self.logit_slots, self.slot_tokens,
                           None if half is None else self.host_view(half, len(tokens)))
+        if plan.draft_k:
+            self._propose(batch, hidden, tokens, batch.logits_indices, plan.draft_k, sampling)
         return tokens
+
+    # ---------------------------------------------------------------- speculative decoding
+    def _check_spec(self, plan: StepPlan) -> None:
+        if not (plan.spec_k or plan.draft_k):
+            return
+        if max(plan.spec_k, plan.draft_k) > self.spec_max_k or min(plan.spec_k, plan.draft_k) < 0:
+            raise ValueError(f"bad step plan: spec_k {plan.spec_k}, draft_k {plan.draft_k}; this runner holds "
+                             f"{self.spec_max_k} drafts per slot (--speculative-tokens)")
+        if plan.spec_k and not (plan.is_pure_decode and not any(plan.token_ids) and all(plan.want_logits)
+                                and not plan.checkpoints):
+            raise ValueError("bad step plan: a verify step (spec_k > 0) takes decode rows fed from the device only, "
+                             "each wanting logits, and no checkpoint")
+
+    def _sample_batch(self, slots: torch.Tensor, sampling) -> SampleBatch | None:
+        """The rows' sampling settings at their current draw numbers (None: every row greedy)."""
+        if sampling.greedy_only:
+            return None
+        s = self.sampler
+        p = s.params[slots]
+        return SampleBatch(p[:, 0], p[:, 1], p[:, 2], s.keys[slots], s.draws[slots], None, False,
+                           sampling.any_top_k, sampling.any_top_p)
+
+    def _propose(self, batch: ForwardBatch, hidden: torch.Tensor, newest: torch.Tensor, last_rows: torch.Tensor,
+                 k: int, sampling) -> None:
+        """k drafts for the step's sampled rows (self.logit_slots; their newest tokens and last accepted rows) into
+        the slots' draft buffers, drawn at the draw numbers after this step's tokens. The head's catch-up covers
+        every row of the step; a prefill chunk that does not end its prompt has no sampled token, so its last
+        position's entry is written for a stand-in token (the plan does not carry the prompt's next one): drafts
+        only, verification is exact."""
+        slots = self.logit_slots
+        d = propose(self.model, batch, hidden, newest, last_rows, k, self._sample_batch(slots, sampling),
+                    block_tables=self.block_table[slots], num_real_tokens=self.sampler.num_real_tokens,
+                    max_positions=self.slot_end[slots])
+        self.drafts[slots, :k] = d.tokens
+        if d.probs is not None:
+            if self.draft_probs is None:
+                self.draft_probs = torch.zeros(*self.drafts.shape, d.probs.shape[-1], device=self.device)
+            self.draft_probs[slots, :k] = d.probs
+
+    def prepare_verify(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor]:
+        """A verify step's inputs: row b's T = spec_k + 1 tokens (its slot's newest token, then its drafts) at
+        rows b*T .. b*T + T - 1, positions start .. start + spec_k; and per row the drafts it may accept [B]: those
+        whose positions have KV blocks (a row near its end has fewer; the scheduler drops tokens past max_tokens).
+        Positions past a row's blocks compute garbage that is never accepted: their K/V go to the scratch block,
+        their keys are read through the table's scratch columns, their RoPE position is clamped."""
+        self._set_tables(plan)
+        B, T, bs = plan.num_seqs, plan.spec_k + 1, self.block_size
+        slots, starts = plan.state_slots, plan.start_pos
+        self._check_rows(slots, starts, [1] * B, [s + 1 for s in starts])  # (the newest token's position)
+        host = torch.tensor([*slots, *starts], dtype=torch.int64, pin_memory=self._pin)
+        slots_d, starts_d = host.to(self.device, non_blocking=True).view(2, B)
+        end = self.slot_end[slots_d]
+        positions = starts_d[:, None] + torch.arange(T, device=self.device)[None, :]
+        valid = positions <= end[:, None]
+        tables = self.block_table[slots_d, :-(-(max(starts) + T) // bs)]
+        blocks = torch.where(valid, tables.gather(1, positions // bs), self.num_kv_blocks)
+        tokens = torch.cat([self.slot_tokens[slots_d, None], self.drafts[slots_d, :T - 1]], dim=1)
+        self.logit_slots = slots_d
+        batch = ForwardBatch(
+            input_ids=tokens.flatten(), positions=torch.minimum(positions, end[:, None]).flatten(),
+            slot_mapping=(blocks.long() * bs + positions % bs).flatten(),
+            cu_seqlens=torch.arange(0, B * T + 1, T, dtype=torch.int32, device=self.device),
+            start_pos=starts_d.to(torch.int32), context_lens=(starts_d + T).to(torch.int32), block_tables=tables,
+            state_slots=slots_d, logits_indices=torch.arange(B * T, device=self.device), seq_lens_cpu=[T] * B,
+            start_pos_cpu=list(starts), state_slots_cpu=list(slots), is_decode=False, verify_tokens=T)
+        return batch, (end - starts_d).clamp(0, T - 1)
+
+    @torch.inference_mode()
+    def verify_step(self, plan: StepPlan, sampling) -> torch.Tensor:
+        """Every rank: a verify step (module docstring); returns [n, T] int64 on the device, the same on every
+        rank: row b's emitted tokens (its accepted drafts, then the target's token), -1 after them."""
+        self._apply_copies(plan)
+        batch, num_drafts = self.prepare_verify(plan)
+        hidden = self.model(batch)
+        B, T = plan.num_seqs, plan.spec_k + 1
+        V = min(self.sampler.num_real_tokens, self.config.vocab_size)
+        logits = self.model.compute_logits(hidden, gather="all")[:, :V].view(B, T, V)
+        slots = batch.state_slots
+        drafts = self.drafts[slots, :T - 1]
+        rows = self._sample_batch(slots, sampling)
+        if rows is None:
+            verdict = verify_greedy(logits, drafts, num_drafts)
+        else:
+            verdict = verify_drafts(logits, drafts, self.draft_probs[slots, :T - 1], rows, num_drafts)
+        counts = verdict.num_emitted
+        for m in self.gdn_layers:
+            m.commit(counts)
+        last = verdict.tokens.gather(1, (counts - 1)[:, None])[:, 0]
+        self.slot_tokens[slots] = last
+        self.sampler.draws[slots] += counts
+        if plan.draft_k:
+            last_rows = torch.arange(0, B * T, T, device=self.device) + counts - 1
+            self._propose(batch, hidden, last, last_rows, plan.draft_k, sampling)
+        return verdict.tokens
 
     # ---------------------------------------------------------------- warm-up
     def rows_plan(self, rows: list[tuple[int, int]], ids, checkpoint: int = 0) -> StepPlan | None:
@@ -416,12 +545,29 @@ class ModelRunner:
             b *= 2
         return plans
 
+    def _warm_up_verify(self) -> None:
+        """The DeltaNet verify and commit kernels' variants (layers/deltanet_verify.py: the slab width goes by rows,
+        decode_launch), on the scratch slot (every layer launches the same variants). The rest of a verify step
+        runs kernels the prefill and decode steps compile."""
+        from layers.deltanet import DECODE_CONFIG
+        m, T = self.gdn_layers[0], 2  # (T is never 1 or a multiple of 16: one variant)
+        width = m.conv_dim + m.num_v_heads * m.dv + 2 * m.num_v_heads
+        for rows in (1, DECODE_CONFIG["batched_from"]):
+            proj = torch.zeros(rows * T, width, dtype=self.dtype, device=self.device)
+            slots = torch.full((rows,), self.scratch_slot, dtype=torch.int64, device=self.device)
+            m._verify_op(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight,
+                         m.norm.eps, T)
+            m._commit_op(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias,
+                         torch.ones(rows, dtype=torch.int64, device=self.device), T)
+
     @torch.inference_mode()
     def warm_up(self, max_tokens: int) -> int:
         """Run warm_up_plans (every rank, the same plans); returns how many ran."""
         plans = self.warm_up_plans(max_tokens)
         for plan in plans:
             self.execute(plan, gather="none")
+        if self.spec_max_k and self.gdn_layers and self.kernels == "fast" and self.device.type == "cuda":
+            self._warm_up_verify()
         if self._feed_tokens is feed_tokens_fast and self.device.type == "cuda":
             # the feed kernel's two variants (rank 0's also writes the host's buffer), on the scratch slot
             token = torch.zeros(1, dtype=torch.int64, device=self.device)

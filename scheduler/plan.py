@@ -11,9 +11,14 @@ state slots and paged-KV blocks: a hit's snapshot into its slot, a snapshot take
 before), and checkpoints (row, position, snapshot slot): the DeltaNet prefill kernels also write the state the
 row has after `position` tokens into that slot, in the same launch.
 
+Speculative decoding (scheduler/speculation.py) adds two step-wide integers: spec_k, the drafts every row of a
+verify step feeds after its newest token (the runner holds both on the device; 0: a plain step), and draft_k, the
+drafts the step proposes at its end for each row it samples (read by the next step's verify; 0: none).
+
 On the wire a plan is a list of integers (encode / decode, exact round trip; the engine sends it with
 dist.parallel.broadcast_ints): no pickling per step.
-    header   version, command, rows, host tokens, table entries, state copies, block copies, checkpoints
+    header   version, command, rows, host tokens, table entries, state copies, block copies, checkpoints, spec_k,
+             draft_k
     columns  the rows' slots, start_pos, numbers of host tokens, want_logits, numbers of table entries
     then     the host tokens of every row, the table entries of every row, the state copies, the block copies,
              the checkpoints
@@ -32,8 +37,8 @@ def can_checkpoint(start: int, n: int, pos: int, chunk: int) -> bool:
 
 
 COMMANDS = ("step", "idle", "exit")
-VERSION = 3
-HEADER = 8
+VERSION = 4
+HEADER = 10
 ROW = 5
 
 
@@ -53,6 +58,9 @@ class StepPlan:
     # control: "step" runs the forward; "exit" makes worker ranks leave their loop; "idle" is a heartbeat an idle
     # server sends so that worker ranks waiting for the next plan do not hit the process-group timeout
     command: str = "step"
+    # speculative decoding (module docstring): drafts verified per row in this step, drafts proposed at its end
+    spec_k: int = 0
+    draft_k: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -76,7 +84,7 @@ class StepPlan:
         toks, tabs = self.token_ids, self.block_tables
         n_tok, n_tab = list(map(len, toks)), list(map(len, tabs))
         out = [VERSION, COMMANDS.index(self.command), len(self.state_slots), sum(n_tok), sum(n_tab),
-               len(self.copy_states), len(self.copy_blocks), len(self.checkpoints)]
+               len(self.copy_states), len(self.copy_blocks), len(self.checkpoints), self.spec_k, self.draft_k]
         out += self.state_slots
         out += self.start_pos
         out += n_tok
@@ -93,12 +101,12 @@ class StepPlan:
     def decode(cls, v: list[int]) -> "StepPlan":
         if len(v) < HEADER:
             raise ValueError(f"not a step plan ({len(v)} values)")
-        version, command, rows, n_tok, n_tab, n_cs, n_cb, n_ck = v[:HEADER]
+        version, command, rows, n_tok, n_tab, n_cs, n_cb, n_ck, spec_k, draft_k = v[:HEADER]
         if version != VERSION or len(v) != HEADER + ROW * rows + n_tok + n_tab + 2 * (n_cs + n_cb) + 3 * n_ck:
             raise ValueError(f"not a step plan of version {VERSION} ({len(v)} values, header {v[:HEADER]})")
         col = [v[HEADER + i * rows:HEADER + (i + 1) * rows] for i in range(ROW)]
         plan = cls(state_slots=col[0], start_pos=col[1], want_logits=list(map(bool, col[3])),
-                   command=COMMANDS[command])
+                   command=COMMANDS[command], spec_k=spec_k, draft_k=draft_k)
         at = HEADER + ROW * rows
         for lens, total, out in ((col[2], n_tok, plan.token_ids), (col[4], n_tab, plan.block_tables)):
             if not total:  # every row empty (a decode step's tokens, most steps' tables)

@@ -23,6 +23,15 @@ DeltaNet prefill kernels, which needs the position to be a chunk multiple from t
 a row is cut at a snapshot position where needed. A snapshot at the end of a one-token row (which runs the decode
 op) or after the reply is a copy of the request's slot in the next plan.
 
+Speculative decoding (scheduler/speculation.py, on when a SpecPolicy is given): a step of decode rows alone
+verifies the drafts the step before proposed (plan.spec_k, the same for every row: what that step proposed, 0
+while a row's stop ids are still suppressed; a row near its max_tokens may accept fewer: the runner accepts none
+past the row's KV blocks, and update() drops tokens past max_tokens);
+every step that samples proposes drafts for the next one (plan.draft_k, the policy's choice for the running
+batch). A mixed step's decode rows take one token. A verify row counts one token when scheduled, like any decode
+row; update() then takes a run of tokens per row (the accepted drafts and one more) and moves the request's counts
+on by the extra ones, so the engine waits for each verify step's tokens before it plans the next (no overlap).
+
 Ordering with the overlap: the device runs the plans in order, each plan's copies before its forward. A snapshot
 written by plan N is read by hits from plan N+1 on; copies that must follow plan N's forward (a partial block, a
 slot) travel in plan N+1, ahead of its hits; and nothing the plan being built reads or writes is evicted while it
@@ -38,6 +47,7 @@ from scheduler.plan import StepPlan, can_checkpoint
 from scheduler.pools import BlockPool, StateSlotPool
 from scheduler.prefix_cache import Match, PrefixCache, check_snapshot_interval
 from scheduler.request import Request, RequestOutput, RequestStatus
+from scheduler.speculation import SpecPolicy
 
 log = logging.getLogger("qwen35.scheduler")
 
@@ -124,7 +134,7 @@ class DecodeBatch:
 class Scheduler:
     def __init__(self, num_kv_blocks: int, block_size: int, num_state_slots: int, max_num_seqs: int,
                  max_num_batched_tokens: int, snapshot_slots: list[int] = (), snapshot_interval: int = 0,
-                 chunk: int = 64, stateless: bool = False):
+                 chunk: int = 64, stateless: bool = False, speculation: SpecPolicy | None = None):
         self.blocks = BlockPool(num_kv_blocks, block_size)
         self.slots = StateSlotPool(num_state_slots)
         self.max_num_seqs = min(max_num_seqs, num_state_slots)
@@ -152,6 +162,9 @@ class Scheduler:
         self._decode = DecodeBatch()
         self._prefilling: list[Request] = []
         self._admissions = 0
+        # speculative decoding: the policy (None: off) and the drafts the last planned step proposes
+        self.speculation = speculation if speculation is not None and speculation.enabled else None
+        self._drafted = 0
 
     # ---- admission -------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -332,7 +345,23 @@ class Scheduler:
                 self.free(*ended)
         if batch_ends:
             decode.next_end()
+        if self.speculation is not None:
+            self._speculate(step, n)
         return step
+
+    def _speculate(self, step: ScheduledStep, n: int) -> None:
+        """The step's spec_k (a step of the n decode rows alone verifies up to the drafts the step before proposed)
+        and draft_k (the policy's choice, when the step samples anything)."""
+        plan = step.plan
+        k = self._drafted if n and plan.num_seqs == n else 0
+        for req in step.rows if k else ():
+            # no draft position may need a suppressed id (a row near its max_tokens takes fewer drafts: the runner
+            # accepts none past its blocks, update drops tokens past max_tokens)
+            if req.min_tokens and req.num_scheduled - 1 < req.min_tokens:
+                k = 0
+                break
+        plan.spec_k = k
+        plan.draft_k = self._drafted = self.speculation.next_k(len(self.running)) if step.sampled else 0
 
     @staticmethod
     def _decode_rows(decode: DecodeBatch, shared: bool) -> ScheduledStep:
@@ -401,7 +430,11 @@ class Scheduler:
         text is not), on a stop string in its text from then on (the string and what follows are cut), or with its
         max_tokens-th token. An ended request is freed here. Returns the step's outputs, in row order (a request that
         does not stream gives none until it ends), then those of requests whose own token handling raised: each of
-        these fails alone (finish_reason "error")."""
+        these fails alone (finish_reason "error").
+        With speculation, `tokens` holds a run per row instead (a list: the step's accepted drafts and one more;
+        _update_runs)."""
+        if tokens and isinstance(tokens[0], list):
+            return self._update_runs(rows, tokens)
         outputs, failed, dropped = [], [], 0
         add = outputs.append
         for req, token in zip(rows, tokens):
@@ -446,6 +479,50 @@ class Scheduler:
                 add(out)
         self.completion_tokens += min(len(rows), len(tokens)) - dropped - len(failed)
         return outputs + failed if failed else outputs
+
+    def _update_runs(self, rows: list[Request], runs: list[list[int]]) -> list[RequestOutput]:
+        """update() for a step with a run of tokens per row: the runs' extra tokens (past the one counted when the
+        row was scheduled) first move the request's counts on (they were fed to its caches: accepted drafts), then
+        each token is taken as update() takes one, in order, until one ends the request (the rest are dropped)."""
+        decode, extra = self._decode, {}
+        for req, run in zip(rows, runs):
+            if len(run) > 1 and req.finish_reason is None and req.status is RequestStatus.RUNNING:
+                extra[req] = len(run) - 1
+                req.num_computed += len(run) - 1
+                req.num_scheduled += len(run) - 1
+        if extra:
+            decode.start = [s + extra.get(r, 0) for s, r in zip(decode.start, decode.reqs)]
+            decode.next_end()
+        outputs, failed, taken = [], [], 0
+        for req, run in zip(rows, runs):
+            if req.finish_reason is not None:  # ended while this step was queued: dropped
+                continue
+            try:
+                for token in run:
+                    n = len(req.output_ids) + 1
+                    taken += 1
+                    if token in req.stop_set and n > req.min_tokens:
+                        req.append_token(token, text=False)
+                        req.finish("stop")
+                    else:
+                        req.append_token(token)
+                        if req.stops and req.cut_at_stop_string(n >= req.min_tokens):
+                            req.finish("stop", flush=False)
+                        elif n >= req.max_tokens:
+                            req.finish("length")
+                    if req.finish_reason is not None:
+                        break
+                out = req.take_output()
+            except Exception as e:
+                failed.append(self.fail(req, e))
+                continue
+            if req.finish_reason is not None:
+                self.free(req)
+                del self.requests[req.request_id]
+            if out is not None:
+                outputs.append(out)
+        self.completion_tokens += taken
+        return outputs + failed
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request from outside (the caller went away), its resources freed at once; its final output
