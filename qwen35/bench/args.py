@@ -5,7 +5,7 @@ import argparse
 
 from qwen35.bench import latency, workload
 
-ENGINE_MODES = ("record", "static", "trace", "latency")
+ENGINE_MODES = ("record", "static", "trace", "latency", "spec")
 HARNESS_MODES = ("prefill", "decode", "mixed")
 
 
@@ -24,7 +24,7 @@ def pairs(spec: str, sep: str) -> list[tuple[int, int]]:
 
 def add_bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mode", default="record,trace",
-                    help="comma list of: record (decode + prefill rows of record), static, trace, latency; or of "
+                    help="comma list of: record (decode + prefill rows of record), static, trace, latency, spec; or of "
                          "the create_engine traces prefill, decode, mixed (in a run of their own)")
     ap.add_argument("--context", type=int, default=1024, help="context of every sequence in the decode rows")
     ap.add_argument("--prefill-seqs", default="1,8,64", help="prompts per prefill row (of --input-len tokens)")
@@ -41,6 +41,8 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--output-len-dist", default=workload.STANDARD_OUTPUT_LEN_DIST,
                     help=f"trace output lengths: {workload.FORMS} (default {workload.STANDARD_OUTPUT_LEN_DIST}, the "
                          "standard for synthetic weights)")
+    ap.add_argument("--spec-ks", default="0,1,2,3,auto",
+                    help="spec: the speculative_tokens settings timed per batch size (0: off; K; auto)")
     g = ap.add_argument_group("latency")
     g.add_argument("--latency-shapes", default=latency.DEFAULT_SHAPES, help="PROMPT:OUTPUT tokens, comma separated")
     g.add_argument("--latency-reps", type=int, default=3, help="runs per shape (the median is reported)")

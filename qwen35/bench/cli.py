@@ -37,13 +37,14 @@ import argparse
 import random
 
 from dist import parallel
-from qwen35.bench import harness, latency
+from qwen35.bench import harness, latency, spec
 from qwen35.bench.args import ENGINE_MODES, HARNESS_MODES, add_bench_args, ints
 from qwen35.bench.engine_runs import profile_steps, static_batch
 from qwen35.bench.record import record, record_kernel_counts, record_runner_rows
 from qwen35.bench.results import default_out, device_name, header, write
 from qwen35.bench.trace import trace
 from qwen35.engine import EngineArgs, LLMEngine
+from scheduler.speculation import max_drafts
 
 
 def main(argv=None) -> None:
@@ -64,6 +65,11 @@ def main(argv=None) -> None:
         raise SystemExit("run the create_engine traces (prefill, decode, mixed) in an invocation of their own: "
                          "both engines would hold a full KV cache")
     eargs = EngineArgs.from_cli(args)
+    if "spec" in modes:  # room for the most drafts asked for (the runner's draft buffer)
+        ks = spec.parse_ks(args.spec_ks)
+        widest = max((max_drafts(k) for k in ks), default=0)
+        if widest and max_drafts(eargs.speculative_tokens) < widest:
+            eargs.speculative_tokens = "auto" if widest <= max_drafts("auto") else widest
     parallel.init_distributed(eargs.device_type)
     if modes & set(HARNESS_MODES):
         return harness.run(args, eargs, modes, argv)
@@ -87,8 +93,8 @@ def main(argv=None) -> None:
     dev = device_name(engine.runner)
     results = header(eargs, dev, engine.runner, argv)
     out = args.out
-    if out is None and modes & {"record", "latency"}:
-        out = default_out("bench" if "record" in modes else "latency", dev)
+    if out is None and modes & {"record", "latency", "spec"}:
+        out = default_out("bench" if "record" in modes else "latency" if "latency" in modes else "spec", dev)
     try:
         if "record" in modes:
             record(engine, args, results, runner_rows, rng)
@@ -115,6 +121,11 @@ def main(argv=None) -> None:
             for p in results["profile"]:
                 print(f"{p['batch']:5d} {p['step_ms']:8.2f} {p['cpu_ms']:7.3f} {p['forward_queue_ms']:13.3f} "
                       f"{p['wait_ms']:8.2f} {p['gpu_idle_ms']:8.3f}")
+        if "spec" in modes:
+            print(f"speculative decoding on {dev}, tp={parallel.tp_size()}: prompts of {args.input_len} tokens, "
+                  f"{args.output_len} out, temperature 1, load format {eargs.load_format}")
+            results.update(spec.spec_rows(engine, ints(args.batch_sizes), spec.parse_ks(args.spec_ks),
+                                          args.input_len, args.output_len, rng))
         if "trace" in modes:
             print(f"trace: {args.num_requests} requests per level, prompts of {args.input_len} tokens, outputs "
                   f"{args.output_len_dist}")
