@@ -46,13 +46,18 @@ def main() -> None:
     ap.add_argument("--shapes", default="32/8x64,24/8x128,16/2x256")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=1024)
+    for name, default in GRID.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", default=",".join(map(str, default)),
+                        help=f"grid values (default {default})")
     ap.add_argument("--json")
     args = ap.parse_args()
+    grid = {name: [int(x) for x in getattr(args, name).split(",")] for name in GRID}
     batches = [int(b) for b in args.batches.split(",")]
     out = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "context": args.context,
-           "command": f"python -m benchmarks.sweep_decode_attention --shapes {args.shapes} --batches {args.batches}",
+           "command": "python -m benchmarks.sweep_decode_attention " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "json"),
            "shapes": []}
-    settings = [dict(zip(GRID, v)) for v in itertools.product(*GRID.values())]
+    settings = [dict(zip(grid, v)) for v in itertools.product(*grid.values())]
     for shape in args.shapes.split(","):
         hk, dim = shape.split("x")
         heads, kv = (int(x) for x in hk.split("/"))
@@ -86,8 +91,8 @@ def main() -> None:
             print(f"{shape} b={b:3d}: current {cur * 1e3:7.1f} us ({nbytes / cur / 1e6:6.0f} GB/s)  best "
                   f"{best[0] * 1e3:7.1f} us {best[1]}", flush=True)
         overall = min(totals.items(), key=lambda kv_: kv_[1])
-        print(f"{shape}: best single setting {dict(zip(GRID, overall[0]))} (sum {overall[1] * 1e3:.1f} us)")
-        out["shapes"].append({"shape": shape, "rows": rows, "best_single": dict(zip(GRID, overall[0])),
+        print(f"{shape}: best single setting {dict(zip(grid, overall[0]))} (sum {overall[1] * 1e3:.1f} us)")
+        out["shapes"].append({"shape": shape, "rows": rows, "best_single": dict(zip(grid, overall[0])),
                               "best_single_sum_us": round(overall[1] * 1e3, 2)})
     if args.json:
         with open(args.json, "w") as f:
