@@ -10,7 +10,8 @@ eagerly, with the host lists the torch kernels read):
   scratch one (the MTP head's included), the block tables, the slots' drafts, distributions, next tokens and
   draw counters exactly as they were.
 - which verify steps a graph holds: draft_k == spec_k, a sampling mode (not top-k / top-p), rows up to the largest
-  size.
+  size; and that the steady state is such steps: the scheduler's plans with K fixed (and min_tokens), and auto's k
+  held while the acceptance wavers around a tie.
 GPU (`gpu`): the captured graphs replayed == the eager verify step (greedy tokens identical; sampled, seeded,
 identical), with rows padded (3 of 4) and at a full size.
 """
@@ -108,6 +109,66 @@ def test_which_verify_steps_a_graph_holds():
     assert not holds(decode_plan([5, 5, 5], 2, 2), SamplingStep(greedy_only=False, any_top_p=True))
     five = StepPlan([0, 1, 2, 3, 4], [[]] * 5, [5] * 5, [[]] * 5, [True] * 5, spec_k=2, draft_k=2)
     assert not holds(five, GREEDY)  # more rows than the largest size (max_num_seqs 4)
+
+
+# ------------------------------------------------------------------- steady state: what the scheduler plans
+class NoText:
+    def add(self, token_id):
+        return ""
+
+    def flush(self):
+        return ""
+
+
+def planned(policy, params, steps=40):
+    """The plans of a scheduler with `policy` serving 3 requests (prompts of 5 tokens, `params`), every verify step
+    accepting every draft."""
+    from qwen35.sampling_params import SamplingParams
+    from scheduler.request import Request
+    from scheduler.scheduler import Scheduler
+    s = Scheduler(num_kv_blocks=64, block_size=4, num_state_slots=4, max_num_seqs=4, max_num_batched_tokens=64,
+                  speculation=policy)
+    for i in range(3):
+        s.add(Request(f"r{i}", list(range(10 * i, 10 * i + 5)), SamplingParams(**params), detokenizer=NoText()))
+    plans = []
+    for _ in range(steps):
+        step = s.schedule()
+        if not step.plan.num_seqs:
+            break
+        plans.append(step.plan)
+        s.update(step.sampled, [[7] * (step.plan.spec_k + 1) for _ in step.sampled])
+    return plans
+
+
+def test_steady_state_verify_steps_propose_what_they_verify():
+    """With K fixed every pure-decode step after the prefill verifies K and proposes K (a verify graph holds it);
+    while min_tokens suppresses stop ids, the plain steps propose nothing (a decode graph holds them) except the
+    last one, whose drafts the step after it verifies."""
+    from scheduler.speculation import SpecPolicy
+    plans = planned(SpecPolicy(2), dict(max_tokens=30))
+    assert plans[0].draft_k == 2 and not plans[0].is_pure_decode
+    assert len(plans) > 5 and all(p.is_pure_decode and p.spec_k == p.draft_k == 2 for p in plans[1:])
+    plans = planned(SpecPolicy(2), dict(max_tokens=30, min_tokens=6))
+    plain_proposing = [i for i, p in enumerate(plans) if p.is_pure_decode and not p.spec_k and p.draft_k]
+    assert len(plain_proposing) == 1
+    i = plain_proposing[0]
+    assert all(p.draft_k == 0 for p in plans[1:i]) and i > 1
+    assert all(p.spec_k == p.draft_k == 2 for p in plans[i + 1:]) and len(plans) > i + 3
+
+
+def test_auto_keeps_its_k_while_the_acceptance_wavers():
+    """Acceptance moving around the point where k = 1 and k = 2 cost the same (batch 8, shipped table: ~0.56): auto
+    keeps one k (a verify graph replays only a step that proposes what it verifies), and still moves to the other
+    once it is clearly cheaper."""
+    from scheduler.speculation import CostTable, SpecPolicy
+    p = SpecPolicy("auto", CostTable())
+    ks = []
+    for i in range(40):
+        p.acceptance = 0.55 if i % 2 else 0.57
+        ks.append(p.next_k(8))
+    assert len(set(ks)) == 1 and ks[0] in (1, 2)
+    p.acceptance = 0.9 if ks[0] == 1 else 0.42
+    assert p.next_k(8) == (3 if ks[0] == 1 else 1)
 
 
 # ------------------------------------------------------------------------------------------------------- GPU
