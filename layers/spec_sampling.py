@@ -131,7 +131,8 @@ def verify_sampled(target_logits: torch.Tensor, drafts: torch.Tensor, draft_prob
     x = x.view(B, n, V)
     s1, s2 = row_seeds(rows.key, rows.counter)
     # E ~ Exp(1) from the acceptance id's Gumbel score g = -log E, then u = exp(-E) ~ U(0, 1): accept iff u q < p
-    g = gumbel_scores(torch.zeros(B * n, 1, device=x.device), torch.tensor([ACCEPT_ID], device=x.device), s1, s2)
+    accept_id = torch.full((1,), ACCEPT_ID, dtype=torch.int64, device=x.device)  # (no host copy: CUDA graphs)
+    g = gumbel_scores(torch.zeros(B * n, 1, device=x.device), accept_id, s1, s2)
     u = torch.exp(-torch.exp(-g)).view(B, n)
     s1, s2 = s1.view(B, n), s2.view(B, n)
     d = drafts[..., None]

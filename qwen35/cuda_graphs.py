@@ -1,5 +1,6 @@
-"""CUDA graphs for pure-decode steps: one graph per padded batch size. A decode step is ~3,000 small kernels for the
-40-layer model; a replay launches them as one. The host copies the step's rows (slot, position, token) into the
+"""CUDA graphs for pure-decode steps: one graph per padded batch size (with speculation also the verify steps':
+VerifyGraphs, at the end). A decode step is ~3,000 small kernels for the 40-layer model; a replay launches them as
+one. The host copies the step's rows (slot, position, token) into the
 graphs' static rows in one transfer; the graph itself works out the rest (decode_batch: input ids, the slots' block
 tables, KV slots, context lengths), which runner.prepare's ~20 eager ops and the copies into static inputs did
 before (~0.3 ms of host time per step on an H200 host, 2026-11-26).
@@ -173,4 +174,91 @@ class DecodeGraphs:
         tails of either half are the same); the real rows' tokens."""
         graph, tokens = self.tails[self.size, mode, half or 0]
         graph.replay()
+        return tokens[:n]
+
+
+class VerifyGraphs:
+    """CUDA graphs for speculative decoding's pure-decode verify steps (runner.verify_step): one graph per (padded
+    batch size, k, sampling mode) for the steady state, where a verify step of k drafts per row proposes k drafts
+    for the next (plan.draft_k == plan.spec_k). A replay is the whole step the runner queues eagerly: the inputs
+    from the slots' device buffers (runner.verify_inputs: static shapes, whole block tables, no host list), the
+    forward of b * (k + 1) rows, the logits at every position, acceptance (greedy, or rejection sampling without
+    top-k / top-p: tail_mode), the DeltaNet commit, the slots' next tokens and draw counters, and the proposal of
+    the next k drafts into the slots' draft buffers; its output is the emitted tokens [b, k + 1] (-1 after them),
+    which the engine reads before it plans the next step (speculation runs without overlap).
+
+    The host copies the rows (slot, start position) into the static rows in one transfer. Padded rows name the
+    scratch slot at position 0: its block table holds only the scratch KV block, its drafts the draft buffers' last
+    row (runner.draft_rows), its sampling settings are greedy and its slot_end 0 (no draft may be accepted), so a
+    padded row reads and writes scratch state only. Verify steps the graphs do not hold (another draft_k, top-k /
+    top-p, suppressed ids, more rows than the largest size) run eagerly. `capture=False` keeps the rows and runs the
+    graphs' work eagerly instead (the CPU tests of the static-shape step)."""
+
+    def __init__(self, runner, pool=None, capture: bool = True):
+        self.runner = runner
+        self.rows = self._padded_rows().to(runner.device)  # [2, max_num_seqs]: slot, start position
+        self.sizes = capture_sizes(runner.max_num_seqs)
+        self._size_for = [min(s for s in self.sizes if s >= n) for n in range(self.sizes[-1] + 1)]
+        self.max_k = runner.spec_max_k
+        self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.captured = capture
+        if capture:
+            self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+            self._capture_all()
+
+    def _padded_rows(self) -> torch.Tensor:
+        return torch.tensor([[self.runner.scratch_slot] * self.runner.max_num_seqs, [0] * self.runner.max_num_seqs],
+                            dtype=torch.int64)
+
+    def holds(self, plan, sampling: SamplingStep) -> bool:
+        """Whether a verify step (the runner has checked it: decode rows from the device, no checkpoint) replays a
+        graph: it proposes as many drafts as it verifies, its rows fit the largest size, its sampling a mode."""
+        return (0 < plan.spec_k == plan.draft_k <= self.max_k and 0 < plan.num_seqs <= self.sizes[-1]
+                and tail_mode(sampling) is not None)
+
+    def _step(self, b: int, k: int, mode: str, host: dict) -> torch.Tensor:
+        runner = self.runner
+        batch, num_drafts = runner.verify_inputs(self.rows[0, :b], self.rows[1, :b], k + 1, **host)
+        return runner.verify_forward(batch, num_drafts, SamplingStep(greedy_only=mode == "greedy"), k)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        t0 = time.time()
+        runner = self.runner
+        # the buffer the sampled graphs read the drafts' distributions from, made before they are captured
+        runner.draft_probs_buffer(min(runner.sampler.num_real_tokens, runner.config.vocab_size))
+        padded = self._padded_rows().to(runner.device)
+        for b in sorted(self.sizes, reverse=True):  # largest first: pool reuse
+            for k in range(1, self.max_k + 1):
+                for mode in TAIL_MODES:
+                    self.rows.copy_(padded)
+                    self._step(b, k, mode, {})  # warm-up outside the graph (lazy inits, compiles): scratch only
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        tokens = self._step(b, k, mode, {})
+                    self.graphs[b, k, mode] = (graph, tokens)
+        torch.cuda.synchronize()
+        parallel.barrier()
+        if parallel.is_driver():
+            log.info("captured %d verify CUDA graphs (batch sizes %s, k 1..%d, %s) in %.1f s", len(self.graphs),
+                     self.sizes, self.max_k, "/".join(TAIL_MODES), time.time() - t0)
+
+    def run(self, slots: list[int], starts: list[int], k: int, mode: str) -> torch.Tensor:
+        """The emitted tokens [n, k + 1] of a verify step of n rows (slot, start: the newest token's position), by
+        one copy of the rows and a replay of the smallest graph that holds them (a view of the graph's output:
+        read it before the next replay). The caller has set and checked the rows' block tables."""
+        n = len(slots)
+        b = self._size_for[n]
+        pad = b - n
+        slot = self.runner.scratch_slot
+        host = torch.tensor([*slots, *[slot] * pad, *starts, *[0] * pad], dtype=torch.int64,
+                            pin_memory=self.runner._pin)
+        self.rows[:, :b].copy_(host.view(2, b), non_blocking=True)
+        if self.captured:
+            graph, tokens = self.graphs[b, k, mode]
+            graph.replay()
+        else:  # the same work, queued eagerly, with the host lists the torch kernels read
+            tokens = self._step(b, k, mode, dict(start_pos_cpu=[*starts, *[0] * pad],
+                                                 state_slots_cpu=[*slots, *[slot] * pad]))
         return tokens[:n]

@@ -16,8 +16,10 @@ decode row) feeds each row its newest token and its spec_k drafts, takes the log
 (layers/spec_sampling.py: greedy, or rejection sampling at the rows' draw numbers), commits the DeltaNet layers to
 the accepted tokens (layers/deltanet_verify.py), feeds each slot its last emitted token and moves its draw counter
 on by the tokens emitted. Any step with draft_k > 0 then proposes draft_k drafts for the rows it sampled
-(qwen35/mtp.py propose) into the slots' buffers. All of it queued on every rank, no host sync; verify steps and steps
-that propose run eagerly (no CUDA graph).
+(qwen35/mtp.py propose) into the slots' buffers. All of it queued on every rank, no host sync. With CUDA graphs, a
+verify step that proposes as many drafts as it verifies (the steady state) replays a graph of the whole step
+(cuda_graphs.VerifyGraphs); other verify steps, and plain steps that propose (after a prefill, when k changes), run
+eagerly.
 """
 from __future__ import annotations
 
@@ -120,6 +122,7 @@ class ModelRunner:
         self._allocate_caches(args.gpu_memory_utilization, args.num_kv_blocks)
         self._allocate_slot_inputs()
         self.graphs = None
+        self.verify_graphs = None  # attach_sampler (with the sampler: the graphs sample)
         if self.device.type == "cuda" and not self.enforce_eager:
             if not all(getattr(m, "sync_free", True) for m in self.model.modules()):
                 # the torch experts loop over the experts a batch hits, a host sync a CUDA graph cannot hold
@@ -187,7 +190,8 @@ class ModelRunner:
         # speculation (module docstring): the drafts per slot, their distributions (sampled rows: made when first
         # needed), and per slot the last position its block table covers (draft positions are clamped to it)
         # (running sequences' slots only: at full size the distributions are vocab x 4 B per draft, ~1 MB)
-        self.drafts = torch.zeros(self.num_state_slots, self.spec_max_k, dtype=torch.int64, device=self.device) \
+        # (one more row: the scratch slot's, which padded rows of verify graphs read and write: draft_rows)
+        self.drafts = torch.zeros(self.num_state_slots + 1, self.spec_max_k, dtype=torch.int64, device=self.device) \
             if self.spec_max_k else None
         self.draft_probs: torch.Tensor | None = None
         self.slot_end = torch.zeros(slots, dtype=torch.int64, device=self.device) if self.spec_max_k else None
@@ -342,7 +346,8 @@ class ModelRunner:
         """Every rank, once: the engine's sampler (layers/sampler.py Sampler), and on rank 0 (`host_ring`, CUDA) the
         pinned ring the step's tokens reach the host through: two halves, step k's tokens in half k % 2 (with
         overlap the host reads one step's while the device writes the next one's). With CUDA graphs, the
-        sampling tails of every graph size are captured here (cuda_graphs.DecodeGraphs.capture_tails)."""
+        sampling tails of every graph size are captured here (cuda_graphs.DecodeGraphs.capture_tails), and with
+        speculation the verify graphs (cuda_graphs.VerifyGraphs)."""
         if sampler.params.shape[0] <= self.scratch_slot:  # padded graph rows sample the scratch slot
             raise ValueError(f"the sampler holds {sampler.params.shape[0]} slots; the runner names "
                              f"{self.scratch_slot + 1} (its scratch slot included)")
@@ -352,6 +357,9 @@ class ModelRunner:
         self._host_views: dict[tuple[int, int], torch.Tensor] = {}
         if self.graphs is not None:
             self.graphs.capture_tails(sampler.sample, self._feed_tokens, self.host_ring)
+            if self.spec_max_k:
+                from qwen35.cuda_graphs import VerifyGraphs
+                self.verify_graphs = VerifyGraphs(self, pool=self.graphs.pool)
 
     def host_view(self, half: int, n: int) -> torch.Tensor:
         """Rank 0: the first n entries of host_ring[half], where a step's n tokens land (one view per shape, kept)."""
@@ -418,67 +426,103 @@ class ModelRunner:
         d = propose(self.model, batch, hidden, newest, last_rows, k, self._sample_batch(slots, sampling),
                     block_tables=self.block_table[slots], num_real_tokens=self.sampler.num_real_tokens,
                     max_positions=self.slot_end[slots])
-        self.drafts[slots, :k] = d.tokens
+        rows = self.draft_rows(slots)
+        self.drafts[rows, :k] = d.tokens
         if d.probs is not None:
-            if self.draft_probs is None:
-                self.draft_probs = torch.zeros(*self.drafts.shape, d.probs.shape[-1], device=self.device)
-            self.draft_probs[slots, :k] = d.probs
+            self.draft_probs_buffer(d.probs.shape[-1])[rows, :k] = d.probs
+
+    def draft_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of the draft buffers that `slots` use: a running sequence's slot its own, the scratch slot (padded
+        rows of a verify graph) the buffers' last row."""
+        return slots.clamp(max=self.num_state_slots)
 
     def prepare_verify(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor]:
-        """A verify step's inputs: row b's T = spec_k + 1 tokens (its slot's newest token, then its drafts) at
-        rows b*T .. b*T + T - 1, positions start .. start + spec_k; and per row the drafts it may accept [B]: those
-        whose positions have KV blocks (a row near its end has fewer; the scheduler drops tokens past max_tokens).
-        Positions past a row's blocks compute garbage that is never accepted: their K/V go to the scratch block,
-        their keys are read through the table's scratch columns, their RoPE position is clamped."""
+        """A verify step's inputs (verify_inputs) from the plan's rows, with the host lists the torch kernels read."""
         self._set_tables(plan)
-        B, T, bs = plan.num_seqs, plan.spec_k + 1, self.block_size
+        B, T = plan.num_seqs, plan.spec_k + 1
         slots, starts = plan.state_slots, plan.start_pos
         self._check_rows(slots, starts, [1] * B, [s + 1 for s in starts])  # (the newest token's position)
         host = torch.tensor([*slots, *starts], dtype=torch.int64, pin_memory=self._pin)
         slots_d, starts_d = host.to(self.device, non_blocking=True).view(2, B)
-        end = self.slot_end[slots_d]
-        positions = starts_d[:, None] + torch.arange(T, device=self.device)[None, :]
+        return self.verify_inputs(slots_d, starts_d, T, start_pos_cpu=list(starts), state_slots_cpu=list(slots))
+
+    def verify_inputs(self, slots: torch.Tensor, starts: torch.Tensor, T: int,
+                      **host) -> tuple[ForwardBatch, torch.Tensor]:
+        """A verify step's inputs as device ops of static shapes only (a CUDA graph holds them: cuda_graphs.
+        VerifyGraphs): row b's T tokens (its slot's newest token, then its T - 1 drafts) at rows b*T .. b*T + T - 1,
+        positions start .. start + T - 1, over the slots' whole block tables; and per row the drafts it may accept
+        [B]: those whose positions have KV blocks (a row near its end has fewer; the scheduler drops tokens past
+        max_tokens). Positions past a row's blocks compute garbage that is never accepted: their K/V go to the
+        scratch block, their keys are read through the table's scratch columns, their RoPE position is clamped.
+        slots, starts: [B] int64 on the device; `host`: the ForwardBatch host lists the torch kernels read (the
+        fast kernels read none; a graph knows none when it is captured)."""
+        B, bs = slots.shape[0], self.block_size
+        end = self.slot_end[slots]
+        positions = starts[:, None] + torch.arange(T, device=self.device)[None, :]
         valid = positions <= end[:, None]
-        tables = self.block_table[slots_d, :-(-(max(starts) + T) // bs)]
+        tables = self.block_table[slots]
         blocks = torch.where(valid, tables.gather(1, positions // bs), self.num_kv_blocks)
-        tokens = torch.cat([self.slot_tokens[slots_d, None], self.drafts[slots_d, :T - 1]], dim=1)
-        self.logit_slots = slots_d
-        batch = ForwardBatch(
+        tokens = torch.cat([self.slot_tokens[slots, None], self.drafts[self.draft_rows(slots), :T - 1]], dim=1)
+        self.logit_slots = slots
+        fields = dict(
             input_ids=tokens.flatten(), positions=torch.minimum(positions, end[:, None]).flatten(),
             slot_mapping=(blocks.long() * bs + positions % bs).flatten(),
             cu_seqlens=torch.arange(0, B * T + 1, T, dtype=torch.int32, device=self.device),
-            start_pos=starts_d.to(torch.int32), context_lens=(starts_d + T).to(torch.int32), block_tables=tables,
-            state_slots=slots_d, logits_indices=torch.arange(B * T, device=self.device), seq_lens_cpu=[T] * B,
-            start_pos_cpu=list(starts), state_slots_cpu=list(slots), is_decode=False, verify_tokens=T)
-        return batch, (end - starts_d).clamp(0, T - 1)
+            start_pos=starts.to(torch.int32), context_lens=(starts + T).to(torch.int32), block_tables=tables,
+            state_slots=slots, logits_indices=torch.arange(B * T, device=self.device), seq_lens_cpu=[T] * B,
+            start_pos_cpu=[0] * B, state_slots_cpu=[self.scratch_slot] * B, is_decode=False, verify_tokens=T)
+        fields.update(host)
+        return ForwardBatch(**fields), (end - starts).clamp(0, T - 1)
 
     @torch.inference_mode()
     def verify_step(self, plan: StepPlan, sampling) -> torch.Tensor:
         """Every rank: a verify step (module docstring); returns [n, T] int64 on the device, the same on every
-        rank: row b's emitted tokens (its accepted drafts, then the target's token), -1 after them."""
+        rank: row b's emitted tokens (its accepted drafts, then the target's token), -1 after them. A replay of
+        a verify graph where one holds the step (cuda_graphs.VerifyGraphs.holds), else queued eagerly."""
         self._apply_copies(plan)
+        graphs = self.verify_graphs
+        if graphs is not None and graphs.holds(plan, sampling):
+            n = plan.num_seqs
+            self._set_tables(plan)
+            self._check_rows(plan.state_slots, plan.start_pos, [1] * n, [s + 1 for s in plan.start_pos])
+            tokens = graphs.run(plan.state_slots, plan.start_pos, plan.spec_k, tail_mode(sampling))
+            self.logit_slots = graphs.rows[0, :n]
+            return tokens
         batch, num_drafts = self.prepare_verify(plan)
+        return self.verify_forward(batch, num_drafts, sampling, plan.draft_k)
+
+    def verify_forward(self, batch: ForwardBatch, num_drafts: torch.Tensor, sampling, draft_k: int) -> torch.Tensor:
+        """The device work of a verify step (verify_inputs' batch and drafts per row): the forward, the logits at
+        every position, acceptance, the DeltaNet commit, each slot fed its last emitted token and its draw counter
+        moved on, then draft_k drafts proposed for every row. Returns the emitted tokens [B, T] (-1 after them)."""
         hidden = self.model(batch)
-        B, T = plan.num_seqs, plan.spec_k + 1
+        B, T = batch.state_slots.shape[0], batch.verify_tokens
         V = min(self.sampler.num_real_tokens, self.config.vocab_size)
         logits = self.model.compute_logits(hidden, gather="all")[:, :V].view(B, T, V)
         slots = batch.state_slots
-        drafts = self.drafts[slots, :T - 1]
+        rows_d = self.draft_rows(slots)
+        drafts = self.drafts[rows_d, :T - 1]
         rows = self._sample_batch(slots, sampling)
         if rows is None:
             verdict = verify_greedy(logits, drafts, num_drafts)
         else:
-            verdict = verify_drafts(logits, drafts, self.draft_probs[slots, :T - 1], rows, num_drafts)
+            verdict = verify_drafts(logits, drafts, self.draft_probs[rows_d, :T - 1], rows, num_drafts)
         counts = verdict.num_emitted
         for m in self.gdn_layers:
             m.commit(counts)
         last = verdict.tokens.gather(1, (counts - 1)[:, None])[:, 0]
         self.slot_tokens[slots] = last
         self.sampler.draws[slots] += counts
-        if plan.draft_k:
+        if draft_k:
             last_rows = torch.arange(0, B * T, T, device=self.device) + counts - 1
-            self._propose(batch, hidden, last, last_rows, plan.draft_k, sampling)
+            self._propose(batch, hidden, last, last_rows, draft_k, sampling)
         return verdict.tokens
+
+    def draft_probs_buffer(self, vocab: int) -> torch.Tensor:
+        """The draft distributions' buffer [draft rows, K, vocab] float32, made when first needed (sampled rows)."""
+        if self.draft_probs is None:
+            self.draft_probs = torch.zeros(*self.drafts.shape, vocab, device=self.device)
+        return self.draft_probs
 
     # ---------------------------------------------------------------- warm-up
     def rows_plan(self, rows: list[tuple[int, int]], ids, checkpoint: int = 0) -> StepPlan | None:

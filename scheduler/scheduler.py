@@ -361,7 +361,11 @@ class Scheduler:
                 k = 0
                 break
         plan.spec_k = k
-        plan.draft_k = self._drafted = self.speculation.next_k(len(self.running)) if step.sampled else 0
+        # no drafts where the next step cannot verify them (a row's stop ids still suppressed there): a plain
+        # pure-decode step that proposes runs eagerly, one that does not replays a decode graph
+        blocked = any(req.min_tokens and req.num_scheduled < req.min_tokens for req in step.sampled)
+        plan.draft_k = self._drafted = self.speculation.next_k(len(self.running)) if step.sampled and not blocked \
+            else 0
 
     @staticmethod
     def _decode_rows(decode: DecodeBatch, shared: bool) -> ScheduledStep:

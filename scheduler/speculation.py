@@ -10,8 +10,11 @@ most that many (none while a row's stop ids are suppressed: Scheduler).
 exponential average of the a that explains each verify step's accepted / drafted; ACCEPTANCE_PRIOR before any), a
 step of k drafts per row emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per row on average and costs
 step(batch x (k + 1) tokens) + k x draft_cost x step(batch tokens); auto takes the k in 0..AUTO_MAX_K with the least
-expected cost per emitted token (k = 0: a plain step; ties go to the smaller k). While auto stays at 0 the average
-relaxes back towards the prior, so that speculation is tried again once in a while rather than never.
+expected cost per emitted token (k = 0: a plain step; ties go to the smaller k), keeping the k it chose last unless
+another is expected to cost SWITCH_MARGIN less: a verify step replays a CUDA graph only when it proposes as many
+drafts as it verifies (qwen35/cuda_graphs.py VerifyGraphs), so a k that flips between two near-equal choices as the
+running acceptance moves would make every step eager. While auto stays at 0 the average relaxes back towards the
+prior, so that speculation is tried again once in a while rather than never.
 
 The cost table: COST_TABLE below is a placeholder of the right shape, NOT a measurement (to be replaced by the
 table `qwen35.bench --mode spec` measures, per GPU kind and TP). It is the cost of a step relative to a batch-1
@@ -35,6 +38,7 @@ ACCEPTANCE_DECAY = 0.9    # weight of the past in the running acceptance (per ve
 COST_TABLE = [(1, 1.0), (2, 1.32), (4, 1.82), (8, 2.4), (16, 3.0), (32, 3.6), (64, 4.3), (128, 5.6), (256, 8.4),
               (512, 14.0)]
 DRAFT_COST = 0.15
+SWITCH_MARGIN = 0.03      # auto leaves the k it chose last only for one expected to cost this much less per token
 
 
 def parse_speculative_tokens(value) -> int | str:
@@ -101,6 +105,7 @@ class SpecPolicy:
         self.setting = parse_speculative_tokens(setting)
         self.table = table or CostTable()
         self.acceptance = ACCEPTANCE_PRIOR
+        self.k: int | None = None  # what auto chose last
         self.drafted = 0
         self.accepted = 0
 
@@ -112,11 +117,11 @@ class SpecPolicy:
         """Drafts to propose for the next step of about `batch` rows."""
         if self.setting != "auto":
             return self.setting
-        best, best_cost = 0, self.table.ms_per_token(batch, 0, self.acceptance)
-        for k in range(1, AUTO_MAX_K + 1):
-            cost = self.table.ms_per_token(batch, k, self.acceptance)
-            if cost < best_cost:
-                best, best_cost = k, cost
+        costs = [self.table.ms_per_token(batch, k, self.acceptance) for k in range(AUTO_MAX_K + 1)]
+        best = min(range(AUTO_MAX_K + 1), key=costs.__getitem__)  # (ties: the smaller k)
+        if self.k is not None and costs[self.k] * (1 - SWITCH_MARGIN) <= costs[best]:
+            best = self.k  # (module docstring: k stays put unless another is clearly cheaper)
+        self.k = best
         if best == 0:  # relax towards the prior: try again once in a while
             self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * ACCEPTANCE_PRIOR
         return best
