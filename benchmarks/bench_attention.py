@@ -161,7 +161,7 @@ def main():
     H, KV, D = m.num_heads, m.num_kv_heads, m.head_dim
     n_layers = len(cfg.full_attention_layers)
     print(f"{torch.cuda.get_device_name()}, TP={args.tp}: {H} q heads, {KV} KV heads, head_dim {D}, rotary "
-          f"{cfg.rotary_dim}, block {BLOCK}; {n_layers} attention layers; tile {A.DECODE_TILE}, min tiles/split "
+          f"{cfg.rotary_dim}, block {BLOCK}; {n_layers} attention layers; decode {A.decode_config(D)}, min tiles/split "
           f"{A.MIN_TILES_PER_SPLIT}, max splits {A.MAX_SPLITS}; prefill tiles {A.prefill_config(D)}")
     rows = []
 
@@ -187,7 +187,8 @@ def main():
                          rotary.sin, m.k_cache, m.v_cache, m.eps)
             q = A.qk_norm_rope_cache_fast(*norm_args)
             attn_args = (q, m.k_cache, m.v_cache, fb.block_tables, fb.context_lens, m.scale, gate)
-            splits = A.decode_splits(batch, KV, fb.block_tables.shape[1] * BLOCK, q.device)
+            dc = A.decode_config(D)
+            splits = A.decode_splits(batch, KV, fb.block_tables.shape[1] * BLOCK, q.device, dc["tile"], dc["per_sm"])
             kv_bytes = 2 * batch * ctx * KV * D * 2
             if ctx == CONTEXT:
                 norm_bytes = qkv.numel() * 2 + q.numel() * 2 + 2 * batch * KV * D * 2
@@ -202,9 +203,8 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp, "rows": rows, "prefill": prefill_rows,
-                       "config": dict(tile=A.DECODE_TILE, min_tiles=A.MIN_TILES_PER_SPLIT,
-                                      max_splits=A.MAX_SPLITS, programs_per_sm=A.PROGRAMS_PER_SM,
-                                      prefill=A.PREFILL_CONFIG)}, f, indent=1)
+                       "config": dict(decode=A.decode_config(D), min_tiles=A.MIN_TILES_PER_SPLIT,
+                                      max_splits=A.MAX_SPLITS, prefill=A.PREFILL_CONFIG)}, f, indent=1)
 
 
 def prefill(layers: dict, cfg, gen: torch.Generator, n_layers: int, sweep: bool) -> list[dict]:

@@ -23,10 +23,6 @@ from layers import attention as A
 GRID = dict(tile=[16, 32, 64, 128], warps=[4, 8], stages=[2, 3, 4], per_sm=[1, 2, 4])
 
 
-def splits_for(batch: int, kv: int, max_tokens: int, tile: int, per_sm: int, device) -> int:
-    want = -(-per_sm * A._sm_count(device) // (batch * kv))
-    most = -(-max_tokens // (tile * A.MIN_TILES_PER_SPLIT))
-    return max(1, min(want, most, A.MAX_SPLITS))
 
 
 def case(batch: int, heads: int, kv: int, dim: int, context: int, block_size: int = 16):
@@ -73,7 +69,7 @@ def main() -> None:
             cur = cold_graph_ms(current)
             best = (float("inf"), None)
             for st in settings:
-                splits = splits_for(b, kv, max_tokens, st["tile"], st["per_sm"], q.device)
+                splits = A.decode_splits(b, kv, max_tokens, q.device, st["tile"], st["per_sm"])
                 try:
                     A.paged_decode_launch(q, k, v, tables, lens, dim ** -0.5, gate, splits, tile=st["tile"],
                                           warps=st["warps"], stages=st["stages"])

@@ -34,12 +34,18 @@ from layers.norm import RMSNorm, rms_norm_torch
 from layers.rotary import RotaryEmbedding, apply_rope
 from layers.varlen import block_of, seq_tile
 
-# decode split-K tuning: tokens per inner iteration, least tiles a split takes before another split gets work, the
-# most splits per (sequence, KV head), and how many programs per SM the split count aims for
-DECODE_TILE = 32
+# decode split-K: least tiles a split takes before another split gets work, and the most splits per (sequence, KV
+# head); per head_dim (the entry of the smallest listed dim >= it): tokens per inner iteration, warps, pipeline
+# stages, and how many programs per SM the split count aims for. `python -m benchmarks.sweep_decode_attention`
+# (1x H100, 2026-11-27, L2 cold, context 1024, batches 1/8/32/64 summed): Llama-1B's 32/8 heads x 64 123.7 ->
+# 105.6 us with 128-token tiles, Llama-3B's 24/8 x 128 186.1 -> 180.0 us with 64; head_dim 256 (Qwen3.5) as tuned
+# before (2026-11-23).
 MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 128
-PROGRAMS_PER_SM = 2
+DECODE_CONFIG = {64: dict(tile=128, warps=4, stages=3, per_sm=2),
+                 128: dict(tile=64, warps=4, stages=3, per_sm=2),
+                 256: dict(tile=32, warps=4, stages=2, per_sm=2)}
+DECODE_TILE = DECODE_CONFIG[256]["tile"]  # (the tests' and the launch's default tile)
 # prefill kernel tiles by head_dim (the entry for the smallest listed dim >= head_dim; module level so that
 # benchmarks/bench_attention.py can sweep them). At head_dim 256 a bf16 [64, 256] Q tile plus double-buffered K and V
 # tiles of 32 keys take 96 KB of shared memory, and the fp32 [64, 256] accumulator 64 registers a thread over 8 warps.
@@ -385,15 +391,24 @@ def paged_decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens,
     only on shapes), each part one program; the last program of a (sequence, KV head) to finish merges the parts of
     its query heads and applies the gate (if any), in the same launch. With one split each program applies the gate
     itself."""
-    splits = decode_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device)
-    return paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale, gate, splits)
+    cfg = decode_config(q.shape[2])
+    splits = decode_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device,
+                           cfg["tile"], cfg["per_sm"])
+    return paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale, gate, splits, tile=cfg["tile"],
+                               warps=cfg["warps"], stages=cfg["stages"])
 
 
-def decode_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU (PROGRAMS_PER_SM per SM over batch * kv_heads), but no more splits than the
-    widest possible context can give MIN_TILES_PER_SPLIT tiles each, and at most MAX_SPLITS."""
-    want = -(-PROGRAMS_PER_SM * _sm_count(device) // (batch * kv_heads))
-    most = -(-max_tokens // (DECODE_TILE * MIN_TILES_PER_SPLIT))
+def decode_config(head_dim: int) -> dict:
+    """The decode kernel's settings for this head_dim: DECODE_CONFIG's entry for the smallest listed dim >= it."""
+    return next((c for d, c in sorted(DECODE_CONFIG.items()) if d >= head_dim), DECODE_CONFIG[max(DECODE_CONFIG)])
+
+
+def decode_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device, tile: int = DECODE_TILE,
+                  per_sm: int = 2) -> int:
+    """Enough programs to fill the GPU (per_sm per SM over batch * kv_heads), but no more splits than the widest
+    possible context can give MIN_TILES_PER_SPLIT tiles of `tile` tokens each, and at most MAX_SPLITS."""
+    want = -(-per_sm * _sm_count(device) // (batch * kv_heads))
+    most = -(-max_tokens // (tile * MIN_TILES_PER_SPLIT))
     return max(1, min(want, most, MAX_SPLITS))
 
 

@@ -199,6 +199,14 @@ def test_decode_splits_depend_on_shapes_only(monkeypatch):
     assert A.decode_splits(256, 8, 32768, "cpu") == 1
     assert A.decode_splits(1, 1, 1, "cpu") == 1
     assert A.decode_splits(2, 1, 32768, "cpu") >= A.decode_splits(8, 1, 32768, "cpu")
+    assert A.decode_splits(1, 2, 3 * 128 * A.MIN_TILES_PER_SPLIT, "cpu", tile=128) == 3
+    assert A.decode_splits(64, 8, 32768, "cpu", per_sm=4) == math.ceil(4 * 132 / 512)
+
+
+def test_decode_config_by_head_dim():
+    """The smallest listed head_dim >= the model's, else the largest listed."""
+    assert A.decode_config(64) == A.DECODE_CONFIG[64] and A.decode_config(80) == A.DECODE_CONFIG[128]
+    assert A.decode_config(256) == A.DECODE_CONFIG[256] and A.decode_config(512) == A.DECODE_CONFIG[256]
 
 
 # ----------------------------------------------------------------------------------------- prefill attention
