@@ -331,6 +331,8 @@ class LLMEngine:
             "prefix_cache_hit_tokens": hit_tokens,
             # speculative decoding: drafts verified, and those accepted (0 when off)
             "spec_drafted_tokens": self.speculation.drafted, "spec_accepted_tokens": self.speculation.accepted,
+            "spec_verify_graph_steps": self.runner.verify_counts["graph"],
+            "spec_verify_eager_steps": self.runner.verify_counts["eager"],
         }
 
     def _log_late_compile(self, kernel: str) -> None:

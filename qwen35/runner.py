@@ -123,6 +123,7 @@ class ModelRunner:
         self._allocate_slot_inputs()
         self.graphs = None
         self.verify_graphs = None  # attach_sampler (with the sampler: the graphs sample)
+        self.verify_counts = {"graph": 0, "eager": 0}  # verify steps replayed from a graph / queued eagerly
         if self.device.type == "cuda" and not self.enforce_eager:
             if not all(getattr(m, "sync_free", True) for m in self.model.modules()):
                 # the torch experts loop over the experts a batch hits, a host sync a CUDA graph cannot hold
@@ -487,7 +488,9 @@ class ModelRunner:
             self._check_rows(plan.state_slots, plan.start_pos, [1] * n, [s + 1 for s in plan.start_pos])
             tokens = graphs.run(plan.state_slots, plan.start_pos, plan.spec_k, tail_mode(sampling))
             self.logit_slots = graphs.rows[0, :n]
+            self.verify_counts["graph"] += 1
             return tokens
+        self.verify_counts["eager"] += 1
         batch, num_drafts = self.prepare_verify(plan)
         return self.verify_forward(batch, num_drafts, sampling, plan.draft_k)
 

@@ -9,7 +9,8 @@ temperature 1 (the temperature the synthetic acceptance is made for), ignore_eos
 added at once; the prefill steps are not timed, then every step until all have finished is. Reported per row: wall
 ms per step (host included: with speculation the host waits for each step), completion tokens per sequence per step,
 the effective ms per emitted token (per sequence: wall / tokens each sequence emitted), and the acceptance measured
-in that run (accepted / drafted drafts that could count). Nothing is assumed: the acceptance is what the drafts got.
+in that run (accepted / drafted drafts that could count), and how many verify steps replayed a CUDA graph and how
+many ran eagerly (the runner's counts: rank 0's). Nothing is assumed: the acceptance is what the drafts got.
 The engine is built once with room for the most drafts asked for; each row sets the policy's k.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ def spec_run(engine: LLMEngine, batch: int, k, input_len: int, output_len: int, 
         engine.step()
     before = sum(len(r.output_ids) for r in engine.requests.values())
     drafted, accepted, steps = policy.drafted, policy.accepted, engine.num_steps
+    counts = dict(engine.runner.verify_counts)
     steps -= engine._in_flight is not None  # (overlap: a step queued during the prefill loop runs in the window)
     t0 = time.perf_counter()
     run_to_completion(engine)
@@ -49,6 +51,8 @@ def spec_run(engine: LLMEngine, batch: int, k, input_len: int, output_len: int, 
     return {"batch": batch, "k": k, "steps": steps, "step_ms": round(1e3 * wall / steps, 4),
             "tokens_per_step": round(per_seq / steps, 4), "ms_per_token": round(1e3 * wall / max(per_seq, 1), 4),
             "drafted": drafted, "accepted": accepted,
+            "verify_graph_steps": engine.runner.verify_counts["graph"] - counts["graph"],
+            "verify_eager_steps": engine.runner.verify_counts["eager"] - counts["eager"],
             "acceptance": round(accepted / drafted, 4) if drafted else None}
 
 
