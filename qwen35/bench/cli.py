@@ -2,7 +2,7 @@
 and the traces correctness harnesses run through create_engine.
 
     torchrun --nproc-per-node N -m qwen35.bench [--model qwen3.5-35b-a3b --load-format dummy]
-        [--mode record,static,trace,latency] [--batch-sizes 1,2,4,...,64] [--input-len 1024] [--output-len 256]
+        [--mode record,static,trace,latency,spec] [--batch-sizes 1,2,4,...,64] [--input-len 1024] [--output-len 256]
         [--levels 1,2,4,8,16,32,64] [--num-requests 64] [--output-len-dist exp:290,1024|fixed:N|...]
         [--latency-shapes 64:128,2048:256,8192:256] [--compare-hf] [--out results.json]
     torchrun --nproc-per-node N -m qwen35.bench --model llama-1b --mode prefill,decode,mixed [harness flags]
@@ -25,6 +25,8 @@ trace: the closed-loop workload of the serving contract (per level 2 warm-up the
   wall times; the cold levels are not in the score.
 latency: one request at a time per shape PROMPT:OUTPUT (qwen35/bench/latency.py), with --compare-hf beside
   transformers' generate on the same weights (TP=1).
+spec: speculative decoding per batch size and k (qwen35/bench/spec.py; --load-format dummy-spec for drafts that are
+  accepted, --spec-ks 0,1,2,3,auto).
 prefill, decode, mixed: the create_engine traces of qwen35/bench/harness.py (batched long-prompt prefill, repeated
   decode over many live requests, a closed loop of prefill/decode/remove calls). They build a LogitsEngine instead of
   the serving engine, so they run in an invocation of their own (both would hold a full KV cache).
