@@ -82,6 +82,21 @@ def split_qkv(c: torch.Tensor, num_k_heads: int, num_v_heads: int, dk: int, dv: 
     return q, k, v.float().view(n, -1, dv)
 
 
+def conv_column_qkv(window: torch.Tensor, conv_weight: torch.Tensor, Hk: int, Hv: int, dk: int, dv: int):
+    """q, k, v (split_qkv) of the conv's output column over `window` [B, C, K] (each channel's K tap inputs, oldest
+    first): accumulated in fp32 and rounded like a conv1d in the window's dtype, then SiLU."""
+    c = F.silu((window.float() * conv_weight[:, 0, :].float()).sum(-1).to(window.dtype))
+    return split_qkv(c, Hk, Hv, dk, dv)
+
+
+def delta_rule_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
+    """One token of the gated delta rule on B states [B, H, dk, dv] (fp32): decay by exp(g), then move the state's
+    readout at k towards v by beta. Returns the new states."""
+    state = state * g.exp()[:, :, None, None]
+    delta = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta[..., None]
+    return state + k[..., None] * delta[:, :, None, :]
+
+
 def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     """q, k: [n, H, dk]; v: [n, H, dv]; g, beta: [n, H]; state: [H, dk, dv]; all fp32. Returns (o [n, H, dv], state)."""
     out = torch.empty_like(v)
@@ -111,12 +126,8 @@ def decode_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias
     g, beta = gates_torch(a, b, A_log, dt_bias)
     window = torch.cat([conv_state[slots], u.unsqueeze(-1)], dim=-1)              # [B, C, K]
     conv_state[slots] = window[..., 1:]
-    # the conv's last output column, accumulated in fp32 and rounded like a conv1d in the model dtype
-    c = F.silu((window.float() * conv_weight[:, 0, :].float()).sum(-1).to(u.dtype))
-    q, k, v = split_qkv(c, Hk, Hv, dk, dv)
-    state = ssm_state[slots] * g.exp()[:, :, None, None]                           # [B, H, dk, dv]
-    delta = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta[..., None]
-    state = state + k[..., None] * delta[:, :, None, :]
+    q, k, v = conv_column_qkv(window, conv_weight, Hk, Hv, dk, dv)                 # the conv's last column
+    state = delta_rule_step(ssm_state[slots], k, v, g, beta)                        # [B, H, dk, dv]
     ssm_state[slots] = state
     o = torch.einsum("bhkv,bhk->bhv", state, q).to(u.dtype)
     return gated_rms_norm_torch(o, z, norm_weight, eps).flatten(1)
@@ -360,6 +371,16 @@ if triton is not None:
         return tl.where(d == 0.0, x, tl.log(w) * (x / tl.where(d == 0.0, 1.0, d)))
 
     @triton.jit
+    def _softplus(x):
+        """softplus as torch's (threshold 20), fp32."""
+        return tl.where(x > 20.0, x, _log1p(tl.exp(tl.minimum(x, 20.0))))
+
+    @triton.jit
+    def _beta(b_raw):
+        """beta = sigmoid(b) rounded to b's dtype, fp32 (spec §3.2)."""
+        return round_to(tl.sigmoid(b_raw.to(tl.float32)), b_raw.dtype)
+
+    @triton.jit
     def _gates_kernel(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, T, H, sa, sb,
                       BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
         """BLOCK_T tokens: g = -exp(A_log) * softplus(a + dt_bias) in fp32, beta = sigmoid(b) rounded to b's dtype
@@ -370,10 +391,8 @@ if triton is not None:
         mask = (t < T)[:, None] & hm[None, :]
         x = tl.load(a_ptr + t[:, None] * sa + h[None, :], mask=mask, other=0.0).to(tl.float32) + \
             tl.load(dt_bias_ptr + h, mask=hm, other=0.0).to(tl.float32)[None, :]
-        softplus = tl.where(x > 20.0, x, _log1p(tl.exp(tl.minimum(x, 20.0))))
-        g = -tl.exp(tl.load(A_log_ptr + h, mask=hm, other=0.0).to(tl.float32))[None, :] * softplus
-        b_raw = tl.load(b_ptr + t[:, None] * sb + h[None, :], mask=mask, other=0.0)
-        beta = round_to(tl.sigmoid(b_raw.to(tl.float32)), b_raw.dtype)
+        g = -tl.exp(tl.load(A_log_ptr + h, mask=hm, other=0.0).to(tl.float32))[None, :] * _softplus(x)
+        beta = _beta(tl.load(b_ptr + t[:, None] * sb + h[None, :], mask=mask, other=0.0))
         tl.store(g_ptr + t[:, None] * H + h[None, :], g, mask=mask)
         tl.store(beta_ptr + t[:, None] * H + h[None, :], beta, mask=mask)
 
@@ -430,10 +449,8 @@ if triton is not None:
         q = q * tl.rsqrt(tl.sum(q * q, 0) + l2_eps) * scale
         k = k * tl.rsqrt(tl.sum(k * k, 0) + l2_eps)
         x = tl.load(prow + a_off + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, _log1p(tl.exp(tl.minimum(x, 20.0))))
-        decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
-        b_raw = tl.load(prow + b_off + h)
-        beta = round_to(tl.sigmoid(b_raw.to(tl.float32)), b_raw.dtype)
+        decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * _softplus(x))
+        beta = _beta(tl.load(prow + b_off + h))
         S = S * decay
         delta = (v - tl.sum(S * k[:, None], 0)) * beta
         S = S + k[:, None] * delta[None, :]

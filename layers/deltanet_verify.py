@@ -21,10 +21,10 @@ No host sync in either (counts stay on the device): masks by t < counts[b].
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from layers.backend import round_to, tl, triton
-from layers.deltanet import L2_EPS, _dims, decode_launch, gates_torch, split_proj, split_qkv
+from layers.deltanet import (L2_EPS, _dims, conv_column_qkv, decode_launch, delta_rule_step, gates_torch,
+                             split_proj)
 from layers.norm import gated_rms_norm_fast, gated_rms_norm_torch
 
 
@@ -34,14 +34,6 @@ def _windows(proj, conv_state, slots, conv_dim, Hv, dv, T):
     u, z, b, a = split_proj(proj.view(B, T, -1), conv_dim, Hv, dv)
     seq = torch.cat([conv_state[slots], u.transpose(1, 2)], dim=-1)
     return u, z, b, a, seq
-
-
-def _token(seq, t, K, conv_weight, dtype, dims):
-    """q, k, v of token t of every row (decode_torch's conv column and l2-norms): window seq[..., t:t+K]."""
-    Hk, Hv, dk, dv = dims
-    window = seq[..., t:t + K]
-    c = F.silu((window.float() * conv_weight[:, 0, :].float()).sum(-1).to(dtype))
-    return split_qkv(c, Hk, Hv, dk, dv)
 
 
 def verify_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float, T: int):
@@ -55,10 +47,8 @@ def verify_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias
         # (everything per token on decode_torch's shapes: the same shapes take the same vectorised code paths, so
         # the results are the same bits)
         g, beta = gates_torch(a[:, t], b[:, t], A_log, dt_bias)
-        q, k, v = _token(seq, t, K, conv_weight, u.dtype, (Hk, Hv, dk, dv))
-        state = state * g.exp()[:, :, None, None]
-        delta = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta[..., None]
-        state = state + k[..., None] * delta[:, :, None, :]
+        q, k, v = conv_column_qkv(seq[..., t:t + K], conv_weight, Hk, Hv, dk, dv)
+        state = delta_rule_step(state, k, v, g, beta)
         o = torch.einsum("bhkv,bhk->bhv", state, q).to(u.dtype)
         y.append(gated_rms_norm_torch(o, z[:, t], norm_weight, eps).flatten(1))
     return torch.stack(y, dim=1).flatten(0, 1)
@@ -72,10 +62,8 @@ def commit_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias
     state = ssm_state[slots]
     for t in range(T):
         g, beta = gates_torch(a[:, t], b[:, t], A_log, dt_bias)
-        _, k, v = _token(seq, t, K, conv_weight, u.dtype, (Hk, Hv, dk, dv))
-        new = state * g.exp()[:, :, None, None]
-        delta = (v - torch.einsum("bhkv,bhk->bhv", new, k)) * beta[..., None]
-        new = new + k[..., None] * delta[:, :, None, :]
+        _, k, v = conv_column_qkv(seq[..., t:t + K], conv_weight, Hk, Hv, dk, dv)
+        new = delta_rule_step(state, k, v, g, beta)
         state = torch.where((t < counts)[:, None, None, None], new, state)
     ssm_state[slots] = state
     # the tail after n tokens: inputs n .. n + K - 2 of the sequence [tail, T inputs]
@@ -127,7 +115,7 @@ def commit_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
 
 
 if triton is not None:
-    from layers.deltanet import _log1p
+    from layers.deltanet import _beta, _softplus
 
     @triton.jit
     def _window_silu(prow0, sp_b, t, tail, w_ptr, ch, mask, ss_c, ss_t, sw_c, sw_t, KERNEL: tl.constexpr,
@@ -179,11 +167,8 @@ if triton is not None:
             v = _window_silu(prow0, sp_b, t, tail, conv_w_ptr, v_off + h * DV + vv, vm, sc_c, sc_t, sw_c, sw_t,
                              KERNEL, dtype)
             k = k * tl.rsqrt(tl.sum(k * k, 0) + l2_eps)
-            x = tl.load(prow + a_off + h).to(tl.float32) + bias
-            softplus = tl.where(x > 20.0, x, _log1p(tl.exp(tl.minimum(x, 20.0))))
-            decay = tl.exp(decay_scale * softplus)
-            b_raw = tl.load(prow + b_off + h)
-            beta = round_to(tl.sigmoid(b_raw.to(tl.float32)), b_raw.dtype)
+            decay = tl.exp(decay_scale * _softplus(tl.load(prow + a_off + h).to(tl.float32) + bias))
+            beta = _beta(tl.load(prow + b_off + h))
             new = S * decay
             delta = (v - tl.sum(new * k[:, None], 0)) * beta
             new = new + k[:, None] * delta[None, :]
