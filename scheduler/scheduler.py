@@ -463,26 +463,36 @@ class Scheduler:
                         req.sent_tokens = n
                         add(RequestOutput(req.request_id, text, [token], False, None, req.num_prompt, n, None))
                     continue
-                if token in req.stop_set and n > req.min_tokens:
-                    req.append_token(token, text=False)
-                    req.finish("stop")
-                else:
-                    req.append_token(token)
-                    if req.stops and req.cut_at_stop_string(n >= req.min_tokens):
-                        req.finish("stop", flush=False)
-                    elif n >= req.max_tokens:
-                        req.finish("length")
+                self._take(req, token, n)
                 out = req.take_output()
             except Exception as e:
                 failed.append(self.fail(req, e))
                 continue
-            if req.finish_reason is not None:
-                self.free(req)
-                del self.requests[req.request_id]
-            if out is not None:
-                add(out)
+            self._settle(req, out, outputs)
         self.completion_tokens += min(len(rows), len(tokens)) - dropped - len(failed)
         return outputs + failed if failed else outputs
+
+    @staticmethod
+    def _take(req: Request, token: int, n: int) -> None:
+        """A token that may end its request (the n-th completion token, with it): a stop token once min_tokens
+        completion tokens exist (kept, its text not), a stop string in the text from then on (cut), max_tokens."""
+        if token in req.stop_set and n > req.min_tokens:
+            req.append_token(token, text=False)
+            req.finish("stop")
+        else:
+            req.append_token(token)
+            if req.stops and req.cut_at_stop_string(n >= req.min_tokens):
+                req.finish("stop", flush=False)
+            elif n >= req.max_tokens:
+                req.finish("length")
+
+    def _settle(self, req: Request, out: RequestOutput | None, outputs: list[RequestOutput]) -> None:
+        """After a request took its tokens of a step: freed if they ended it, its output (if any) added."""
+        if req.finish_reason is not None:
+            self.free(req)
+            del self.requests[req.request_id]
+        if out is not None:
+            outputs.append(out)
 
     def _update_runs(self, rows: list[Request], runs: list[list[int]]) -> list[RequestOutput]:
         """update() for a step with a run of tokens per row: the runs' extra tokens (past the one counted when the
@@ -503,28 +513,15 @@ class Scheduler:
                 continue
             try:
                 for token in run:
-                    n = len(req.output_ids) + 1
                     taken += 1
-                    if token in req.stop_set and n > req.min_tokens:
-                        req.append_token(token, text=False)
-                        req.finish("stop")
-                    else:
-                        req.append_token(token)
-                        if req.stops and req.cut_at_stop_string(n >= req.min_tokens):
-                            req.finish("stop", flush=False)
-                        elif n >= req.max_tokens:
-                            req.finish("length")
+                    self._take(req, token, len(req.output_ids) + 1)
                     if req.finish_reason is not None:
                         break
                 out = req.take_output()
             except Exception as e:
                 failed.append(self.fail(req, e))
                 continue
-            if req.finish_reason is not None:
-                self.free(req)
-                del self.requests[req.request_id]
-            if out is not None:
-                outputs.append(out)
+            self._settle(req, out, outputs)
         self.completion_tokens += taken
         return outputs + failed
 
