@@ -80,12 +80,17 @@ def test_warm_up_runs_in_create_engine_and_leaves_requests_untouched(qwen2_pt, m
         eng.warm_up(8)
 
 
+def record_plans(eng) -> list:
+    """The plans the engine's runner executes from now on, in order (the calls still run)."""
+    plans, real = [], eng.runner.execute
+    eng.runner.execute = lambda plan, **kw: plans.append(plan) or real(plan, **kw)
+    return plans
+
+
 def test_warm_up_without_graphs_runs_a_decode_step_of_every_size(qwen2_pt):
     _, path, cfg = qwen2_pt
     eng = create_engine(cfg, path, device="cpu", max_num_seqs=6, block_size=BLOCK)
-    plans = []
-    real = eng.runner.execute
-    eng.runner.execute = lambda plan, **kw: plans.append(plan) or real(plan, **kw)
+    plans = record_plans(eng)
     done = eng.warm_up(16)
     decode = sorted(p.num_seqs for p in plans if p.is_pure_decode)
     assert decode == capture_sizes(6) == [1, 2, 4, 6] and done["logits_shapes"] == 6
@@ -127,9 +132,7 @@ def test_decode_rows_in_any_order_and_padded_rows_touch_no_request(qwen2_pt):
 def test_a_call_sends_a_block_table_only_when_it_grew(qwen2_pt):
     _, path, cfg = qwen2_pt
     eng = create_engine(cfg, path, device="cpu", max_num_seqs=2, block_size=BLOCK)
-    plans = []
-    real = eng.runner.execute
-    eng.runner.execute = lambda plan, **kw: plans.append(plan) or real(plan, **kw)
+    plans = record_plans(eng)
     eng.prefill(["a", "b"], [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6, 7, 8])])  # 1 and 2 blocks of 4
     for t in range(6):
         eng.decode(["b", "a"], [t, t])
