@@ -10,6 +10,8 @@
 #   usetuned  copy $OUT/moe_configs.json over layers/moe_configs.json (the records after it use the new tiles)
 #   dense     issue #29: benchmarks.profile_decode_calls and the llama-1b / llama-3b create_engine traces on GPU DENSE_GPU
 #   sweep     issue #29: benchmarks.sweep_decode_attention on GPU SWEEP_GPU
+#   spec      issue #28: qwen35.bench --mode spec (dummy-spec weights, acceptance 0.6) at TP SPEC_TP (default 4),
+#             SPEC_ARGS (batches, ks, --spec-profile), SPEC_TAG naming its files
 # RECORD_GPU0: the first GPU of a record (several stages may run side by side on one machine); RECORD_TAG names its
 # files; each torchrun takes its own port.
 set -uo pipefail
@@ -78,6 +80,12 @@ for stage in "$@"; do
     sweep)
       CUDA_VISIBLE_DEVICES=${SWEEP_GPU:-0} timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.sweep_decode_attention \
         --json "$OUT/sweep_decode.json" > "$OUT/sweep_decode.log" 2>&1; echo "sweep rc=$?"; grep -v "^\s*$" "$OUT/sweep_decode.log" | tail -16 ;;
+    spec)
+      tp=${SPEC_TP:-4}; f="$OUT/spec${SPEC_TAG:+_${SPEC_TAG}}_tp$tp"
+      CUDA_VISIBLE_DEVICES=$(devs $tp) timeout ${SPEC_TIMEOUT:-400} torchrun --nproc-per-node "$tp" --master-port $(port 0) \
+        -m qwen35.bench --mode spec --load-format dummy-spec --spec-acceptance 0.6 \
+        ${SPEC_ARGS:---batch-sizes 1,8,64 --spec-ks 0,1,2 --output-len 64} --out "$f.json" > "$f.log" 2>&1
+      echo "spec tp=$tp rc=$?"; grep -E "^ *[0-9]+ +[0-9a-z]+ +[0-9.]+ |^---|us/step|captured|Error|error" "$f.log" | head -120 ;;
   esac
   echo "[$stage: $(( $(date +%s) - t0 )) s]"
 done

@@ -102,7 +102,7 @@ class GatedAttention(nn.Module):
         q = self._norm_rope_cache(qkv, batch.positions, batch.slot_mapping, qw, kw, self.rotary.cos, self.rotary.sin,
                                   self.k_cache, self.v_cache, self.eps, self.gated, self.plain_norm)
         gate = split_qkv(qkv, self.num_kv_heads, self.head_dim, self.gated)[1]  # None without the output gate
-        if batch.is_decode:
+        if batch.is_decode or batch.verify_tokens:  # (a verify step's rows carry their own tables and lengths)
             o = self._decode(q, self.k_cache, self.v_cache, batch.block_tables, batch.context_lens, self.scale, gate)
         else:
             o = self._prefill(q, self.k_cache, self.v_cache, batch, self.scale, gate)

@@ -28,8 +28,9 @@ class ForwardBatch:
     checkpoints: torch.Tensor | None = None
     checkpoints_cpu: list[tuple[int, int, int]] = field(default_factory=list)
     # a speculative verify step: every row feeds T = verify_tokens tokens (its newest, then its drafts) onto its
-    # state, row b's at b*T .. b*T + T - 1; attention takes it as a mixed step (causal over the paged cache), the
-    # DeltaNet layers verify without writing their caches until commit (layers/deltanet_verify.py). 0: not one
+    # state, row b's at b*T .. b*T + T - 1; attention decodes every row as its own query (context_lens and
+    # block_tables are then per row: [B*T], [B*T, W]; causal by the lengths), the DeltaNet layers verify without
+    # writing their caches until commit (layers/deltanet_verify.py). 0: not one
     verify_tokens: int = 0
 
     @property

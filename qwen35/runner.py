@@ -451,7 +451,7 @@ class ModelRunner:
                       **host) -> tuple[ForwardBatch, torch.Tensor]:
         """A verify step's inputs as device ops of static shapes only (a CUDA graph holds them: cuda_graphs.
         VerifyGraphs): row b's T tokens (its slot's newest token, then its T - 1 drafts) at rows b*T .. b*T + T - 1,
-        positions start .. start + T - 1, over the slots' whole block tables; and per row the drafts it may accept
+        positions start .. start + T - 1, each row over its slot's whole block table; and per row the drafts it may accept
         [B]: those whose positions have KV blocks (a row near its end has fewer; the scheduler drops tokens past
         max_tokens). Positions past a row's blocks compute garbage that is never accepted: their K/V go to the
         scratch block, their keys are read through the table's scratch columns, their RoPE position is clamped.
@@ -469,7 +469,8 @@ class ModelRunner:
             input_ids=tokens.flatten(), positions=torch.minimum(positions, end[:, None]).flatten(),
             slot_mapping=(blocks.long() * bs + positions % bs).flatten(),
             cu_seqlens=torch.arange(0, B * T + 1, T, dtype=torch.int32, device=self.device),
-            start_pos=starts.to(torch.int32), context_lens=(starts + T).to(torch.int32), block_tables=tables,
+            start_pos=starts.to(torch.int32), context_lens=(positions + 1).flatten().to(torch.int32),
+            block_tables=tables.repeat_interleave(T, dim=0),
             state_slots=slots, logits_indices=torch.arange(B * T, device=self.device), seq_lens_cpu=[T] * B,
             start_pos_cpu=[0] * B, state_slots_cpu=[self.scratch_slot] * B, is_decode=False, verify_tokens=T)
         fields.update(host)

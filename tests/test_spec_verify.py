@@ -163,10 +163,13 @@ def restore(model, saved):
 
 
 def verify_batch(rows, T):
-    """rows (slot, T tokens, start) as the runner builds a verify step."""
+    """rows (slot, T tokens, start) as the runner builds a verify step: every row its own query (its sequence's
+    block table, its length)."""
     import dataclasses
     from tests.test_mtp import batch_of
-    return dataclasses.replace(batch_of(rows), is_decode=False, verify_tokens=T)
+    b = batch_of(rows)
+    return dataclasses.replace(b, is_decode=False, verify_tokens=T, block_tables=b.block_tables.repeat_interleave(
+        T, dim=0), context_lens=(b.positions + 1).to(torch.int32))
 
 
 @pytest.fixture(scope="module")

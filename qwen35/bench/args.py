@@ -43,6 +43,8 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
                          "standard for synthetic weights)")
     ap.add_argument("--spec-ks", default="0,1,2,3,auto",
                     help="spec: the speculative_tokens settings timed per batch size (0: off; K; auto)")
+    ap.add_argument("--spec-profile", default="",
+                    help="spec: BATCH:K rows also run under torch.profiler, comma separated (rank 0's top kernels)")
     g = ap.add_argument_group("latency")
     g.add_argument("--latency-shapes", default=latency.DEFAULT_SHAPES, help="PROMPT:OUTPUT tokens, comma separated")
     g.add_argument("--latency-reps", type=int, default=3, help="runs per shape (the median is reported)")

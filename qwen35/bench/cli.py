@@ -128,6 +128,9 @@ def main(argv=None) -> None:
                   f"{args.output_len} out, temperature 1, load format {eargs.load_format}")
             results.update(spec.spec_rows(engine, ints(args.batch_sizes), spec.parse_ks(args.spec_ks),
                                           args.input_len, args.output_len, rng))
+            results["spec_profile"] = [spec.profile_row(engine, int(b), spec.parse_ks(k)[0], args.input_len,
+                                                        args.output_len, rng)
+                                       for b, k in (item.split(":") for item in args.spec_profile.split(",") if item)]
         if "trace" in modes:
             print(f"trace: {args.num_requests} requests per level, prompts of {args.input_len} tokens, outputs "
                   f"{args.output_len_dist}")
