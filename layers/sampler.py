@@ -267,6 +267,27 @@ if triton is not None:
         return (x + y) + fe * 0.693359375
 
     @triton.jit
+    def seeds_k(key, ctr):
+        """row_seeds: a row's two 32-bit seeds from its key and counter (int64 scalars)."""
+        s1 = _mix32_k(_mix32_k(_mix32_k(_mix32_k(key & 0xFFFFFFFF) ^ ((key >> 32) & 0xFFFFFFFF))
+                               ^ (ctr & 0xFFFFFFFF)) ^ ((ctr >> 32) & 0xFFFFFFFF))
+        return s1, _mix32_k(s1 ^ 0x9E3779B9)
+
+    @triton.jit
+    def log_noise_k(ids, s1, s2):
+        """log(E) of gumbel_scores (a score is x - log(E)) at global token ids (int64), the same ops in order."""
+        h = _mix32_k(_mix32_k(ids ^ s1) ^ s2)
+        w = tl.minimum((h.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 0.99999994)
+        t = w * 0.14285714285714285 + 0.16666666666666666
+        t = t * w + 0.2
+        t = t * w + 0.25
+        t = t * w + 0.3333333333333333
+        t = t * w + 0.5
+        t = t * w + 1.0
+        e = tl.where(w < 0.0625, t * w, -_log_k(1.0 - w))
+        return _log_k(e)
+
+    @triton.jit
     def _shard_pass_kernel(logits_ptr, stride, n_valid, n_cols, start, inv_t_ptr, key_ptr, ctr_ptr,
                            val_ptr, idx_ptr, score_ptr, nb,
                            SAMPLED: tl.constexpr, WRITE_SCORES: tl.constexpr, BLOCK: tl.constexpr):
@@ -281,21 +302,8 @@ if triton is not None:
         tl.store(val_ptr + out, tl.max(lg, 0))
         tl.store(idx_ptr + out, blk * BLOCK + tl.argmax(lg, 0, tie_break_left=True) + start)
         if SAMPLED:
-            key = tl.load(key_ptr + row)
-            ctr = tl.load(ctr_ptr + row)
-            s1 = _mix32_k(_mix32_k(_mix32_k(_mix32_k(key & 0xFFFFFFFF) ^ ((key >> 32) & 0xFFFFFFFF))
-                                   ^ (ctr & 0xFFFFFFFF)) ^ ((ctr >> 32) & 0xFFFFFFFF))
-            s2 = _mix32_k(s1 ^ 0x9E3779B9)
-            h = _mix32_k(_mix32_k((cols + start).to(tl.int64) ^ s1) ^ s2)
-            w = tl.minimum((h.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 0.99999994)
-            t = w * 0.14285714285714285 + 0.16666666666666666
-            t = t * w + 0.2
-            t = t * w + 0.25
-            t = t * w + 0.3333333333333333
-            t = t * w + 0.5
-            t = t * w + 1.0
-            e = tl.where(w < 0.0625, t * w, -_log_k(1.0 - w))
-            s = lg * tl.load(inv_t_ptr + row) - _log_k(e)
+            s1, s2 = seeds_k(tl.load(key_ptr + row), tl.load(ctr_ptr + row))
+            s = lg * tl.load(inv_t_ptr + row) - log_noise_k((cols + start).to(tl.int64), s1, s2)
             s = tl.where(ok, s, float("-inf"))
             if WRITE_SCORES:
                 tl.store(score_ptr + row * n_cols + cols, s, mask=cols < n_cols)

@@ -225,8 +225,8 @@ class VerifyGraphs:
     def _capture_all(self) -> None:
         t0 = time.time()
         runner = self.runner
-        # the buffer the sampled graphs read the drafts' distributions from, made before they are captured
-        runner.draft_probs_buffer(min(runner.sampler.num_real_tokens, runner.config.vocab_size))
+        # the buffers the sampled graphs read the drafts' logits from, made before they are captured
+        runner.draft_buffers(runner.model.lm_head.weight.shape[0])
         padded = self._padded_rows().to(runner.device)
         for b in sorted(self.sizes, reverse=True):  # largest first: pool reuse
             for k in range(1, self.max_k + 1):

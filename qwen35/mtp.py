@@ -37,7 +37,7 @@ from layers.forward_batch import ForwardBatch
 from layers.linear import Linear
 from layers.norm import RMSNorm
 from layers.sampler import SampleBatch
-from layers.spec_sampling import draft_sample
+from layers.spec_sampling import bind_spec_sampling
 from qwen35.config import FULL_ATTENTION, ModelConfig
 from qwen35.model import DecoderLayer, Qwen35Model
 
@@ -87,7 +87,10 @@ def attach_mtp(model: Qwen35Model) -> MTPHead:
 
 class Drafts(NamedTuple):
     tokens: torch.Tensor             # [B, k] int64
-    probs: torch.Tensor | None       # [B, k, V] float32: the distribution each draft was drawn from; None if greedy
+    # what each draft was drawn from (layers/spec_sampling.py): this rank's shard of the head's logits [B, k, n]
+    # (float32) and the log-sum-exp of their x [B, k]; None when every row is greedy
+    logits: torch.Tensor | None
+    lse: torch.Tensor | None
 
 
 def draft_batch(block_tables: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor,
@@ -118,7 +121,7 @@ def catch_up(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newe
 def propose(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newest: torch.Tensor,
             last_rows: torch.Tensor, k: int, sampling: SampleBatch | None = None,
             block_tables: torch.Tensor | None = None, num_real_tokens: int | None = None,
-            max_positions: torch.Tensor | None = None) -> Drafts:
+            max_positions: torch.Tensor | None = None, draft=None) -> Drafts:
     """k draft tokens per sequence of a target step (module docstring: draft alignment).
 
     batch: the target step's ForwardBatch; hidden [N, H]: its post-final-norm hidden states (every row); newest [B]:
@@ -126,7 +129,8 @@ def propose(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newes
     the step (its last row, or for a verify step its first row + accepted drafts). sampling: the sequences'
     settings, counter = the draw number of the token draft 1 proposes (None: greedy drafts). block_tables [B, W]:
     the sequences' block tables covering positions up to last + k - 1 (default: the batch's). Logits columns past
-    num_real_tokens are never drafted. max_positions [B]: the last position each sequence has a KV block for; draft
+    num_real_tokens are never drafted. draft: spec_sampling's draft_fast or draft_torch (default: the kernel
+    set's); each draws from this rank's shard of the head's logits. max_positions [B]: the last position each sequence has a KV block for; draft
     positions past it are clamped to it (no block, or no RoPE row, lies past it; a draft there is never verified, the
     sequence ends first, and the entry the clamped one overwrites feeds drafts only). Writes the head's KV at
     the step's positions and the draft positions."""
@@ -139,19 +143,24 @@ def propose(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newes
     h = catch_up(model, batch, hidden, newest, last_rows)
     positions = batch.positions[last_rows]
     block_size = mtp.attn.k_cache.shape[1]
-    tokens, probs = [], []
+    draft = draft or bind_spec_sampling()[0]
+    vocab = model.config.vocab_size
+    greedy = sampling is None or sampling.greedy_only
+    tokens, shards, lses = [], [], []
     for j in range(k):
-        logits = model.compute_logits(h, gather="all")
-        if num_real_tokens is not None:
-            logits = logits[:, :num_real_tokens]
-        token, q = draft_sample(logits, None if sampling is None else
-                                dataclasses.replace(sampling, counter=sampling.counter + j))
+        logits = model.compute_logits(h, gather="none")  # this rank's vocabulary shard
+        d = draft(logits, None if greedy else dataclasses.replace(sampling, counter=sampling.counter + j),
+                  vocab if num_real_tokens is None else num_real_tokens, vocab)
+        token = d.tokens
         tokens.append(token)
-        probs.append(q)
+        shards.append(logits)
+        lses.append(d.lse)
         if j + 1 < k:
             positions = positions + 1
             if max_positions is not None:
                 positions = torch.minimum(positions, max_positions)
             step = draft_batch(tables, positions, token, batch.state_slots, block_size)
             h = mtp(model.embed_tokens(token), h, step)
-    return Drafts(torch.stack(tokens, dim=1), None if probs[0] is None else torch.stack(probs, dim=1))
+    if greedy:
+        return Drafts(torch.stack(tokens, dim=1), None, None)
+    return Drafts(torch.stack(tokens, dim=1), torch.stack(shards, dim=1), torch.stack(lses, dim=1))

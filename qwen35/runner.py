@@ -10,10 +10,11 @@ can queue step N+1 while the device still runs step N. `execute` returns a step'
 benchmarks, tests); `sample_step` is the engine's step: forward, sampling and the tokens fed back, on every rank.
 
 Speculative decoding (plan.spec_k, plan.draft_k; scheduler/speculation.py): per slot the runner also keeps the
-drafts proposed for it at the end of the step before ([slots, K] int64) and, for sampled rows, the distributions
-they were drawn from ([slots, K, vocab] float32, made when first needed). A verify step (spec_k > 0, every row a
-decode row) feeds each row its newest token and its spec_k drafts, takes the logits at every position, accepts
-(layers/spec_sampling.py: greedy, or rejection sampling at the rows' draw numbers), commits the DeltaNet layers to
+drafts proposed for it at the end of the step before ([slots, K] int64) and, for sampled rows, what they were drawn
+from: this rank's vocabulary shard of the head's logits ([slots, K, vocab / tp] float32, made when first needed) and
+their log-sum-exp ([slots, K]). A verify step (spec_k > 0, every row a decode row) feeds each row its newest token
+and its spec_k drafts, takes this rank's shard of the logits at every position, accepts (layers/spec_sampling.py:
+greedy, or rejection sampling at the rows' draw numbers; vocab-parallel with the fast kernels), commits the DeltaNet layers to
 the accepted tokens (layers/deltanet_verify.py), feeds each slot its last emitted token and moves its draw counter
 on by the tokens emitted. Any step with draft_k > 0 then proposes draft_k drafts for the rows it sampled
 (qwen35/mtp.py propose) into the slots' buffers. All of it queued on every rank, no host sync. With CUDA graphs, a
@@ -39,7 +40,7 @@ from layers.deltanet import GatedDeltaNet
 from layers.deltanet_prefill import CHUNK
 from layers.forward_batch import ForwardBatch
 from layers.sampler import SampleBatch, bind_feed_tokens, feed_tokens_fast
-from layers.spec_sampling import verify as verify_drafts, verify_greedy
+from layers.spec_sampling import bind_spec_sampling
 from layers.varlen import SEQ_TILE
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
@@ -188,13 +189,15 @@ class ModelRunner:
         # memory from torch's caching host allocator is not handed out again before then
         self._pin = self.device.type == "cuda"
         self.logit_slots = torch.zeros(0, dtype=torch.int64, device=self.device)  # of the last step's logits rows
-        # speculation (module docstring): the drafts per slot, their distributions (sampled rows: made when first
-        # needed), and per slot the last position its block table covers (draft positions are clamped to it)
-        # (running sequences' slots only: at full size the distributions are vocab x 4 B per draft, ~1 MB)
+        # speculation (module docstring): the drafts per slot, what they were drawn from (sampled rows: made when
+        # first needed: vocab / tp x 4 B per draft, ~1 MB at TP=1 at full size), and per slot the last position
+        # its block table covers (draft positions are clamped to it)
         # (one more row: the scratch slot's, which padded rows of verify graphs read and write: draft_rows)
         self.drafts = torch.zeros(self.num_state_slots + 1, self.spec_max_k, dtype=torch.int64, device=self.device) \
             if self.spec_max_k else None
-        self.draft_probs: torch.Tensor | None = None
+        self.draft_logits: torch.Tensor | None = None  # [rows, K, vocab / tp] float32
+        self.draft_lse: torch.Tensor | None = None     # [rows, K] float32
+        self._draft, self._verify = bind_spec_sampling()
         self.slot_end = torch.zeros(slots, dtype=torch.int64, device=self.device) if self.spec_max_k else None
 
     # ---------------------------------------------------------------- forward
@@ -426,11 +429,12 @@ class ModelRunner:
         slots = self.logit_slots
         d = propose(self.model, batch, hidden, newest, last_rows, k, self._sample_batch(slots, sampling),
                     block_tables=self.block_table[slots], num_real_tokens=self.sampler.num_real_tokens,
-                    max_positions=self.slot_end[slots])
+                    max_positions=self.slot_end[slots], draft=self._draft)
         rows = self.draft_rows(slots)
         self.drafts[rows, :k] = d.tokens
-        if d.probs is not None:
-            self.draft_probs_buffer(d.probs.shape[-1])[rows, :k] = d.probs
+        if d.logits is not None:
+            self.draft_buffers(d.logits.shape[-1])[0][rows, :k] = d.logits
+            self.draft_lse[rows, :k] = d.lse
 
     def draft_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows of the draft buffers that `slots` use: a running sequence's slot its own, the scratch slot (padded
@@ -501,16 +505,14 @@ class ModelRunner:
         moved on, then draft_k drafts proposed for every row. Returns the emitted tokens [B, T] (-1 after them)."""
         hidden = self.model(batch)
         B, T = batch.state_slots.shape[0], batch.verify_tokens
-        V = min(self.sampler.num_real_tokens, self.config.vocab_size)
-        logits = self.model.compute_logits(hidden, gather="all")[:, :V].view(B, T, V)
+        logits = self.model.compute_logits(hidden, gather="none")  # this rank's vocabulary shard
         slots = batch.state_slots
         rows_d = self.draft_rows(slots)
         drafts = self.drafts[rows_d, :T - 1]
         rows = self._sample_batch(slots, sampling)
-        if rows is None:
-            verdict = verify_greedy(logits, drafts, num_drafts)
-        else:
-            verdict = verify_drafts(logits, drafts, self.draft_probs[rows_d, :T - 1], rows, num_drafts)
+        q = (None, None) if rows is None else (self.draft_logits[rows_d, :T - 1], self.draft_lse[rows_d, :T - 1])
+        verdict = self._verify(logits.view(B, T, -1), drafts, *q, rows, num_drafts, self.sampler.num_real_tokens,
+                               self.config.vocab_size)
         counts = verdict.num_emitted
         for m in self.gdn_layers:
             m.commit(counts)
@@ -522,11 +524,13 @@ class ModelRunner:
             self._propose(batch, hidden, last, last_rows, draft_k, sampling)
         return verdict.tokens
 
-    def draft_probs_buffer(self, vocab: int) -> torch.Tensor:
-        """The draft distributions' buffer [draft rows, K, vocab] float32, made when first needed (sampled rows)."""
-        if self.draft_probs is None:
-            self.draft_probs = torch.zeros(*self.drafts.shape, vocab, device=self.device)
-        return self.draft_probs
+    def draft_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What sampled drafts were drawn from: (logits [draft rows, K, n] float32, this rank's vocabulary shard
+        of n columns; their log-sum-exp [draft rows, K]), made when first needed."""
+        if self.draft_logits is None:
+            self.draft_logits = torch.zeros(*self.drafts.shape, n, device=self.device)
+            self.draft_lse = torch.zeros(*self.drafts.shape, device=self.device)
+        return self.draft_logits, self.draft_lse
 
     # ---------------------------------------------------------------- warm-up
     def rows_plan(self, rows: list[tuple[int, int]], ids, checkpoint: int = 0) -> StepPlan | None:

@@ -20,7 +20,7 @@ from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
 from layers.forward_batch import ForwardBatch
 from layers.sampler import SampleBatch, sample_torch
-from layers.spec_sampling import draft_sample, verify_sampled
+from layers.spec_sampling import at_positions, draft_sample, filtered_logits, verify_sampled
 from qwen35 import synth
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
@@ -291,7 +291,7 @@ def test_drafts_follow_the_spec_alignment(ckpts):
         last = batch.cu_seqlens[1:].long() - 1
         drafts = propose(model, batch, hidden, newest, last, k)
         mtp_h = catch_up(model, batch_of([(2, prompts[0], 0), (3, prompts[1], 0)]), hidden, newest, last)
-    assert drafts.tokens.shape == (2, k) and drafts.probs is None
+    assert drafts.tokens.shape == (2, k) and drafts.logits is None and drafts.lse is None
     for s, p in enumerate(prompts):
         rows = slice(int(batch.cu_seqlens[s]), int(batch.cu_seqlens[s + 1]))
         ids, h, toks = torch.tensor(p[1:] + [int(newest[s])]), hidden[rows], []
@@ -325,9 +325,11 @@ def test_sampled_drafts_return_their_distribution(ckpts):
     with torch.inference_mode():
         hidden = model(batch)
         d = propose(model, batch, hidden, torch.tensor([17]), torch.tensor([8]), 2, sampling)
-    assert d.probs.shape == (1, 2, cfg.vocab_size)
-    assert torch.allclose(d.probs.sum(-1), torch.ones(1, 2)) and (d.probs > 0).sum(-1).max() <= 20
-    assert (d.probs.gather(2, d.tokens[..., None]) > 0).all()
+    # q = exp(x - lse), x the filtered logits / temperature: a distribution over the row's top-k / top-p set
+    assert d.logits.shape == (1, 2, cfg.vocab_size) and d.lse.shape == (1, 2)
+    q = torch.exp(filtered_logits(d.logits[0], at_positions(sampling, 2)) - d.lse[0, :, None])[None]
+    assert torch.allclose(q.sum(-1), torch.ones(1, 2)) and (q > 0).sum(-1).max() <= 20
+    assert (q.gather(2, d.tokens[..., None]) > 0).all()
 
 
 # ------------------------------------------------------------------------------------------------ TP=2
@@ -355,7 +357,7 @@ def _drafting_run(path, kernels):
     sampling = SampleBatch(torch.tensor([1.0, 0.7]), torch.tensor([0.0, 5.0]), torch.tensor([1.0, 0.9]),
                            torch.tensor([1, 2]), torch.tensor([0, 0]), None, False, True, True)
     sampled = propose(model, batch, hidden, newest, last, 3, sampling)
-    return mtp_h, greedy.tokens, sampled.tokens, sampled.probs
+    return mtp_h, greedy.tokens, sampled.tokens, sampled.lse
 
 
 def test_tensor_parallel_2_equals_1(ckpts, tmp_path):

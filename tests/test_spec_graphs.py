@@ -69,7 +69,7 @@ def live_state(runner):
     live = list(range(runner.num_state_slots))
     out = {"tables": runner.block_table.clone(), "drafts": runner.drafts[live].clone(),
            "tokens": runner.slot_tokens[live].clone(), "draws": runner.sampler.draws[live].clone(),
-           "probs": runner.draft_probs[live].clone()}
+           "logits": runner.draft_logits[live].clone(), "lse": runner.draft_lse[live].clone()}
     for i, m in enumerate(runner.gdn_layers):
         out[f"conv{i}"], out[f"ssm{i}"] = m.conv_state[live].clone(), m.ssm_state[live].clone()
     for i, m in enumerate(runner.attn_layers):  # (the MTP head's attention is one of them)
