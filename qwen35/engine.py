@@ -131,8 +131,7 @@ class LLMEngine:
             gc.freeze()
         if not parallel.is_driver():
             return
-        self.speculation = SpecPolicy(args.speculative_tokens,
-                                      CostTable.from_json(args.spec_cost_table) if args.spec_cost_table else None)
+        self.speculation = SpecPolicy(args.speculative_tokens, self._cost_table(args))
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or self.config.eos_token_ids)
         self.limits = RequestLimits(num_real, self.max_model_len, self.runner.num_kv_blocks,
                                     self.runner.block_size)
@@ -211,6 +210,17 @@ class LLMEngine:
         if self.timer is not None:
             self.timer.step_done(self.last_step_time)
         return outputs
+
+    def _cost_table(self, args: EngineArgs) -> CostTable | None:
+        """What `--speculative-tokens auto` chooses k by: the given table, else the one measured on this GPU kind
+        at this TP (scheduler/spec_costs.json), else the placeholder."""
+        if args.speculative_tokens != "auto":
+            return None
+        if args.spec_cost_table:
+            return CostTable.from_json(args.spec_cost_table)
+        dev = self.runner.device
+        return CostTable.shipped(torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type,
+                                 parallel.tp_size())
 
     def _launch(self) -> _Launched | None:
         """Schedule the next step and queue it on every rank: forward, sampling, tokens to the input buffer."""

@@ -8,37 +8,40 @@ most that many (none while a row's stop ids are suppressed: Scheduler).
 
 `auto`: with acceptance a per draft (the probability that a draft is accepted given the ones before it were: an
 exponential average of the a that explains each verify step's accepted / drafted; ACCEPTANCE_PRIOR before any), a
-step of k drafts per row emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per row on average and costs
-step(batch x (k + 1) tokens) + k x draft_cost x step(batch tokens); auto takes the k in 0..AUTO_MAX_K with the least
-expected cost per emitted token (k = 0: a plain step; ties go to the smaller k), keeping the k it chose last unless
-another is expected to cost SWITCH_MARGIN less: a verify step replays a CUDA graph only when it proposes as many
-drafts as it verifies (qwen35/cuda_graphs.py VerifyGraphs), so a k that flips between two near-equal choices as the
-running acceptance moves would make every step eager. While auto stays at 0 the average relaxes back towards the
-prior, so that speculation is tried again once in a while rather than never.
+step of k drafts per row emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per row on average; auto takes the k in
+0..AUTO_MAX_K with the least step_ms(batch, k) / E(k) (k = 0: a plain step; ties go to the smaller k), keeping the
+k it chose last unless another is expected to cost SWITCH_MARGIN less: a verify step replays a CUDA graph only when
+it proposes as many drafts as it verifies (qwen35/cuda_graphs.py VerifyGraphs), so a k that flips between two
+near-equal choices as the running acceptance moves would make every step eager. While auto stays at 0 the average
+relaxes back towards the prior, so that speculation is tried again once in a while rather than never.
 
-The cost table: COST_TABLE below is a placeholder of the right shape, NOT a measurement (to be replaced by the
-table `qwen35.bench --mode spec` measures, per GPU kind and TP). It is the cost of a step relative to a batch-1
-plain step, by tokens in the step (batch x (k + 1)); the points at 2 and 4 tokens take the ratios issue #28
-quotes for steps of 2 and 4 sequences on one H200 (1.32x, 1.82x; a verify step of n positions of one sequence may
-cost less), the rest is a guess that grows slower than linearly as a batch reads most
-experts anyway. A draft step (the MTP layer and an LM head) is taken as DRAFT_COST of a step of the same batch.
-CostTable.from_json overrides both (EngineArgs.spec_cost_table).
+The cost table: wall ms per step by k and batch, as `qwen35.bench --mode spec` measures them (its results JSON is a
+table: --spec-cost-table), linear between the batches measured. The tables measured so far ship in
+scheduler/spec_costs.json, each for one GPU kind and TP (CostTable.shipped picks by device name and TP). Where none
+matches, auto falls back to PLACEHOLDER, which is NOT a measurement: a step of n tokens costing what the points
+below say relative to a batch-1 plain step (the points at 2 and 4 tokens are the ratios issue #28 quotes for steps
+of 2 and 4 sequences on one H200, the rest a guess), plus DRAFT_COST of a plain step per draft.
 """
 from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass, field
+import logging
+import os
+from dataclasses import dataclass
+
+log = logging.getLogger("qwen35.speculation")
 
 AUTO_MAX_K = 3            # the most drafts `auto` chooses
 MAX_K = 8                 # the most drafts a fixed --speculative-tokens may ask for
 ACCEPTANCE_PRIOR = 0.6    # the acceptance `auto` assumes before it has measured any
 ACCEPTANCE_DECAY = 0.9    # weight of the past in the running acceptance (per verify step)
-# placeholder (module docstring): (tokens in the step, cost relative to a batch-1 plain step)
-COST_TABLE = [(1, 1.0), (2, 1.32), (4, 1.82), (8, 2.4), (16, 3.0), (32, 3.6), (64, 4.3), (128, 5.6), (256, 8.4),
-              (512, 14.0)]
+# the placeholder (module docstring): (tokens in the step, cost relative to a batch-1 plain step)
+PLACEHOLDER = [(1, 1.0), (2, 1.32), (4, 1.82), (8, 2.4), (16, 3.0), (32, 3.6), (64, 4.3), (128, 5.6), (256, 8.4),
+               (512, 14.0)]
 DRAFT_COST = 0.15
 SWITCH_MARGIN = 0.03      # auto leaves the k it chose last only for one expected to cost this much less per token
+SHIPPED = os.path.join(os.path.dirname(__file__), "spec_costs.json")
 
 
 def parse_speculative_tokens(value) -> int | str:
@@ -61,41 +64,78 @@ def max_drafts(setting) -> int:
     return AUTO_MAX_K if setting == "auto" else setting
 
 
+def _interpolate(points: list[tuple[int, float]], x: int) -> float:
+    """Linear between the points (sorted by x), flat before the first, the last segment's slope past the last."""
+    xs = [p for p, _ in points]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return points[i][1]
+    if i == 0 or len(points) == 1:
+        return points[0][1] if i == 0 else points[-1][1]
+    if i == len(xs):
+        i = len(xs) - 1
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
 @dataclass
 class CostTable:
-    points: list[tuple[int, float]] = field(default_factory=lambda: list(COST_TABLE))
-    draft_cost: float = DRAFT_COST
+    """Wall ms per step by k: steps[k] = [(batch, ms), ...] sorted by batch; `source` says where it came from."""
+    steps: dict[int, list[tuple[int, float]]]
+    source: str
+
+    @classmethod
+    def from_rows(cls, rows: list[dict], source: str) -> "CostTable":
+        """From `qwen35.bench --mode spec` rows ({"batch", "k", "step_ms"}; rows of k "auto" are skipped). Needs
+        the k = 0 rows (speculation off) and at least one k > 0."""
+        steps: dict[int, list[tuple[int, float]]] = {}
+        for r in rows:
+            if isinstance(r["k"], int) and r["step_ms"] > 0:
+                steps.setdefault(r["k"], []).append((int(r["batch"]), float(r["step_ms"])))
+        if 0 not in steps or len(steps) < 2:
+            raise ValueError(f"{source}: a cost table needs spec rows of k = 0 and of some k > 0 "
+                             "(qwen35.bench --mode spec --spec-ks 0,1,2,3)")
+        return cls({k: sorted(v) for k, v in steps.items()}, source)
 
     @classmethod
     def from_json(cls, path: str) -> "CostTable":
-        """{"points": [[tokens, ms], ...], "draft_cost": fraction}: any unit, only ratios matter."""
+        """A `qwen35.bench --mode spec` results file (its "spec" rows)."""
         with open(path) as f:
             raw = json.load(f)
-        points = sorted((int(n), float(ms)) for n, ms in raw["points"])
-        if not points or any(ms <= 0 for _, ms in points):
-            raise ValueError(f"{path}: a cost table needs points [[tokens, ms], ...] with ms > 0")
-        return cls(points, float(raw.get("draft_cost", DRAFT_COST)))
+        if "spec" not in raw:
+            raise ValueError(f"{path}: not a cost table: expected the results JSON of qwen35.bench --mode spec "
+                             "(a \"spec\" list of rows)")
+        return cls.from_rows(raw["spec"], path)
 
-    def step(self, tokens: int) -> float:
-        """Cost of a step of `tokens` tokens: linear between the points, flat before the first, and the last
-        segment's slope past the last."""
-        xs = [n for n, _ in self.points]
-        i = bisect.bisect_left(xs, tokens)
-        if i < len(xs) and xs[i] == tokens:
-            return self.points[i][1]
-        if i == 0:
-            return self.points[0][1]
-        if i == len(xs):
-            i = len(xs) - 1
-        (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
-        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+    @classmethod
+    def placeholder(cls) -> "CostTable":
+        batches = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+        steps = {k: [(b, _interpolate(PLACEHOLDER, b * (k + 1)) + k * DRAFT_COST * _interpolate(PLACEHOLDER, b))
+                     for b in batches] for k in range(AUTO_MAX_K + 1)}
+        return cls(steps, "placeholder (not a measurement)")
+
+    @classmethod
+    def shipped(cls, device: str, tp: int, path: str = SHIPPED) -> "CostTable":
+        """The table measured on this GPU kind at this TP (scheduler/spec_costs.json), else the placeholder."""
+        with open(path) as f:
+            tables = json.load(f)["tables"]
+        for t in tables:
+            if t["device"] == device and t["tp"] == tp:
+                return cls.from_rows(t["spec"], f"{os.path.basename(path)}: {device}, tp={tp}, {t['date']}")
+        log.warning("no measured speculation cost table for %s at tp=%d: --speculative-tokens auto uses the "
+                    "placeholder; measure one with qwen35.bench --mode spec and pass --spec-cost-table", device, tp)
+        return cls.placeholder()
+
+    def step_ms(self, batch: int, k: int) -> float:
+        return _interpolate(self.steps[k], batch)
 
     def ms_per_token(self, batch: int, k: int, acceptance: float) -> float:
-        """Expected cost per emitted token of a step of `batch` rows with k drafts each at this acceptance."""
+        """Expected cost per emitted token of a step of `batch` rows with k drafts each at this acceptance (k not in
+        the table: never chosen)."""
+        if k not in self.steps:
+            return float("inf")
         a = min(max(acceptance, 0.0), 0.999)
-        emitted = (1 - a ** (k + 1)) / (1 - a)
-        cost = self.step(batch * (k + 1)) + (k * self.draft_cost * self.step(batch) if k else 0.0)
-        return cost / emitted
+        return self.step_ms(batch, k) / ((1 - a ** (k + 1)) / (1 - a))
 
 
 class SpecPolicy:
@@ -103,7 +143,7 @@ class SpecPolicy:
 
     def __init__(self, setting, table: CostTable | None = None):
         self.setting = parse_speculative_tokens(setting)
-        self.table = table or CostTable()
+        self.table = table or CostTable.placeholder()
         self.acceptance = ACCEPTANCE_PRIOR
         self.k: int | None = None  # what auto chose last
         self.drafted = 0

@@ -161,7 +161,7 @@ def test_auto_keeps_its_k_while_the_acceptance_wavers():
     keeps one k (a verify graph replays only a step that proposes what it verifies), and still moves to the other
     once it is clearly cheaper."""
     from scheduler.speculation import CostTable, SpecPolicy
-    p = SpecPolicy("auto", CostTable())
+    p = SpecPolicy("auto", CostTable.placeholder())
     ks = []
     for i in range(40):
         p.acceptance = 0.55 if i % 2 else 0.57
