@@ -22,8 +22,9 @@ stream=False)) gives no output until it ends, then one with everything.
 
 Speculative decoding (--speculative-tokens, scheduler/speculation.py): the scheduler sets each plan's spec_k (drafts
 verified) and draft_k (drafts proposed at its end); a verify step emits a run of tokens per row, which
-Scheduler.update takes in order. In this mode step() waits for each step's tokens before it plans the next (no
-overlap, for now): the next plan's positions and k depend on how many drafts were accepted.
+Scheduler.update takes in order. step() waits for a verify step's tokens before it plans the next (the next plan's
+positions depend on how many drafts were accepted): it takes them, and those of the step queued before it, at once.
+Plain steps keep the overlap (one that proposes drafts too: it emits one token per row, which the scheduler counts).
 
 Requests are checked once, where they come in (check_request: the server, the offline LLM); the engine trusts
 what add_request gets. Failure policy: what one request brings (its parameters, its text) fails that request
@@ -61,11 +62,17 @@ log = logging.getLogger("qwen35.engine")
 class _Launched:
     """A step queued on the device: the requests of its logits rows, and their tokens on the way to the host."""
     sampled: list[Request]
-    tokens: torch.Tensor | None     # [n] int64 on the host (pinned on a GPU), written by the device (feed kernel)
+    tokens: torch.Tensor | list | None  # [n] int64 on the host (pinned on a GPU), written by the device (feed
+    # kernel); a verify step's: a list of runs per row, read already
     ready: torch.cuda.Event | None  # recorded after the step (its tokens written: GPU only)
 
+    @property
+    def verified(self) -> bool:
+        """A verify step's: its tokens (a run per row) are on the host already."""
+        return isinstance(self.tokens, list)
+
     def host_tokens(self) -> list[int] | list[list[int]]:
-        if isinstance(self.tokens, list):  # (speculation: runs per row, on the host already)
+        if self.verified:
             return self.tokens
         if self.ready is not None:
             self.ready.synchronize()
@@ -150,7 +157,7 @@ class LLMEngine:
             # kernel writes them there, in the tail graph or after eager sampling), no copy queued by the host.
             self._stream = torch.cuda.current_stream(self.device)
             self._ready = [torch.cuda.Event() for _ in range(2)]
-        self.overlap = args.overlap and not self.speculation.enabled  # (module docstring: speculation waits)
+        self.overlap = args.overlap  # (verify steps are waited for: module docstring)
         self._in_flight: _Launched | None = None
         self._failed: list[RequestOutput] = []  # requests that failed while their step was being queued
         self.total_prompt_tokens = 0      # prompt tokens prefilled
@@ -197,13 +204,15 @@ class LLMEngine:
         return bool(self.scheduler.requests)
 
     def step(self) -> list[RequestOutput]:
-        """Queue the next step, then take the tokens of the step queued before it (overlap) or of this one."""
+        """Queue the next step, then take the tokens of the step queued before it (overlap) or of this one (and,
+        after a verify step, whose tokens are on the host already, of both)."""
         t0 = time.perf_counter()
         launched = self._launch()
-        done = launched
-        if self.overlap:
-            done, self._in_flight = self._in_flight, launched
-        outputs = self._postprocess(done) if done is not None else []
+        if self.overlap and not (launched is not None and launched.verified):
+            done, self._in_flight = [self._in_flight], launched
+        else:
+            done, self._in_flight = [self._in_flight, launched], None
+        outputs = [out for d in done if d is not None for out in self._postprocess(d)]
         if self._failed:
             outputs, self._failed = outputs + self._failed, []
         self.last_step_time = time.perf_counter() - t0
@@ -234,8 +243,8 @@ class LLMEngine:
             timer.launch(k)
         sampling = self._sampling_step(step, self._bind(step) if step.admitted else [])
         _send(plan, sampling)
-        if self.speculation.enabled:
-            return self._launch_spec(step, sampling, k)
+        if plan.spec_k:
+            return self._verify(step, sampling, k)
         half = k % 2 if self._pin and step.sampled else None  # the ring half the step's tokens land in
         if timer is None:
             tokens = self._run_step(plan, sampling, half)
@@ -250,9 +259,9 @@ class LLMEngine:
         host = self.runner.host_view(half, len(step.sampled)) if tokens is not None else None
         return _Launched(step.sampled, host, ready)
 
-    def _launch_spec(self, step: ScheduledStep, sampling: SamplingStep, k: int) -> _Launched:
-        """_launch's end with speculation: run the step and wait for its tokens, as runs per row (one token each
-        on a plain step); count the drafted and accepted ones."""
+    def _verify(self, step: ScheduledStep, sampling: SamplingStep, k: int) -> _Launched:
+        """_launch's end for a verify step: run it and wait for its tokens, a run per row; count the drafted and
+        accepted ones."""
         plan, timer = step.plan, self.timer
         if timer is None:
             tokens = self._run_step(plan, sampling)
@@ -260,17 +269,11 @@ class LLMEngine:
             tokens = timer.forward(self._run_step, plan, sampling, None)
         self.total_prompt_tokens += step.num_prompt_tokens
         self.num_steps = k
-        if tokens is None:
-            return _Launched(step.sampled, [], None)
-        host = tokens.tolist()  # (waits for the step)
-        if plan.spec_k:
-            runs = [[t for t in row if t >= 0] for row in host]
-            # drafts that could count: a row near its max_tokens has room for fewer (before update moves it on)
-            rooms = [max(0, min(plan.spec_k, r.max_tokens - r.num_scheduled)) for r in step.sampled]
-            self.speculation.record(sum(rooms), sum(min(len(run) - 1, room) for run, room in zip(runs, rooms)),
-                                    plan.spec_k)
-        else:
-            runs = [[t] for t in host]
+        runs = [[t for t in row if t >= 0] for row in tokens.tolist()]  # (waits for the step)
+        # drafts that could count: a row near its max_tokens has room for fewer (before update moves it on)
+        rooms = [max(0, min(plan.spec_k, r.max_tokens - r.num_scheduled)) for r in step.sampled]
+        self.speculation.record(sum(rooms), sum(min(len(run) - 1, room) for run, room in zip(runs, rooms)),
+                                plan.spec_k)
         return _Launched(step.sampled, runs, None)
 
     def _bind(self, step: ScheduledStep) -> list[tuple[int, tuple[float, float, float], int]]:

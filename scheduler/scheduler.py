@@ -30,7 +30,8 @@ past the row's KV blocks, and update() drops tokens past max_tokens);
 every step that samples proposes drafts for the next one (plan.draft_k, the policy's choice for the running
 batch). A mixed step's decode rows take one token. A verify row counts one token when scheduled, like any decode
 row; update() then takes a run of tokens per row (the accepted drafts and one more) and moves the request's counts
-on by the extra ones, so the engine waits for each verify step's tokens before it plans the next (no overlap).
+on by the extra ones, so the engine waits for each verify step's tokens before it plans the next (plain steps keep
+the overlap: a verify step may follow a plain step still in flight, whose one token per row is counted).
 
 Ordering with the overlap: the device runs the plans in order, each plan's copies before its forward. A snapshot
 written by plan N is read by hits from plan N+1 on; copies that must follow plan N's forward (a partial block, a

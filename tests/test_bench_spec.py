@@ -1,6 +1,6 @@
 """qwen35.bench --mode spec (qwen35/bench/spec.py) on the tiny preset, CPU: every (batch, k) row, tokens per step
 above one where drafts are accepted (dummy-spec weights) and exactly one with speculation off, the acceptance
-measured, and the engine's setting and overlap put back."""
+measured, and the engine's setting put back (its overlap untouched)."""
 import random
 
 from qwen35.bench import spec

@@ -3,14 +3,14 @@
     torchrun --nproc-per-node N -m qwen35.bench --mode spec --load-format dummy-spec --spec-acceptance 0.6 \
         [--batch-sizes 1,8,32,64] [--spec-ks 0,1,2,3,auto] [--input-len 1024] [--output-len 64]
 
-Per batch B and setting k (0: speculation off, with the engine's overlap as configured; K: K drafts every decode
-step; auto: the policy of scheduler/speculation.py): B requests of --input-len random prompt tokens, sampled at
-temperature 1 (the temperature the synthetic acceptance is made for), ignore_eos, --output-len tokens each, all
-added at once; the prefill steps are not timed, then every step until all have finished is. Reported per row: wall
-ms per step (host included: with speculation the host waits for each step), completion tokens per sequence per step,
-the effective ms per emitted token (per sequence: wall / tokens each sequence emitted), and the acceptance measured
-in that run (accepted / drafted drafts that could count), and how many verify steps replayed a CUDA graph and how
-many ran eagerly (the runner's counts: rank 0's). Nothing is assumed: the acceptance is what the drafts got.
+Per batch B and setting k (0: speculation off; K: K drafts every decode step; auto: the policy of
+scheduler/speculation.py): B requests of --input-len random prompt tokens, sampled at temperature 1 (the temperature
+the synthetic acceptance is made for), ignore_eos, --output-len tokens each, all added at once; the prefill steps
+are not timed, then every step until all have finished is. Reported per row: wall ms per step (host included: the
+host waits for each verify step; plain steps keep the overlap), completion tokens per sequence per step, the
+effective ms per emitted token (per sequence: wall / tokens each sequence emitted), the acceptance measured in that
+run (accepted / drafted drafts that could count), and how many verify steps replayed a CUDA graph and how many ran
+eagerly (the runner's counts: rank 0's). Nothing is assumed: the acceptance is what the drafts got.
 The engine is built once with room for the most drafts asked for; each row sets the policy's k.
 
 --spec-profile B:K[,B:K...] also runs those rows under torch.profiler (rank 0's kernels) and prints where a timed
@@ -37,7 +37,6 @@ def spec_run(engine: LLMEngine, batch: int, k, input_len: int, output_len: int, 
     """One row; `timed()` a context around the timed steps (a profiler)."""
     policy = engine.speculation
     policy.setting = k
-    engine.overlap = engine.args.overlap and k == 0  # (speculation waits for each step: engine.py)
     params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
     vocab = prompt_vocab(engine)
     for i in range(batch):
@@ -90,9 +89,9 @@ def profile_row(engine: LLMEngine, batch: int, k, input_len: int, output_len: in
 def spec_rows(engine: LLMEngine, batches: list[int], ks: list, input_len: int, output_len: int,
               rng: random.Random) -> dict:
     """Every (batch, k) row, after one short warm-up run per k (first-use costs out of the table); the policy's
-    setting and the engine's overlap are put back after."""
+    setting is put back after."""
     policy = engine.speculation
-    setting, overlap = policy.setting, engine.overlap
+    setting = policy.setting
     try:
         for k in ks:
             spec_run(engine, 1, k, 16, 8, rng)
@@ -114,4 +113,4 @@ def spec_rows(engine: LLMEngine, batches: list[int], ks: list, input_len: int, o
         accepted = sum(r["accepted"] for r in rows)
         return {"acceptance": round(accepted / drafted, 4) if drafted else None, "spec": rows}
     finally:
-        policy.setting, engine.overlap = setting, overlap
+        policy.setting = setting
