@@ -16,7 +16,7 @@ near-equal choices as the running acceptance moves would make every step eager. 
 relaxes back towards the prior, so that speculation is tried again once in a while rather than never.
 
 The cost table: wall ms per step by k and batch, as `qwen35.bench --mode spec` measures them (its results JSON is a
-table: --spec-cost-table), linear between the batches measured. The tables measured so far ship in
+table: --spec-cost-table; CostTable.from_rows says how a row becomes a cost), linear between the batches measured. The tables measured so far ship in
 scheduler/spec_costs.json, each for one GPU kind and TP (CostTable.shipped picks by device name and TP). Where none
 matches, auto falls back to PLACEHOLDER, which is NOT a measurement: a step of n tokens costing what the points
 below say relative to a batch-1 plain step (the points at 2 and 4 tokens are the ratios issue #28 quotes for steps
@@ -65,15 +65,14 @@ def max_drafts(setting) -> int:
 
 
 def _interpolate(points: list[tuple[int, float]], x: int) -> float:
-    """Linear between the points (sorted by x), flat before the first, the last segment's slope past the last."""
+    """Linear between the points (sorted by x), flat outside them (past the last batch measured, auto chooses as
+    there: every k's cost is held at its last value)."""
     xs = [p for p, _ in points]
     i = bisect.bisect_left(xs, x)
     if i < len(xs) and xs[i] == x:
         return points[i][1]
-    if i == 0 or len(points) == 1:
-        return points[0][1] if i == 0 else points[-1][1]
-    if i == len(xs):
-        i = len(xs) - 1
+    if i == 0 or i == len(xs):
+        return points[0 if i == 0 else -1][1]
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
@@ -86,12 +85,22 @@ class CostTable:
 
     @classmethod
     def from_rows(cls, rows: list[dict], source: str) -> "CostTable":
-        """From `qwen35.bench --mode spec` rows ({"batch", "k", "step_ms"}; rows of k "auto" are skipped). Needs
-        the k = 0 rows (speculation off) and at least one k > 0."""
+        """From `qwen35.bench --mode spec` rows ({"batch", "k", "step_ms"}, and where measured "tokens_per_step"
+        and "acceptance"; rows of k "auto" are skipped). A row's cost is its step time as if its steps had emitted
+        E(k) tokens per row at the acceptance it measured: step_ms / tokens_per_step x E(k), so that the table
+        gives back the ms per token the row measured at that acceptance (the run's end, where rows finish at
+        different steps and a verify step of few rows costs nearly a full one, included). Needs the k = 0 rows
+        (speculation off) and at least one k > 0."""
         steps: dict[int, list[tuple[int, float]]] = {}
         for r in rows:
-            if isinstance(r["k"], int) and r["step_ms"] > 0:
-                steps.setdefault(r["k"], []).append((int(r["batch"]), float(r["step_ms"])))
+            k = r["k"]
+            if not isinstance(k, int) or r["step_ms"] <= 0:
+                continue
+            cost = float(r["step_ms"])
+            if r.get("tokens_per_step"):
+                a = per_draft_acceptance(r["acceptance"], k) if k and r.get("acceptance") is not None else 0.0
+                cost = cost / r["tokens_per_step"] * expected_tokens(k, a)
+            steps.setdefault(k, []).append((int(r["batch"]), cost))
         if 0 not in steps or len(steps) < 2:
             raise ValueError(f"{source}: a cost table needs spec rows of k = 0 and of some k > 0 "
                              "(qwen35.bench --mode spec --spec-ks 0,1,2,3)")
@@ -134,8 +143,7 @@ class CostTable:
         the table: never chosen)."""
         if k not in self.steps:
             return float("inf")
-        a = min(max(acceptance, 0.0), 0.999)
-        return self.step_ms(batch, k) / ((1 - a ** (k + 1)) / (1 - a))
+        return self.step_ms(batch, k) / expected_tokens(k, acceptance)
 
 
 class SpecPolicy:
@@ -175,6 +183,12 @@ class SpecPolicy:
         self.accepted += accepted
         a = per_draft_acceptance(accepted / drafted, k)
         self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * a
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """E(k): tokens a row emits per step of k drafts at this per-draft acceptance (1 + a + ... + a^k)."""
+    a = min(max(acceptance, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
 
 
 def per_draft_acceptance(ratio: float, k: int) -> float:

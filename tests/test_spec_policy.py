@@ -64,9 +64,14 @@ def test_fixed_k_and_settings(tmp_path):
                                                                                             "step_ms": 1.0}]
     path.write_text(json.dumps({"device": "x", "spec": rows}))
     table = CostTable.from_json(str(path))
-    assert table.step_ms(32, 2) == 5.0 * 32 and table.step_ms(128, 0) == 5.0 * 128  # linear, and past the last
+    assert table.step_ms(32, 2) == 5.0 * 32 and table.step_ms(128, 0) == 5.0 * 64  # linear, flat past the last
     assert table.ms_per_token(1, 1, 0.6) == float("inf")  # a k not measured is never chosen
     assert policy(table, 0.6).next_k(1) == 2
+    # a row's cost: as if it had emitted E(k) tokens a step at the acceptance it measured (its ms per token back)
+    measured = {"batch": 1, "k": 2, "step_ms": 6.0, "tokens_per_step": 1.5, "acceptance": 0.5}
+    t2 = CostTable.from_rows([{"batch": 1, "k": 0, "step_ms": 2.0, "tokens_per_step": 1.0}, measured], "m")
+    a = per_draft_acceptance(0.5, 2)
+    assert abs(t2.ms_per_token(1, 2, a) - 4.0) < 1e-6 and t2.ms_per_token(1, 0, a) == 2.0
     path.write_text(json.dumps({"points": [[1, 5.0]]}))
     with pytest.raises(ValueError, match="qwen35.bench --mode spec"):
         CostTable.from_json(str(path))
