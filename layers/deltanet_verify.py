@@ -100,18 +100,20 @@ def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
 
 
 def commit_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, counts, T: int) -> None:
-    """commit_torch: one launch replays the first counts[b] tokens per (sequence, value-head block) program and
-    writes its state slab once; then the conv tails (a gather of the [tail, T inputs] window, torch ops: it must
-    follow the kernel, which reads the old tails)."""
+    """commit_torch in two launches: one replays the first counts[b] tokens per (sequence, value-head block)
+    program and writes its state slab once; then the conv tails move on (a launch of its own: it must follow the
+    first, which reads the old tails), each program reading its channels' whole new tail before writing it."""
     Hk, Hv, dk, dv, conv_dim = _dims(conv_state, ssm_state)
     if not proj.shape[0]:
         return
     _launch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, counts, proj, T, commit=True)
-    K = conv_weight.shape[-1]
     B = proj.shape[0] // T
-    seq = torch.cat([conv_state[slots], proj[:, :conv_dim].view(B, T, conv_dim).transpose(1, 2)], dim=-1)
-    at = counts[:, None] + torch.arange(K - 1, device=seq.device)[None, :]
-    conv_state[slots] = seq.gather(2, at[:, None, :].expand(-1, seq.shape[1], -1))
+    _commit_tail_kernel[(B, triton.cdiv(conv_dim, TAIL_BLOCK))](
+        proj, conv_state, slots, counts, T, proj.stride(0), *conv_state.stride(), conv_dim,
+        TAIL=conv_weight.shape[-1] - 1, TAIL_P=triton.next_power_of_2(conv_weight.shape[-1] - 1), BLOCK=TAIL_BLOCK)
+
+
+TAIL_BLOCK = 256  # conv channels per program of the tail update
 
 
 if triton is not None:
@@ -132,6 +134,24 @@ if triton is not None:
             acc += (old + new) * tl.load(w_ptr + ch * sw_c + j * sw_t, mask=mask, other=0.0).to(tl.float32)
         y = round_to(acc, DTYPE)
         return round_to(y * tl.sigmoid(y), DTYPE)
+
+    @triton.jit
+    def _commit_tail_kernel(proj_ptr, conv_ptr, slots_ptr, counts_ptr, T, sp_b, sc_slot, sc_c, sc_t, conv_dim,
+                            TAIL: tl.constexpr, TAIL_P: tl.constexpr, BLOCK: tl.constexpr):
+        """Sequence b's conv tail at channels [j*BLOCK, (j+1)*BLOCK) after counts[b] tokens: entries n .. n + TAIL
+        - 1 of [old tail (TAIL), its T inputs], all read (a barrier) before any is written (in place)."""
+        b = tl.program_id(0)
+        ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        i = tl.arange(0, TAIL_P)
+        mask = (ch < conv_dim)[:, None] & (i < TAIL)[None, :]
+        s = tl.load(counts_ptr + b) + i[None, :]
+        tail = conv_ptr + tl.load(slots_ptr + b) * sc_slot + ch[:, None] * sc_c
+        old = tl.load(tail + s * sc_t, mask=mask & (s < TAIL), other=0.0)
+        new = tl.load(proj_ptr + (b * T + s - TAIL).to(tl.int64) * sp_b + ch[:, None], mask=mask & (s >= TAIL),
+                      other=0.0)
+        vals = tl.where(s < TAIL, old, new)
+        tl.debug_barrier()
+        tl.store(tail + i[None, :] * sc_t, vals, mask=mask)
 
     @triton.jit
     def _verify_kernel(proj_ptr, conv_ptr, conv_w_ptr, state_ptr, slots_ptr, counts_ptr, A_log_ptr, dt_bias_ptr,
