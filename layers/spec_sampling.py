@@ -187,7 +187,8 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
 # They draw the same tokens but for float rounding: the fast path's exp and log-sum-exp are Triton's and summed
 # per block, so p and q differ from the reference's in the last bits, and a draw whose acceptance uniform falls
 # within those bits of p/q (probability ~1e-7) may go the other way. Either path is exact in distribution.
-STATS = 5     # per row and block: max x, its first id, sum exp(x - max x), best Gumbel score, its first id
+STATS = 6     # per row and block: max x, its first id, sum exp(x - max x), best Gumbel score, its first id, and
+#               the log of the row's acceptance noise (E at ACCEPT_ID: the uniform u = exp(-E), as verify_sampled)
 RESIDUAL = 5  # per row and block: best residual score, its id, residual mass, best score of p itself, its id
 
 
@@ -230,28 +231,33 @@ def verify_torch(logits: torch.Tensor, drafts: torch.Tensor, draft_logits: torch
 
 if triton is not None:
     @triton.jit
-    def _stats_kernel(lg_ptr, stride, n_valid, start, id_offset, inv_t_ptr, key_ptr, ctr_ptr, out_ptr, nb,
-                      SAMPLED: tl.constexpr, BLOCK: tl.constexpr):
+    def _stats_kernel(lg_ptr, stride, n_valid, start, id_offset, accept_id, inv_t_ptr, key_ptr, ctr_ptr, out_ptr,
+                      nb, SAMPLED: tl.constexpr, ACCEPT: tl.constexpr, BLOCK: tl.constexpr):
         """Program (row, block): STATS of x = logit * inv_t over the block's valid columns (Gumbel scores with the
-        noise of ids + id_offset at the row's key and counter, with SAMPLED)."""
+        noise of ids + id_offset at the row's key and counter, with SAMPLED; the acceptance noise with ACCEPT)."""
         row = tl.program_id(0)
         blk = tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_valid
         x = tl.load(lg_ptr + row * stride + cols, mask=ok, other=float("-inf")) * tl.load(inv_t_ptr + row) + 0.0
         mx = tl.max(x, 0)
-        out = out_ptr + (row * nb + blk) * 5
+        out = out_ptr + (row * nb + blk) * 6
         tl.store(out, mx)
         tl.store(out + 1, (blk * BLOCK + tl.argmax(x, 0, tie_break_left=True) + start).to(tl.float32))
         tl.store(out + 2, tl.sum(tl.where(ok, tl.exp(x - mx), 0.0), 0))
-        if SAMPLED:
+        if SAMPLED or ACCEPT:
             s1, s2 = seeds_k(tl.load(key_ptr + row), tl.load(ctr_ptr + row))
+        if SAMPLED:
             sc = tl.where(ok, x - log_noise_k((cols + start + id_offset).to(tl.int64), s1, s2), float("-inf"))
             tl.store(out + 3, tl.max(sc, 0))
             tl.store(out + 4, (blk * BLOCK + tl.argmax(sc, 0, tie_break_left=True) + start).to(tl.float32))
         else:
             tl.store(out + 3, float("-inf"))
             tl.store(out + 4, 0.0)
+        if ACCEPT:
+            tl.store(out + 5, log_noise_k(s1 * 0 + accept_id, s1, s2))
+        else:
+            tl.store(out + 5, 0.0)
 
     @triton.jit
     def _residual_kernel(p_ptr, q_ptr, stride_p, stride_q, n_valid, start, inv_t_ptr, lse_p_ptr, lse_q_ptr,
@@ -297,7 +303,7 @@ def merge_stats(st: torch.Tensor, dim: int) -> torch.Tensor:
     mx, am = _best(st[..., 0], st[..., 1], dim)
     s = _merge_sum(st[..., 0], st[..., 2], dim)
     sc, si = _best(st[..., 3], st[..., 4], dim)
-    return torch.stack([mx, am, s, sc, si], dim=-1)
+    return torch.stack([mx, am, s, sc, si, st[..., 5].select(dim, 0)], dim=-1)  # (the same noise in every part)
 
 
 def merge_residual(r: torch.Tensor, dim: int) -> torch.Tensor:
@@ -307,7 +313,7 @@ def merge_residual(r: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def stats_torch(logits: torch.Tensor, n_valid: int, start: int, id_offset: int, inv_t: torch.Tensor,
-                key: torch.Tensor, counter: torch.Tensor, sampled: bool) -> torch.Tensor:
+                key: torch.Tensor, counter: torch.Tensor, sampled: bool, accept: bool = False) -> torch.Tensor:
     """[R, STATS] of a shard's rows [R, n] (columns past n_valid are padding): the twin of stats_fast."""
     R, n = logits.shape
     valid = torch.arange(n, device=logits.device) < n_valid
@@ -321,18 +327,22 @@ def stats_torch(logits: torch.Tensor, n_valid: int, start: int, id_offset: int, 
         sc = gumbel_scores(x, torch.arange(start, start + n, device=x.device) + id_offset, s1, s2)
         sc = sc.masked_fill(~valid, float("-inf"))
         out[:, 3], out[:, 4] = sc.max(dim=-1).values, (torch.argmax(sc, dim=-1) + start).float()
+    if accept:
+        s1, s2 = row_seeds(key, counter)
+        accept_id = torch.full((1,), ACCEPT_ID, dtype=torch.int64, device=logits.device)
+        out[:, 5] = -gumbel_scores(torch.zeros(R, 1, device=logits.device), accept_id, s1, s2)[:, 0]
     return out
 
 
 def stats_fast(logits: torch.Tensor, n_valid: int, start: int, id_offset: int, inv_t: torch.Tensor,
-               key: torch.Tensor, counter: torch.Tensor, sampled: bool) -> torch.Tensor:
+               key: torch.Tensor, counter: torch.Tensor, sampled: bool, accept: bool = False) -> torch.Tensor:
     """stats_torch in one launch (one program per row and block of BLOCK columns), then the blocks merged."""
     R, n = logits.shape
     nb = max(1, triton.cdiv(n, BLOCK))
     out = torch.empty(R, nb, STATS, device=logits.device)
     if R:
-        _stats_kernel[(R, nb)](logits, logits.stride(0), n_valid, start, id_offset, inv_t, key, counter, out, nb,
-                               SAMPLED=sampled, BLOCK=BLOCK, enable_fp_fusion=False)
+        _stats_kernel[(R, nb)](logits, logits.stride(0), n_valid, start, id_offset, ACCEPT_ID, inv_t, key, counter,
+                               out, nb, SAMPLED=sampled, ACCEPT=accept, BLOCK=BLOCK, enable_fp_fusion=False)
     return merge_stats(out, dim=1)
 
 
@@ -435,7 +445,7 @@ def verify_fast(logits: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.
     at = local.clamp(0, n - 1)[..., None]
     xp_d = torch.where(own, logits[:, :k].gather(2, at)[..., 0] * inv_t[:, None] + 0.0, float("-inf"))
     xq_d = torch.where(own, draft_logits.gather(2, at)[..., 0] * inv_t[:, None] + 0.0, float("-inf"))
-    st = stats_fast(flat, n_valid, start, 0, rows.inv_temperature, rows.key, rows.counter, False)
+    st = stats_fast(flat, n_valid, start, 0, rows.inv_temperature, rows.key, rows.counter, False, accept=True)
     pad = torch.full((B, 1), float("-inf"), device=logits.device)
     mine = torch.cat([st, torch.cat([xp_d, pad], 1).view(B * T, 1), torch.cat([xq_d, pad], 1).view(B * T, 1)], 1)
     both = parallel.all_gather(mine)
@@ -443,11 +453,8 @@ def verify_fast(logits: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.
     xp_d, xq_d = both[..., STATS].amax(dim=0).view(B, T)[:, :k], both[..., STATS + 1].amax(dim=0).view(B, T)[:, :k]
     target = st[..., 1].to(torch.int64)  # each position's argmax (greedy rows)
     lse_p = st[..., 0] + st[..., 2].log()
-    # acceptance: u q(d) < p(d), u from the acceptance id's noise (as verify_sampled)
-    s1, s2 = row_seeds(rows.key, rows.counter)
-    accept_id = torch.full((1,), ACCEPT_ID, dtype=torch.int64, device=logits.device)
-    g = gumbel_scores(torch.zeros(B * T, 1, device=logits.device), accept_id, s1, s2)
-    u = torch.exp(-torch.exp(-g)).view(B, T)[:, :k]
+    # acceptance: u q(d) < p(d), u = exp(-E) from the acceptance id's noise (as verify_sampled)
+    u = torch.exp(-torch.exp(st[..., 5]))[:, :k]
     accepted = _accepted(u * torch.exp(xq_d - draft_lse) < torch.exp(xp_d - lse_p[:, :k]), drafts, num_drafts)
     # the token at the first rejected position (the residual's draw) or after the last draft (p's)
     i = torch.arange(B, device=logits.device)

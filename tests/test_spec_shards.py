@@ -87,10 +87,10 @@ def test_passes_equal_their_torch_twins():
     p, q = torch.randn(R, n, generator=g) * 3, torch.randn(R, n, generator=g) * 3
     inv_t = torch.tensor([1.0, 1.25, 0.5, 1.0, 2.0])
     key, ctr = torch.arange(R) * 7 + 1, torch.arange(R) + 100
-    for sampled in (False, True):
-        a = ss.stats_fast(p, n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, key, ctr, sampled)
-        b = ss.stats_torch(p, n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, key, ctr, sampled)
-        assert torch.equal(a[:, [1, 4]], b[:, [1, 4]]) and torch.equal(a[:, [0, 3]], b[:, [0, 3]])
+    for sampled, accept in ((False, True), (True, False)):
+        a = ss.stats_fast(p, n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, key, ctr, sampled, accept)
+        b = ss.stats_torch(p, n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, key, ctr, sampled, accept)
+        assert torch.equal(a[:, [1, 4]], b[:, [1, 4]]) and torch.equal(a[:, [0, 3, 5]], b[:, [0, 3, 5]])
         assert torch.allclose(a[:, 2], b[:, 2], rtol=1e-5)
         assert int(a[:, 1].max()) < start + n_valid
     lse = (p * inv_t[:, None])[:, :n_valid].logsumexp(-1)
@@ -147,10 +147,11 @@ def test_gpu_passes_and_paths_at_real_shard_sizes():
     p, q = torch.randn(R, n, generator=g, device=dev) * 4, torch.randn(R, n, generator=g, device=dev) * 4
     inv_t = torch.rand(R, generator=g, device=dev) + 0.5
     key, ctr = torch.arange(R, device=dev) * 5 + 3, torch.arange(R, device=dev) + 9
-    for sampled in (False, True):
-        a = ss.stats_fast(p, n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, key, ctr, sampled)
-        b = ss.stats_torch(p, n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, key, ctr, sampled)
-        assert torch.equal(a[:, [0, 1, 3, 4]], b[:, [0, 1, 3, 4]]) and torch.allclose(a[:, 2], b[:, 2], rtol=1e-4)
+    for sampled, accept in ((False, True), (True, False)):
+        a = ss.stats_fast(p, n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, key, ctr, sampled, accept)
+        b = ss.stats_torch(p, n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, key, ctr, sampled, accept)
+        assert torch.equal(a[:, [0, 1, 3, 4, 5]], b[:, [0, 1, 3, 4, 5]])
+        assert torch.allclose(a[:, 2], b[:, 2], rtol=1e-4)
     lse, lse_q = ((x * inv_t[:, None])[:, :n_valid].logsumexp(-1) for x in (p, q))
     a = ss.residual_fast(p, q, n_valid, start, inv_t, lse, lse_q, key, ctr)
     b = ss.residual_torch(p, q, n_valid, start, inv_t, lse, lse_q, key, ctr)
