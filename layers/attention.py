@@ -398,6 +398,19 @@ def paged_decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens,
                                warps=cfg["warps"], stages=cfg["stages"])
 
 
+def decode_variant_rows(max_rows: int, kv_heads: int, max_tokens: int, head_dim: int,
+                        device: torch.device) -> list[int]:
+    """Row counts whose paged_decode_attention_fast launches meet every kernel variant a launch of 1..max_rows rows
+    can (the split count picks the variant: its power-of-two bound, and whether it is 1 or a multiple of 16), the
+    smallest of each: what a warm-up runs so that no variant compiles mid-serving (a verify step decodes
+    batch x (k + 1) rows, any count up to max_num_seqs x (K + 1))."""
+    cfg, seen = decode_config(head_dim), {}
+    for rows in range(1, max_rows + 1):
+        s = decode_splits(rows, kv_heads, max_tokens, device, cfg["tile"], cfg["per_sm"])
+        seen.setdefault((triton.next_power_of_2(s), s == 1, s % 16 == 0), rows)
+    return sorted(seen.values())
+
+
 def decode_config(head_dim: int) -> dict:
     """The decode kernel's settings for this head_dim: DECODE_CONFIG's entry for the smallest listed dim >= it."""
     return next((c for d, c in sorted(DECODE_CONFIG.items()) if d >= head_dim), DECODE_CONFIG[max(DECODE_CONFIG)])

@@ -35,7 +35,7 @@ import torch
 
 from dist import parallel, push
 from layers import backend
-from layers.attention import GatedAttention
+from layers.attention import GatedAttention, decode_variant_rows
 from layers.deltanet import GatedDeltaNet
 from layers.deltanet_prefill import CHUNK
 from layers.forward_batch import ForwardBatch
@@ -598,9 +598,22 @@ class ModelRunner:
         return plans
 
     def _warm_up_verify(self) -> None:
-        """The DeltaNet verify and commit kernels' variants (layers/deltanet_verify.py: the slab width goes by rows,
-        decode_launch), on the scratch slot (every layer launches the same variants). The rest of a verify step
-        runs kernels the prefill and decode steps compile."""
+        """What a verify step runs besides the kernels the prefill and decode steps compile: the decode attention
+        at every variant its row counts (batch x (k + 1)) can meet, the speculative sampling passes (greedy and
+        sampled drafts and verdicts: collective, as on every rank), and the DeltaNet verify and commit kernels'
+        variants (layers/deltanet_verify.py: the slab width goes by rows, decode_launch); on the scratch slot and
+        the scratch KV block."""
+        a = self.attn_layers[0]
+        rows_max = self.max_num_seqs * (self.spec_max_k + 1)
+        W = self.block_table.shape[1]
+        for r in decode_variant_rows(rows_max, a.num_kv_heads, W * self.block_size, a.head_dim, self.device):
+            q = torch.zeros(r, a.num_heads, a.head_dim, dtype=self.dtype, device=self.device)
+            tables = torch.full((r, W), self.num_kv_blocks, dtype=torch.int32, device=self.device)
+            a._decode(q, a.k_cache, a.v_cache, tables, torch.ones(r, dtype=torch.int32, device=self.device), 1.0,
+                      q if a.gated else None)
+        self._warm_up_spec_sampling()
+        if not self.gdn_layers:
+            return
         from layers.deltanet import DECODE_CONFIG
         m, T = self.gdn_layers[0], 2  # (T is never 1 or a multiple of 16: one variant)
         width = m.conv_dim + m.num_v_heads * m.dv + 2 * m.num_v_heads
@@ -612,13 +625,26 @@ class ModelRunner:
             m._commit_op(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias,
                          torch.ones(rows, dtype=torch.int64, device=self.device), T)
 
+    def _warm_up_spec_sampling(self) -> None:
+        """One row's draft and verdict, greedy and sampled, on zero logits (every variant of the sampling passes)."""
+        n = self.model.lm_head.weight.shape[0]
+        one = torch.ones(1, device=self.device)
+        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+        sampled = SampleBatch(one, one * 0, one, ids, ids, None, False, False, False)
+        for batch in (None, sampled):
+            d = self._draft(torch.zeros(1, n, device=self.device), batch, self.sampler.num_real_tokens,
+                            self.config.vocab_size)
+            self._verify(torch.zeros(1, 2, n, device=self.device), d.tokens[:, None], torch.zeros(1, 1, n,
+                         device=self.device), d.lse[:, None], batch, None, self.sampler.num_real_tokens,
+                         self.config.vocab_size)
+
     @torch.inference_mode()
     def warm_up(self, max_tokens: int) -> int:
         """Run warm_up_plans (every rank, the same plans); returns how many ran."""
         plans = self.warm_up_plans(max_tokens)
         for plan in plans:
             self.execute(plan, gather="none")
-        if self.spec_max_k and self.gdn_layers and self.kernels == "fast" and self.device.type == "cuda":
+        if self.spec_max_k and self.kernels == "fast" and self.device.type == "cuda":
             self._warm_up_verify()
         if self._feed_tokens is feed_tokens_fast and self.device.type == "cuda":
             # the feed kernel's two variants (rank 0's also writes the host's buffer), on the scratch slot

@@ -148,12 +148,17 @@ def test_tp2_matches_tp1(tiny_dir, cache_dir, tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_greedy_outputs_equal_speculation_off(tiny_dir):
+def test_gpu_greedy_outputs_equal_speculation_off(tiny_dir, tmp_path):
+    import json
     kw = dict(device="cuda", dtype="bfloat16", kernels="fast")
     reqs = [(f"g{i}", p, SamplingParams(max_tokens=24, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
     off, _ = run(make(tiny_dir, 0, **kw), reqs)
+    # auto by a table where a step costs the same whatever its k (the tiny model on a GPU: the fixed cost), so that
+    # it speculates (the shipped tables are the full-size model's)
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"spec": [{"batch": b, "k": k, "step_ms": 1.0} for b in (1, 64) for k in range(4)]}))
     for k in (2, "auto"):
-        eng = make(tiny_dir, k, **kw)
+        eng = make(tiny_dir, k, **kw, **({"spec_cost_table": str(flat)} if k == "auto" else {}))
         on, _ = run(eng, reqs)
         assert on == off, k
         assert eng.stats()["spec_accepted_tokens"] > 0

@@ -220,3 +220,33 @@ def test_seeded_sampling_is_reproducible():
     a, _ = sampled_positions(many_slots_runner(k), k, setting, key0=7)
     b, _ = sampled_positions(many_slots_runner(k), k, setting, key0=7)
     assert torch.equal(a, b)
+
+
+def test_verify_warm_up_runs_every_variant_on_scratch_state_only():
+    """The GPU's verify warm-up (runner._warm_up_verify: decode attention at every split variant a verify step's
+    row counts meet, the sampling passes, the DeltaNet verify / commit), here with the fast kernels through the
+    interpreter: it runs, leaves every running slot's state and every real KV block as they were, and the row counts
+    it decodes cover each split variant once."""
+    from layers.attention import decode_splits, decode_config, decode_variant_rows
+    cfg = ModelConfig.from_dict(small_vocab(VOCAB))
+    args = EngineArgs(model="", load_format="dummy-spec", device="cpu", dtype="float32", kernels="fast",
+                      block_size=BLOCK, max_num_seqs=4, max_model_len=256, mtp=True, speculative_tokens=2, seed=1)
+    runner = ModelRunner(cfg, args)
+    runner.attach_sampler(Sampler(VOCAB - 64, VOCAB, runner.scratch_slot + 1, "cpu"), host_ring=False)
+    live = list(range(runner.num_state_slots))
+    for m in runner.gdn_layers:
+        m.conv_state.normal_()
+        m.ssm_state.normal_()
+    before = ([m.conv_state[live].clone() for m in runner.gdn_layers], [m.ssm_state[live].clone() for m in
+              runner.gdn_layers], [a.k_cache[:runner.num_kv_blocks].clone() for a in runner.attn_layers])
+    runner._warm_up_verify()
+    after = ([m.conv_state[live] for m in runner.gdn_layers], [m.ssm_state[live] for m in runner.gdn_layers],
+             [a.k_cache[:runner.num_kv_blocks] for a in runner.attn_layers])
+    assert all(torch.equal(x, y) for b, a in zip(before, after) for x, y in zip(b, a))
+    a = runner.attn_layers[0]
+    width = runner.block_table.shape[1] * runner.block_size
+    rows = decode_variant_rows(12, a.num_kv_heads, width, a.head_dim, runner.device)
+    cfg_d = decode_config(a.head_dim)
+    splits = [decode_splits(r, a.num_kv_heads, width, runner.device, cfg_d["tile"], cfg_d["per_sm"])
+              for r in range(1, 13)]
+    assert len(rows) == len({(1 << (s - 1).bit_length(), s == 1, s % 16 == 0) for s in splits}) >= 2
