@@ -129,11 +129,11 @@ def propose(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newes
     the step (its last row, or for a verify step its first row + accepted drafts). sampling: the sequences'
     settings, counter = the draw number of the token draft 1 proposes (None: greedy drafts). block_tables [B, W]:
     the sequences' block tables covering positions up to last + k - 1 (default: the batch's). Logits columns past
-    num_real_tokens are never drafted. draft: spec_sampling's draft_fast or draft_torch (default: the kernel
-    set's); each draws from this rank's shard of the head's logits. max_positions [B]: the last position each sequence has a KV block for; draft
-    positions past it are clamped to it (no block, or no RoPE row, lies past it; a draft there is never verified, the
-    sequence ends first, and the entry the clamped one overwrites feeds drafts only). Writes the head's KV at
-    the step's positions and the draft positions."""
+    num_real_tokens are never drafted. draft: spec_sampling's draft_fast or draft_torch (default: the kernel set's);
+    each draws from this rank's shard of the head's logits. max_positions [B]: the last position each sequence has a
+    KV block for; draft positions past it are clamped to it (no block, or no RoPE row, lies past it; a draft there
+    is never verified, the sequence ends first, and the entry the clamped one overwrites feeds drafts only). Writes
+    the head's KV at the step's positions and the draft positions."""
     if model.mtp is None:
         raise ValueError("the model has no MTP head (attach_mtp)")
     if k < 1:

@@ -14,9 +14,9 @@ drafts proposed for it at the end of the step before ([slots, K] int64) and, for
 from: this rank's vocabulary shard of the head's logits ([slots, K, vocab / tp] float32, made when first needed) and
 their log-sum-exp ([slots, K]). A verify step (spec_k > 0, every row a decode row) feeds each row its newest token
 and its spec_k drafts, takes this rank's shard of the logits at every position, accepts (layers/spec_sampling.py:
-greedy, or rejection sampling at the rows' draw numbers; vocab-parallel with the fast kernels), commits the DeltaNet layers to
-the accepted tokens (layers/deltanet_verify.py), feeds each slot its last emitted token and moves its draw counter
-on by the tokens emitted. Any step with draft_k > 0 then proposes draft_k drafts for the rows it sampled
+greedy, or rejection sampling at the rows' draw numbers; vocab-parallel with the fast kernels), commits the DeltaNet
+layers to the accepted tokens (layers/deltanet_verify.py), feeds each slot its last emitted token and moves its draw
+counter on by the tokens emitted. Any step with draft_k > 0 then proposes draft_k drafts for the rows it sampled
 (qwen35/mtp.py propose) into the slots' buffers. All of it queued on every rank, no host sync. With CUDA graphs, a
 verify step that proposes as many drafts as it verifies (the steady state) replays a graph of the whole step
 (cuda_graphs.VerifyGraphs); other verify steps, and plain steps that propose (after a prefill, when k changes), run
@@ -455,8 +455,8 @@ class ModelRunner:
                       **host) -> tuple[ForwardBatch, torch.Tensor]:
         """A verify step's inputs as device ops of static shapes only (a CUDA graph holds them: cuda_graphs.
         VerifyGraphs): row b's T tokens (its slot's newest token, then its T - 1 drafts) at rows b*T .. b*T + T - 1,
-        positions start .. start + T - 1, each row over its slot's whole block table; and per row the drafts it may accept
-        [B]: those whose positions have KV blocks (a row near its end has fewer; the scheduler drops tokens past
+        positions start .. start + T - 1, each row over its slot's whole block table; and per row the drafts it may
+        accept [B]: those whose positions have KV blocks (a row near its end has fewer; the scheduler drops tokens past
         max_tokens). Positions past a row's blocks compute garbage that is never accepted: their K/V go to the
         scratch block, their keys are read through the table's scratch columns, their RoPE position is clamped.
         slots, starts: [B] int64 on the device; `host`: the ForwardBatch host lists the torch kernels read (the

@@ -16,11 +16,12 @@ near-equal choices as the running acceptance moves would make every step eager. 
 relaxes back towards the prior, so that speculation is tried again once in a while rather than never.
 
 The cost table: wall ms per step by k and batch, as `qwen35.bench --mode spec` measures them (its results JSON is a
-table: --spec-cost-table; CostTable.from_rows says how a row becomes a cost), linear between the batches measured. The tables measured so far ship in
-scheduler/spec_costs.json, each for one GPU kind and TP (CostTable.shipped picks by device name and TP). Where none
-matches, auto falls back to PLACEHOLDER, which is NOT a measurement: a step of n tokens costing what the points
-below say relative to a batch-1 plain step (the points at 2 and 4 tokens are the ratios issue #28 quotes for steps
-of 2 and 4 sequences on one H200, the rest a guess), plus DRAFT_COST of a plain step per draft.
+table: --spec-cost-table; CostTable.from_rows says how a row becomes a cost), linear between the batches measured.
+The tables measured so far ship in scheduler/spec_costs.json, each for one GPU kind and TP (CostTable.shipped picks
+by device name and TP). Where none matches, auto falls back to PLACEHOLDER, which is NOT a measurement: a step of n
+tokens costing what the points below say relative to a batch-1 plain step (the points at 2 and 4 tokens are the
+ratios issue #28 quotes for steps of 2 and 4 sequences on one H200, the rest a guess), plus DRAFT_COST of a plain
+step per draft.
 """
 from __future__ import annotations
 
