@@ -203,6 +203,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.requests)
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether a step is queued whose tokens the next step() takes (the overlap)."""
+        return self._in_flight is not None
+
     def step(self) -> list[RequestOutput]:
         """Queue the next step, then take the tokens of the step queued before it (overlap) or of this one (and,
         after a verify step, whose tokens are on the host already, of both)."""

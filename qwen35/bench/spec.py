@@ -46,7 +46,7 @@ def spec_run(engine: LLMEngine, batch: int, k, input_len: int, output_len: int, 
     before = sum(len(r.output_ids) for r in engine.requests.values())
     drafted, accepted, steps = policy.drafted, policy.accepted, engine.num_steps
     counts = dict(engine.runner.verify_counts)
-    steps -= engine._in_flight is not None  # (overlap: a step queued during the prefill loop runs in the window)
+    steps -= engine.step_in_flight  # (overlap: a step queued during the prefill loop runs in the window)
     with timed():
         t0 = time.perf_counter()
         run_to_completion(engine)
