@@ -60,12 +60,16 @@ def run_tp2(make_runner, path: str, plans, kernels: str, out_file: str) -> list[
 
 
 def join_ranks(rank: int, world: int, port: int, device: str, hang_s: float | None = None, **env: str) -> None:
-    """A spawned rank's start: the launcher's environment (and `env`), then the process group (device "cpu": gloo;
-    "cuda": NCCL and this rank's GPU). With hang_s, a rank still running after that many seconds (stuck in a
-    collective) prints every thread's stack and exits, so that the test fails instead of hanging."""
+    """A spawned rank's start: the launcher's environment (and `env`), then the process group (device "cpu": gloo,
+    one torch thread per rank, as the ranks share the machine's cores; "cuda": NCCL and this rank's GPU). With
+    hang_s, a rank still running after that many seconds (stuck in a collective) prints every thread's stack and
+    exits, so that the test fails instead of hanging."""
     import os
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), **env)
+    if device == "cpu":
+        import torch
+        torch.set_num_threads(1)
     if hang_s is not None:
         import faulthandler
         faulthandler.dump_traceback_later(hang_s, exit=True)

@@ -491,11 +491,8 @@ def test_gpu_queueing_a_step_never_waits_for_the_device(tiny_dir):
 
 
 def _tp_worker(rank, port, tiny_dir, cache_dir, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      QWEN35_CACHE=cache_dir)
-    torch.set_num_threads(1)
+    join_ranks(rank, 2, port, "cpu", QWEN35_CACHE=cache_dir)
     from dist import parallel
-    parallel.init_distributed("cpu")
     try:
         eng = make_engine(tiny_dir, tp=2)
         if rank == 0:

@@ -3,13 +3,12 @@ prompt's cached chain and must produce exactly the tokens of an engine without t
 sampling, overlapped loop and serial loop, both kernel sets), for repeated prompts, prompts sharing a long prefix,
 a resent conversation, chunks cut across snapshot positions, eviction by snapshot count and by KV pressure, aborts,
 and TP=2. The counters (/metrics names) say what hit."""
-import os
 import random
 
 import pytest
 import torch
 
-from hf_reference import free_port
+from hf_reference import free_port, join_ranks
 from qwen35.engine import EngineArgs, LLMEngine
 from qwen35.sampling_params import SamplingParams
 
@@ -207,10 +206,8 @@ def test_bad_flags_are_refused(tiny_dir):
 
 
 def _tp_worker(rank, port, tiny_dir, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    join_ranks(rank, 2, port, "cpu")
     from dist import parallel
-    parallel.init_distributed("cpu")
     try:
         eng = make(tiny_dir, tp=2)
         if rank == 0:

@@ -11,7 +11,6 @@ on the tiny preset, fp32, CPU, torch kernels.
 - /metrics reports the drafted and accepted counters; one request through the HTTP server gives the same text as
   without speculation.
 """
-import os
 import random
 
 import pytest
@@ -119,11 +118,9 @@ def tp_requests():
 
 
 def _tp_worker(rank, port, tiny_dir, cache_dir, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      QWEN35_CACHE=cache_dir)
-    torch.set_num_threads(1)
+    from hf_reference import join_ranks
+    join_ranks(rank, 2, port, "cpu", QWEN35_CACHE=cache_dir)
     from dist import parallel
-    parallel.init_distributed("cpu")
     try:
         eng = make(tiny_dir, 2, tp=2)
         if rank == 0:

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from layers import spec_sampling as ss
 from layers.sampler import SampleBatch
 
-from hf_reference import free_port
+from hf_reference import free_port, join_ranks
 
 V = 2600       # padded vocabulary: 3 blocks per row at TP=1, shards of 1300 at TP=2
 REAL = V - 37  # the real tokens (padding inside the last shard)
@@ -112,10 +112,8 @@ def test_shards_at_tp1_give_the_references_tokens():
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    join_ranks(rank, world, port, "cpu")
     from dist import parallel
-    parallel.init_distributed("cpu")
     try:
         got = {name: run_both(t, d, b, num, rank, world) for name, t, d, b, num in cases()}
         torch.save(got, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from layers.sampler import sample_fast, sample_torch
 from qwen35.sampling_params import SamplingParams
 
-from hf_reference import free_port
+from hf_reference import free_port, join_ranks
 from test_sampler import make_batch
 
 V = 1536  # padded vocabulary: shards of 768 (TP=2) or 512 (TP=3)
@@ -57,10 +57,8 @@ def cases() -> list[tuple[str, torch.Tensor, list[SamplingParams], int, list]]:
 
 
 def _sampler_worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    join_ranks(rank, world, port, "cpu")
     from dist import parallel
-    parallel.init_distributed("cpu")
     try:
         size = V // world
         got = {}
@@ -117,13 +115,10 @@ def _engine_requests():
 
 
 def _engine_worker(rank, port, tiny_dir, cache_dir, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      QWEN35_CACHE=cache_dir)
-    torch.set_num_threads(1)
+    join_ranks(rank, 2, port, "cpu", QWEN35_CACHE=cache_dir)
     from dist import parallel
     from layers import sampler
     from test_engine import make_engine, run
-    parallel.init_distributed("cpu")
     sampler.shard_pass_fast = sampler.shard_pass_torch  # the kernel's twin: the interpreter is too slow at 248k ids
     checked = {"steps": 0, "sampled": 0}
 
