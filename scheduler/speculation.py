@@ -38,8 +38,9 @@ MAX_K = 8                 # the most drafts a fixed --speculative-tokens may ask
 ACCEPTANCE_PRIOR = 0.6    # the acceptance `auto` assumes before it has measured any
 ACCEPTANCE_DECAY = 0.9    # weight of the past in the running acceptance (per verify step)
 # the placeholder (module docstring): (tokens in the step, cost relative to a batch-1 plain step)
+# (1024: the 256-512 segment continued, so that steps of up to 256 rows x (AUTO_MAX_K + 1) tokens grow as before)
 PLACEHOLDER = [(1, 1.0), (2, 1.32), (4, 1.82), (8, 2.4), (16, 3.0), (32, 3.6), (64, 4.3), (128, 5.6), (256, 8.4),
-               (512, 14.0)]
+               (512, 14.0), (1024, 25.2)]
 DRAFT_COST = 0.15
 SWITCH_MARGIN = 0.03      # auto leaves the k it chose last only for one expected to cost this much less per token
 SHIPPED = os.path.join(os.path.dirname(__file__), "spec_costs.json")
