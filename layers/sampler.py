@@ -435,6 +435,16 @@ def sample_torch(logits: torch.Tensor, batch: SampleBatch, num_real_tokens: int,
 
 
 # ----------------------------------------------------------------------------- vocab-parallel
+def vocab_shard(n: int, num_real_tokens: int, vocab_size: int, op: str) -> tuple[int, int]:
+    """This rank's vocabulary shard for logits of n columns: (its first global id, its columns of real tokens);
+    ValueError naming `op` if n is not the shard's width or the vocabulary too large for float32 ids."""
+    start, size = even_split(vocab_size, parallel.tp_rank(), parallel.tp_size())
+    if n != size or vocab_size > MAX_IDS:
+        raise ValueError(f"{op}: logits of {n} columns for a shard of {size} (vocab {vocab_size}, "
+                         f"at most {MAX_IDS})")
+    return start, max(0, min(num_real_tokens - start, n))
+
+
 def _pick(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Every rank's candidates [tp, B] -> [B] the id of the best, the lowest rank (so the lowest id) at ties."""
     best = values.argmax(dim=0, keepdim=True)
@@ -492,11 +502,7 @@ def sample_fast(logits: torch.Tensor, batch: SampleBatch, num_real_tokens: int, 
     all-gather of [B, 4] candidates (plus the filters' rounds when some row has top-k / top-p). Collective: every
     rank calls it with its shard and the same batch; returns [B] int64, the same on every rank."""
     B, n = logits.shape
-    start, size = even_split(vocab_size, parallel.tp_rank(), parallel.tp_size())
-    if n != size or vocab_size > MAX_IDS:
-        raise ValueError(f"sample_fast: logits of {n} columns for a shard of {size} (vocab {vocab_size}, "
-                         f"at most {MAX_IDS})")
-    n_valid = max(0, min(num_real_tokens - start, n))
+    start, n_valid = vocab_shard(n, num_real_tokens, vocab_size, "sample_fast")
     lg = _suppressed(logits.contiguous(), batch.suppress, start)
     inv_t = batch.inv_temperature
     filtered = not batch.greedy_only and (batch.any_top_k or batch.any_top_p)

@@ -35,8 +35,7 @@ import torch
 from dist import parallel
 from layers import backend
 from layers.backend import tl, triton
-from layers.linear import even_split
-from layers.sampler import BLOCK, MAX_IDS, SampleBatch, gumbel_scores, masses, row_seeds
+from layers.sampler import BLOCK, MAX_IDS, SampleBatch, gumbel_scores, masses, row_seeds, vocab_shard
 
 if triton is not None:
     from layers.sampler import log_noise_k, seeds_k
@@ -108,6 +107,11 @@ def _drafted(drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Ten
     return torch.arange(drafts.shape[1], device=drafts.device)[None, :] < num_drafts[:, None]
 
 
+def _accepted(ok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor:
+    """[B] the drafts accepted per row: the length of the prefix of `ok` [B, k] among the row's drafts."""
+    return (ok & _drafted(drafts, num_drafts)).to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
 def _emit(tokens: torch.Tensor, accepted: torch.Tensor) -> Verdict:
     after = torch.arange(tokens.shape[1], device=tokens.device)[None, :] > accepted[:, None]
     return Verdict(tokens.masked_fill(after, -1), accepted + 1)
@@ -120,8 +124,7 @@ def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor,
     of drafts equal to the target's argmax, then the target's argmax."""
     target = torch.argmax(target_logits, dim=-1)
     k = drafts.shape[1]
-    ok = (drafts == target[:, :k]) & _drafted(drafts, num_drafts)
-    return _emit(target, ok.to(torch.int64).cumprod(dim=1).sum(dim=1))
+    return _emit(target, _accepted(drafts == target[:, :k], drafts, num_drafts))
 
 
 def verify_sampled(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor,
@@ -143,8 +146,8 @@ def verify_sampled(target_logits: torch.Tensor, drafts: torch.Tensor, draft_prob
     u = torch.exp(-torch.exp(-g)).view(B, n)
     s1, s2 = s1.view(B, n), s2.view(B, n)
     d = drafts[..., None]
-    ok = (u[:, :k] * draft_probs.gather(2, d)[..., 0] < p[:, :k].gather(2, d)[..., 0]) & _drafted(drafts, num_drafts)
-    accepted = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    accepted = _accepted(u[:, :k] * draft_probs.gather(2, d)[..., 0] < p[:, :k].gather(2, d)[..., 0], drafts,
+                         num_drafts)
     i = torch.arange(B, device=x.device)
     scores_x = x[i, accepted]  # the bonus token's: p itself
     if k:
@@ -171,7 +174,6 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
     rows = batch.temperature > 0
     return Verdict(torch.where(rows[:, None], sampled.tokens, greedy.tokens),
                    torch.where(rows, sampled.num_emitted, greedy.num_emitted))
-
 
 
 # ----------------------------------------------------------------------------- on vocabulary shards (the engine's)
@@ -232,7 +234,7 @@ def verify_torch(logits: torch.Tensor, drafts: torch.Tensor, draft_logits: torch
 if triton is not None:
     @triton.jit
     def _stats_kernel(lg_ptr, stride, n_valid, start, id_offset, accept_id, inv_t_ptr, key_ptr, ctr_ptr, out_ptr,
-                      nb, SAMPLED: tl.constexpr, ACCEPT: tl.constexpr, BLOCK: tl.constexpr):
+                      nb, W: tl.constexpr, SAMPLED: tl.constexpr, ACCEPT: tl.constexpr, BLOCK: tl.constexpr):
         """Program (row, block): STATS of x = logit * inv_t over the block's valid columns (Gumbel scores with the
         noise of ids + id_offset at the row's key and counter, with SAMPLED; the acceptance noise with ACCEPT)."""
         row = tl.program_id(0)
@@ -241,7 +243,7 @@ if triton is not None:
         ok = cols < n_valid
         x = tl.load(lg_ptr + row * stride + cols, mask=ok, other=float("-inf")) * tl.load(inv_t_ptr + row) + 0.0
         mx = tl.max(x, 0)
-        out = out_ptr + (row * nb + blk) * 6
+        out = out_ptr + (row * nb + blk) * W
         tl.store(out, mx)
         tl.store(out + 1, (blk * BLOCK + tl.argmax(x, 0, tie_break_left=True) + start).to(tl.float32))
         tl.store(out + 2, tl.sum(tl.where(ok, tl.exp(x - mx), 0.0), 0))
@@ -261,7 +263,7 @@ if triton is not None:
 
     @triton.jit
     def _residual_kernel(p_ptr, q_ptr, stride_p, stride_q, n_valid, start, inv_t_ptr, lse_p_ptr, lse_q_ptr,
-                         key_ptr, ctr_ptr, out_ptr, nb, BLOCK: tl.constexpr):
+                         key_ptr, ctr_ptr, out_ptr, nb, W: tl.constexpr, BLOCK: tl.constexpr):
         """Program (row, block): RESIDUAL over the block: r = max(0, p - q), p = exp(xp - lse_p), q likewise;
         scores log(r) - log(E) and xp - log(E) with the noise of the token ids at the row's key and counter."""
         row = tl.program_id(0)
@@ -277,7 +279,7 @@ if triton is not None:
         r = tl.where(ok, r, 0.0)
         rs = tl.where(r > 0, tl.log(tl.where(r > 0, r, 1.0)) - ln, float("-inf"))
         bs = tl.where(ok, xp - ln, float("-inf"))
-        out = out_ptr + (row * nb + blk) * 5
+        out = out_ptr + (row * nb + blk) * W
         tl.store(out, tl.max(rs, 0))
         tl.store(out + 1, (blk * BLOCK + tl.argmax(rs, 0, tie_break_left=True) + start).to(tl.float32))
         tl.store(out + 2, tl.sum(r, 0))
@@ -322,13 +324,12 @@ def stats_torch(logits: torch.Tensor, n_valid: int, start: int, id_offset: int, 
     out[:, 0], out[:, 1] = x.max(dim=-1).values, (torch.argmax(x, dim=-1) + start).float()
     out[:, 2] = torch.where(valid, torch.exp(x - out[:, :1]), 0.0).sum(dim=-1)
     out[:, 3] = float("-inf")
+    s1, s2 = row_seeds(key, counter) if sampled or accept else (None, None)
     if sampled:
-        s1, s2 = row_seeds(key, counter)
         sc = gumbel_scores(x, torch.arange(start, start + n, device=x.device) + id_offset, s1, s2)
         sc = sc.masked_fill(~valid, float("-inf"))
         out[:, 3], out[:, 4] = sc.max(dim=-1).values, (torch.argmax(sc, dim=-1) + start).float()
     if accept:
-        s1, s2 = row_seeds(key, counter)
         accept_id = torch.full((1,), ACCEPT_ID, dtype=torch.int64, device=logits.device)
         out[:, 5] = -gumbel_scores(torch.zeros(R, 1, device=logits.device), accept_id, s1, s2)[:, 0]
     return out
@@ -342,7 +343,8 @@ def stats_fast(logits: torch.Tensor, n_valid: int, start: int, id_offset: int, i
     out = torch.empty(R, nb, STATS, device=logits.device)
     if R:
         _stats_kernel[(R, nb)](logits, logits.stride(0), n_valid, start, id_offset, ACCEPT_ID, inv_t, key, counter,
-                               out, nb, SAMPLED=sampled, ACCEPT=accept, BLOCK=BLOCK, enable_fp_fusion=False)
+                               out, nb, W=STATS, SAMPLED=sampled, ACCEPT=accept, BLOCK=BLOCK,
+                               enable_fp_fusion=False)
     return merge_stats(out, dim=1)
 
 
@@ -372,17 +374,9 @@ def residual_fast(p_logits: torch.Tensor, q_logits: torch.Tensor, n_valid: int, 
     out = torch.empty(R, nb, RESIDUAL, device=p_logits.device)
     if R:
         _residual_kernel[(R, nb)](p_logits, q_logits, p_logits.stride(0), q_logits.stride(0), n_valid, start,
-                                  inv_t, lse_p, lse_q, key, counter, out, nb, BLOCK=BLOCK, enable_fp_fusion=False)
+                                  inv_t, lse_p, lse_q, key, counter, out, nb, W=RESIDUAL, BLOCK=BLOCK,
+                                  enable_fp_fusion=False)
     return merge_residual(out, dim=1)
-
-
-def _shard(n: int, num_real_tokens: int, vocab_size: int) -> tuple[int, int]:
-    """This rank's shard: (its first global id, its valid columns); checks the logits' width."""
-    start, size = even_split(vocab_size, parallel.tp_rank(), parallel.tp_size())
-    if n != size or vocab_size > MAX_IDS:
-        raise ValueError(f"speculative sampling: logits of {n} columns for a shard of {size} (vocab {vocab_size}, "
-                         f"at most {MAX_IDS})")
-    return start, max(0, min(num_real_tokens - start, n))
 
 
 def _all(x: torch.Tensor, merge) -> torch.Tensor:
@@ -406,7 +400,7 @@ def draft_fast(logits: torch.Tensor, batch: SampleBatch | None, num_real_tokens:
     if _filtered(batch):
         return draft_torch(logits, batch, num_real_tokens, vocab_size)
     B, n = logits.shape
-    start, n_valid = _shard(n, num_real_tokens, vocab_size)
+    start, n_valid = vocab_shard(n, num_real_tokens, vocab_size, "speculative sampling")
     if batch is None or batch.greedy_only:
         return DraftDraw(_argmax_ids(logits, n_valid, start), torch.zeros(B, device=logits.device))
     _check(batch)
@@ -415,10 +409,6 @@ def draft_fast(logits: torch.Tensor, batch: SampleBatch | None, num_real_tokens:
     sampled = batch.temperature > 0
     tokens = torch.where(sampled, st[:, 4], st[:, 1]).to(torch.int64)
     return DraftDraw(tokens, torch.where(sampled, st[:, 0] + st[:, 2].log(), 0.0))
-
-
-def _accepted(ok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor:
-    return (ok & _drafted(drafts, num_drafts)).to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
 def verify_fast(logits: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tensor, draft_lse: torch.Tensor,
@@ -431,7 +421,7 @@ def verify_fast(logits: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.
         return verify_torch(logits, drafts, draft_logits, draft_lse, batch, num_drafts, num_real_tokens, vocab_size)
     B, T, n = logits.shape
     k = T - 1
-    start, n_valid = _shard(n, num_real_tokens, vocab_size)
+    start, n_valid = vocab_shard(n, num_real_tokens, vocab_size, "speculative sampling")
     flat = logits.reshape(B * T, n)
     if batch is None or batch.greedy_only:
         target = _argmax_ids(flat, n_valid, start).view(B, T)
