@@ -103,15 +103,6 @@ class LLMEngine:
         self.late_compiles, self._stop_compile_log = 0, lambda: None  # Triton compiles after start (and warm-up)
         compiles = self.device.type == "cuda" and self.runner.kernels == "fast"  # Triton compiles (not interprets)
         warm_up = args.warm_up and compiles
-        if warm_up:
-            if parallel.is_driver():
-                log.info("warm-up: compiling the prefill and mixed-step kernels (first start: a minute or two; "
-                         "Triton's disk cache makes later starts quick)")
-            t0 = time.perf_counter()
-            n = self.runner.warm_up(args.max_num_batched_tokens)  # every rank: the same plans
-            if parallel.is_driver():
-                log.info("warm-up: %d prefill and mixed steps (up to %d tokens) in %.1f s", n,
-                         args.max_num_batched_tokens, time.perf_counter() - t0)
         self._shut_down = False
         num_real = None
         if parallel.is_driver():
@@ -120,10 +111,19 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(self.model_dir)
             self.tokenizer.warm_detokenizer()  # no token's text is worked out for the first time while streaming
             num_real = min(self.tokenizer.num_real_tokens, self.config.vocab_size)
+        num_real = parallel.broadcast_object(num_real)
+        if warm_up:
+            if parallel.is_driver():
+                log.info("warm-up: compiling the prefill and mixed-step kernels (first start: a minute or two; "
+                         "Triton's disk cache makes later starts quick)")
+            t0 = time.perf_counter()
+            n = self.runner.warm_up(args.max_num_batched_tokens, num_real)  # every rank: the same plans
+            if parallel.is_driver():
+                log.info("warm-up: %d prefill and mixed steps (up to %d tokens) in %.1f s", n,
+                         args.max_num_batched_tokens, time.perf_counter() - t0)
         # every rank samples its vocabulary slice (the tokens then feed the next step on every rank); per-slot
         # settings for every slot a row may name, the scratch slot of padded graph rows included
-        self.sampler = Sampler(parallel.broadcast_object(num_real), self.config.vocab_size,
-                               self.runner.scratch_slot + 1, self.device)
+        self.sampler = Sampler(num_real, self.config.vocab_size, self.runner.scratch_slot + 1, self.device)
         if warm_up:
             self.sampler.warm_up()
         # the sampling tails of the decode graphs are captured with it; rank 0's tokens reach the host through the

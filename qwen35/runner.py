@@ -597,7 +597,7 @@ class ModelRunner:
             b *= 2
         return plans
 
-    def _warm_up_verify(self) -> None:
+    def _warm_up_verify(self, num_real_tokens: int) -> None:
         """What a verify step runs besides the kernels the prefill and decode steps compile: the decode attention
         at every variant its row counts (batch x (k + 1)) can meet, the speculative sampling passes (greedy and
         sampled drafts and verdicts: collective, as on every rank), and the DeltaNet verify and commit kernels'
@@ -611,7 +611,7 @@ class ModelRunner:
             tables = torch.full((r, W), self.num_kv_blocks, dtype=torch.int32, device=self.device)
             a._decode(q, a.k_cache, a.v_cache, tables, torch.ones(r, dtype=torch.int32, device=self.device), 1.0,
                       q if a.gated else None)
-        self._warm_up_spec_sampling()
+        self._warm_up_spec_sampling(num_real_tokens)
         if not self.gdn_layers:
             return
         from layers.deltanet import DECODE_CONFIG
@@ -625,27 +625,30 @@ class ModelRunner:
             m._commit_op(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias,
                          torch.ones(rows, dtype=torch.int64, device=self.device), T)
 
-    def _warm_up_spec_sampling(self) -> None:
-        """One row's draft and verdict, greedy and sampled, on zero logits (every variant of the sampling passes)."""
+    def _warm_up_spec_sampling(self, num_real_tokens: int) -> None:
+        """One row's draft and verdict, greedy and sampled, on zero logits (every variant of the sampling passes;
+        before the sampler is attached: the tokenizer's count of real tokens is given)."""
         n = self.model.lm_head.weight.shape[0]
         one = torch.ones(1, device=self.device)
         ids = torch.zeros(1, dtype=torch.int64, device=self.device)
         sampled = SampleBatch(one, one * 0, one, ids, ids, None, False, False, False)
         for batch in (None, sampled):
-            d = self._draft(torch.zeros(1, n, device=self.device), batch, self.sampler.num_real_tokens,
-                            self.config.vocab_size)
+            d = self._draft(torch.zeros(1, n, device=self.device), batch, num_real_tokens, self.config.vocab_size)
             self._verify(torch.zeros(1, 2, n, device=self.device), d.tokens[:, None], torch.zeros(1, 1, n,
-                         device=self.device), d.lse[:, None], batch, None, self.sampler.num_real_tokens,
-                         self.config.vocab_size)
+                         device=self.device), d.lse[:, None], batch, None, num_real_tokens, self.config.vocab_size)
 
     @torch.inference_mode()
-    def warm_up(self, max_tokens: int) -> int:
-        """Run warm_up_plans (every rank, the same plans); returns how many ran."""
+    def warm_up(self, max_tokens: int, num_real_tokens: int | None = None) -> int:
+        """Run warm_up_plans (every rank, the same plans), and with speculation the verify step's kernels
+        (num_real_tokens: the tokenizer's, which the sampling passes mask past; needed then, as the sampler is
+        attached after the warm-up); returns how many plans ran."""
         plans = self.warm_up_plans(max_tokens)
         for plan in plans:
             self.execute(plan, gather="none")
         if self.spec_max_k and self.kernels == "fast" and self.device.type == "cuda":
-            self._warm_up_verify()
+            if num_real_tokens is None:
+                raise ValueError("warm_up with speculation needs num_real_tokens (the tokenizer's)")
+            self._warm_up_verify(num_real_tokens)
         if self._feed_tokens is feed_tokens_fast and self.device.type == "cuda":
             # the feed kernel's two variants (rank 0's also writes the host's buffer), on the scratch slot
             token = torch.zeros(1, dtype=torch.int64, device=self.device)

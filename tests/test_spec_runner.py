@@ -232,14 +232,13 @@ def test_verify_warm_up_runs_every_variant_on_scratch_state_only():
     args = EngineArgs(model="", load_format="dummy-spec", device="cpu", dtype="float32", kernels="fast",
                       block_size=BLOCK, max_num_seqs=4, max_model_len=256, mtp=True, speculative_tokens=2, seed=1)
     runner = ModelRunner(cfg, args)
-    runner.attach_sampler(Sampler(VOCAB - 64, VOCAB, runner.scratch_slot + 1, "cpu"), host_ring=False)
-    live = list(range(runner.num_state_slots))
+    live = list(range(runner.num_state_slots))  # (no sampler attached yet: the engine warms up first)
     for m in runner.gdn_layers:
         m.conv_state.normal_()
         m.ssm_state.normal_()
     before = ([m.conv_state[live].clone() for m in runner.gdn_layers], [m.ssm_state[live].clone() for m in
               runner.gdn_layers], [a.k_cache[:runner.num_kv_blocks].clone() for a in runner.attn_layers])
-    runner._warm_up_verify()
+    runner._warm_up_verify(VOCAB - 64)
     after = ([m.conv_state[live] for m in runner.gdn_layers], [m.ssm_state[live] for m in runner.gdn_layers],
              [a.k_cache[:runner.num_kv_blocks] for a in runner.attn_layers])
     assert all(torch.equal(x, y) for b, a in zip(before, after) for x, y in zip(b, a))
