@@ -1,86 +1,130 @@
 #!/usr/bin/env bash
-# One device-machine call: install the carried wheels, then run the named GPU stages, logs under $OUT.
+# One device-machine call: install the carried wheels (.whl/, see README), then run the named stages in order, each
+# one's log and JSON under $OUT and a short summary printed (at most 8 files come back from a call: end with pack).
 #
-#   bash benchmarks/gpu_session.sh tests parity bench server
+#   bash benchmarks/gpu_session.sh tests record spec pack
 #
-# Stages: profile (benchmarks.profile_step: top kernels per phase, PROFILE_ARGS), tune (benchmarks.tune_moe:
-# writes layers/moe_configs.json, copied to $OUT; TUNE_TP), record (qwen35.bench --mode record: the decode/prefill rows of record, RECORD_ARGS), kernels (each
-# benchmarks/bench_<layer>.py micro-benchmark), tests (pytest -m gpu over GPU_TESTS, default tests/), parity (benchmarks.gpu_parity at TP=1 and TP=NGPU), bench (qwen35.bench at TP=NGPU
-# and TP=1, full-size dummy weights), latency and harness (issue #11: qwen35.bench --mode latency --compare-hf on
-# qwen3.5-4b; --mode prefill,decode,mixed on llama-1b; one GPU each), host (issue #10: qwen35.bench.host_time --breakdown
-# and benchmarks.bench_host_calls, HOST_ARGS), server (start.sh at TP=NGPU +
-# benchmarks.throughput). Sizes come from the
-# environment (BENCH_ARGS, TRACE_ARGS, THROUGHPUT_ARGS) so that one call fits the device time at hand.
+# Stages (settings from the environment; TP defaults to every GPU of the machine):
+#   tests     pytest -m gpu over GPU_TESTS (default tests/), GPU_K a -k filter, TEST_GPUS the visible GPUs
+#   record    qwen35.bench --mode record (decode rows of record, kernels, host time) at each TP in RECORD_TPS;
+#             RECORD_ARGS, RECORD_TAG naming its files, RECORD_GPU0 its first GPU (records side by side); TP=1 of
+#             the full model only on a GPU of > 100 GB
+#   base      the same at TP=RECORD_TPS from .base/ (a carried snapshot of an earlier commit: `git archive C | tar -x
+#             -C .base`), for a before/after on one machine
+#   profile   benchmarks.profile_step (per layer kind and kernel) at each TP in PROFILE_TPS, PROFILE_BATCHES,
+#             PROFILE_TAG, PROFILE_ENV (e.g. QWEN35_ALLREDUCE=oneshot for the boundaries before push)
+#   spec      qwen35.bench --mode spec (dummy-spec weights, acceptance 0.6) at SPEC_TP; SPEC_ARGS, SPEC_TAG
+#   dense     issue #29: benchmarks.profile_decode_calls, then the llama-1b and llama-3b create_engine traces
+#   sweep     benchmarks.sweep_decode_attention
+#   tune      benchmarks.tune_moe at TUNE_TPS (TUNE_ARGS, default --quick) into $OUT/moe_configs.json
+#   usetuned  copy $OUT/moe_configs.json over layers/moe_configs.json (the stages after it use the new tiles)
+#   kernels   each benchmarks/bench_<layer>.py micro-benchmark
+#   parity    benchmarks.gpu_parity (bf16 against transformers' fp32) at TP=1 and TP=NGPU
+#   latency   qwen35.bench --mode latency --compare-hf on qwen3.5-4b, one GPU
+#   host      qwen35.bench.host_time --breakdown (HOST_ARGS) and benchmarks.bench_host_calls
+#   server    ./start.sh at TP=NGPU (SERVER_ARGS), then benchmarks.throughput (THROUGHPUT_ARGS: the users' levels,
+#             standard exp:290,1024 lengths)
+#   pack      everything under $OUT but the JSON files into $OUT/logs.tgz
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if ls .whl/*.whl >/dev/null 2>&1; then  # the server's and the tokenizer's packages, installed once per machine
+  [ -d /tmp/site/orjson ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NGPU=$(nvidia-smi -L | wc -l)
 DEV="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$NGPU"
-echo "device: $DEV, $(date -u +%FT%TZ)"
-BENCH_ARGS=${BENCH_ARGS:---mode static --batch-sizes 1,2,4,8,16,32,64 --input-len 1024 --output-len 64}
-THROUGHPUT_ARGS=${THROUGHPUT_ARGS:---levels 1,2,4,8,16,32,64 --num-requests 64 --ignore-eos}  # standard exp:290,1024 lengths
-
+echo "device: $DEV, $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null)"
+devs() { seq -s, ${2:-0} $((${2:-0} + $1 - 1)); }           # devs N [FIRST]: N visible GPUs from FIRST
+port() { echo $((29500 + ${1:-0} * 7 + RANDOM % 5)); }     # a torchrun port per first GPU (stages side by side)
+run_tp() {  # run_tp TP FIRST_GPU TIMEOUT LOG -m module args...: torchrun on TP GPUs, output to LOG
+  local tp=$1 g0=$2 limit=$3 log=$4; shift 4
+  CUDA_VISIBLE_DEVICES=$(devs "$tp" "$g0") timeout "$limit" torchrun --nproc-per-node "$tp" --master-port $(port "$g0") \
+    "$@" > "$log" 2>&1
+}
 for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
-    record)
-      torchrun --nproc-per-node "$NGPU" -m qwen35.bench --mode record ${RECORD_ARGS:-} --out "$OUT/record_tp$NGPU.json" \
-        2>&1 | grep -v "^\s*$" | tail -16 ;;
-    trace)  # issue #9: a warm c=64 level (prompts seen at c=32) beside a cold one (prompts never seen)
-      torchrun --nproc-per-node "$NGPU" -m qwen35.bench --mode trace ${TRACE_ARGS:---levels 32,64 --cold-levels 64} \
-        --max-num-seqs 64 --out "$OUT/trace_tp$NGPU.json" 2>&1 | grep -v "^\s*$" | tail -8 ;;
-    kernels)
-      for b in benchmarks/bench_*.py; do python3 -m "benchmarks.$(basename "$b" .py)" 2>&1 | tail -30; done ;;
     tests)
-      python3 -m pytest ${GPU_TESTS:-tests/} -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+      CUDA_VISIBLE_DEVICES=${TEST_GPUS:-$(devs $NGPU)} timeout ${TESTS_TIMEOUT:-500} python3 -m pytest ${GPU_TESTS:-tests/} \
+        -m gpu -q -p no:cacheprovider ${GPU_K:+-k "$GPU_K"} 2>&1 | tee "$OUT/gpu_tests${TEST_TAG:-}.log" | tail -8 ;;
+    record|base)
+      big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+      g0=${RECORD_GPU0:-0}
+      for tp in ${RECORD_TPS:-$NGPU}; do
+        [ $((g0 + tp)) -gt "$NGPU" ] && continue
+        if [ "$tp" -eq 1 ] && [ "$big" -lt 100000 ]; then echo "record tp=1 skipped: the full model needs an H200"; continue; fi
+        f="$OUT/${stage}${RECORD_TAG:+_${RECORD_TAG}}_tp$tp"
+        if [ "$stage" = base ]; then
+          (cd .base && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} run_tp "$tp" "$g0" ${RECORD_TIMEOUT:-400} "$f.log" \
+            -m qwen35.bench --mode record ${RECORD_ARGS:---batch-sizes 1,8,32,64} --out "$f.json")
+        else
+          run_tp "$tp" "$g0" ${RECORD_TIMEOUT:-400} "$f.log" -m qwen35.bench --mode record \
+            ${RECORD_ARGS:---batch-sizes 1,8,32,64} --out "$f.json"
+        fi
+        echo "$stage ${RECORD_TAG:-} tp=$tp rc=$?"; grep -v "^\s*$" "$f.log" | tail -14
+      done ;;
+    profile)
+      for tp in ${PROFILE_TPS:-$NGPU}; do
+        [ "$tp" -gt "$NGPU" ] && continue
+        f="$OUT/profile${PROFILE_TAG:+_${PROFILE_TAG}}_tp$tp"
+        ( [ -n "${PROFILE_ENV:-}" ] && export ${PROFILE_ENV}
+          run_tp "$tp" 0 ${PROFILE_TIMEOUT:-300} "$f.log" -m benchmarks.profile_step \
+            --decode-batch ${PROFILE_BATCHES:-1,8} --json "$f.json" )
+        echo "profile tp=$tp rc=$?"; grep -E "^===|^--- (deltanet|attention)" "$f.log"
+      done ;;
+    spec)
+      tp=${SPEC_TP:-$NGPU}; f="$OUT/spec${SPEC_TAG:+_${SPEC_TAG}}_tp$tp"
+      run_tp "$tp" 0 ${SPEC_TIMEOUT:-400} "$f.log" -m qwen35.bench --mode spec --load-format dummy-spec \
+        --spec-acceptance 0.6 ${SPEC_ARGS:---batch-sizes 1,8,64 --spec-ks 0,1,2 --output-len 64} --out "$f.json"
+      echo "spec tp=$tp rc=$?"; grep -E "^ *[0-9]+ +[0-9a-z]+ +[0-9.]+ |^---|us/step|captured|Error|error" "$f.log" | head -120 ;;
+    dense)
+      g=${DENSE_GPU:-0}
+      CUDA_VISIBLE_DEVICES=$g timeout 200 python3 -m benchmarks.profile_decode_calls --json "$OUT/dense_profile.json" \
+        > "$OUT/dense_profile.log" 2>&1; echo "dense profile rc=$?"; head -60 "$OUT/dense_profile.log"
+      for m in llama-1b llama-3b; do
+        run_tp 1 "$g" 300 "$OUT/dense_harness_$m.log" -m qwen35.bench --model $m --mode prefill,decode,mixed \
+          --out "$OUT/dense_harness_$m.json"
+        echo "dense harness $m rc=$?"; grep -E "prefill|decode|mixed|create" "$OUT/dense_harness_$m.log" | tail -14
+      done ;;
+    sweep)
+      CUDA_VISIBLE_DEVICES=${SWEEP_GPU:-0} timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.sweep_decode_attention \
+        --json "$OUT/sweep_decode.json" > "$OUT/sweep_decode.log" 2>&1; echo "sweep rc=$?"; grep -v "^\s*$" "$OUT/sweep_decode.log" | tail -16 ;;
+    tune)
+      [ -f "$OUT/moe_configs.json" ] || cp layers/moe_configs.json "$OUT/moe_configs.json"
+      CUDA_VISIBLE_DEVICES=${TUNE_GPU:-0} timeout ${TUNE_TIMEOUT:-330} python3 -m benchmarks.tune_moe \
+        --tp ${TUNE_TPS:-$NGPU} ${TUNE_ARGS:---quick} --out "$OUT/moe_configs.json" > "$OUT/tune.log" 2>&1
+      echo "tune rc=$?"; grep -E "TP=|gemv " "$OUT/tune.log" | tail -20 ;;
+    usetuned) cp "$OUT/moe_configs.json" layers/moe_configs.json && echo "layers/moe_configs.json replaced" ;;
+    kernels)
+      for b in benchmarks/bench_*.py; do CUDA_VISIBLE_DEVICES=0 python3 -m "benchmarks.$(basename "$b" .py)" 2>&1 | tail -30; done ;;
     parity)
       CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.gpu_parity --layers 8 --out "$OUT/parity_tp1.json" 2>&1 \
         | grep -v "falling back" | tail -5
       if [ "$NGPU" -gt 1 ]; then
-        torchrun --nproc-per-node "$NGPU" -m benchmarks.gpu_parity --layers 8 --out "$OUT/parity_tp$NGPU.json" \
-          2>&1 | grep -v "falling back" | tail -5
+        run_tp "$NGPU" 0 400 "$OUT/parity_tp$NGPU.log" -m benchmarks.gpu_parity --layers 8 --out "$OUT/parity_tp$NGPU.json"
+        grep -v "falling back" "$OUT/parity_tp$NGPU.log" | tail -5
       fi ;;
-    bench)
-      torchrun --nproc-per-node "$NGPU" -m qwen35.bench $BENCH_ARGS --out "$OUT/bench_tp$NGPU.json" 2>&1 \
-        | grep -v "^\s*$" | tail -22
-      if [ "$NGPU" -gt 1 ] && [ -n "${BENCH_TP1:-1}" ]; then
-        CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 1 -m qwen35.bench $BENCH_ARGS --out "$OUT/bench_tp1.json" \
-          2>&1 | tail -14
-      fi ;;
-    latency)  # issue #11: Qwen3.5-4B one request at a time, beside transformers' generate, one GPU
+    latency)
       CUDA_VISIBLE_DEVICES=0 python3 -m qwen35.bench --model qwen3.5-4b --mode latency --compare-hf \
         ${LATENCY_ARGS:-} --out "$OUT/latency_qwen3.5-4b_tp1.json" 2>&1 | grep -v "falling back" | tail -8 ;;
-    harness)  # issue #11: the create_engine traces on a ~1B Llama, one GPU
-      CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 1 -m qwen35.bench --model llama-1b \
-        --mode prefill,decode,mixed ${HARNESS_ARGS:-} --out "$OUT/harness_llama-1b_tp1.json" 2>&1 | tail -14 ;;
+    host)
+      CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_host_calls 2>&1 | tail -4
+      CUDA_VISIBLE_DEVICES=0 python3 -m qwen35.bench.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy \
+        ${HOST_ARGS:---batch-sizes 1,8,32,64 --steps 100 --reps 3 --breakdown} 2>&1 | grep "^{" | tee "$OUT/host.log" ;;
     server)
       ./start.sh --port 8000 --model qwen3.5-35b-a3b --load-format dummy --tp "$NGPU" --log "$OUT/server.log" \
         --timeout 600 ${SERVER_ARGS:-} || { tail -30 "$OUT/server.log"; continue; }
-      python3 -m benchmarks.throughput --url http://127.0.0.1:8000 $THROUGHPUT_ARGS \
+      python3 -m benchmarks.throughput --url http://127.0.0.1:8000 \
+        ${THROUGHPUT_ARGS:---levels 1,2,4,8,16,32,64 --num-requests 64 --ignore-eos} \
         --device-info "$DEV, TP=$NGPU, dummy weights" --out "$OUT/throughput_tp$NGPU.json" 2>&1 | tail -14
       ./start.sh --stop --port 8000 ;;
-    host)  # issue #10: the host time per decode step split into phases, and what each CUDA call of a step costs
-      python3 -m benchmarks.bench_host_calls 2>&1 | tail -4
-      python3 -m qwen35.bench.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy \
-        ${HOST_ARGS:---batch-sizes 1,8,32,64 --steps 100 --reps 3 --breakdown} 2>&1 | grep "^{" | tee "$OUT/host.log" ;;
-    profile)
-      python3 -m benchmarks.profile_step ${PROFILE_ARGS:---decode-batch 1,8,64 --top 30} 2>&1 | tee "$OUT/profile.log" \
-        | grep -v "^\s*$" | tail -120 ;;
-    tune)
-      # decode buckets over the full tile grid, prefill buckets over the quick one; the table is written after each TP
-      timeout "${TUNE_TIMEOUT:-400}" python3 -m benchmarks.tune_moe --tp ${TUNE_TP:-1 8} --batches 1 2 4 8 16 32 64 128 \
-        2>&1 | tee "$OUT/tune.log" | grep -E "wrote|TP=" ; \
-      timeout "${TUNE_TIMEOUT:-400}" python3 -m benchmarks.tune_moe --tp ${TUNE_TP:-1 8} --quick \
-        --batches 256 512 1024 2048 4096 8192 2>&1 | tee -a "$OUT/tune.log" | grep -E "wrote|TP="
-      cp layers/moe_configs.json "$OUT/" 2>/dev/null ;;
+    pack) (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz $(ls | grep -v '\.json$') \
+             && ls | grep -v -e '\.json$' -e '^logs.tgz$' | xargs -r rm -rf) ;;
     *) echo "unknown stage $stage" ;;
   esac
-  echo "stage $stage: $(( $(date +%s) - t0 )) s"
+  echo "[$stage: $(( $(date +%s) - t0 )) s]"
 done
