@@ -608,25 +608,6 @@ class ModelRunner:
             b *= 2
         return plans
 
-    def _warm_up_tables(self) -> None:
-        """_set_tables at one row and at max_num_seqs rows of whole tables (the first use of its device ops loads
-        their kernels, ~0.1 ms each), then every table as it was; and the pinned buffers it stages tables in, of
-        every size a step can need (the host allocator keeps freed ones by power-of-two size; a first allocation
-        costs ~0.1-0.5 ms), so that no call pays either."""
-        saved, lens = self.block_table.clone(), list(self._table_len)
-        ends = self.slot_end.clone() if self.slot_end is not None else None
-        width = min(self.max_blocks_per_seq, self.num_kv_blocks)
-        for n in sorted({1, min(self.max_num_seqs, self.num_state_slots)}):
-            self._set_tables(StepPlan(state_slots=list(range(n)), block_tables=[list(range(width))] * n))
-        self.block_table.copy_(saved)
-        self._table_len[:] = lens
-        if ends is not None:
-            self.slot_end.copy_(ends)
-        if self._pin:
-            most = self.max_num_seqs * (2 + self.max_blocks_per_seq)
-            held = [torch.empty(1 << k, dtype=torch.int64, pin_memory=True) for k in range(most.bit_length() + 1)]
-            del held
-
     def _warm_up_verify(self, num_real_tokens: int) -> None:
         """What a verify step runs besides the kernels the prefill and decode steps compile: the decode attention
         at every variant its row counts (batch x (k + 1)) can meet, the speculative sampling passes (greedy and
@@ -686,8 +667,6 @@ class ModelRunner:
             host = torch.empty(1, dtype=torch.int64, pin_memory=True)  # (held until the synchronize below)
             self._feed_tokens(token, slot, self.slot_tokens)
             self._feed_tokens(token, slot, self.slot_tokens, host)
-        if self.device.type == "cuda":
-            self._warm_up_tables()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return len(plans)
