@@ -68,7 +68,8 @@ def decode_rows(eng, batches: list[int], context: int, steps: int, vocab: int, r
     """Per B: B requests prefilled to `context` tokens (untimed, a few at a time), then decode calls over all B,
     each feeding the argmax of the previous call's logits (on the device: the host queues calls ahead). The first
     10 calls are timed one by one (a sync around each: first_call_ms, the shape's first call after create_engine,
-    beside tenth_call_ms), then `steps` calls back to back (ms_per_call, tok_s)."""
+    beside tenth_call_ms; *_host_ms: until decode returned, the host's share), then `steps` calls back to back
+    (ms_per_call, tok_s)."""
     dev, rows = eng.runner.device, []
     for b in batches:
         ids = [f"d{b}-{i}" for i in range(b)]
@@ -77,11 +78,13 @@ def decode_rows(eng, batches: list[int], context: int, steps: int, vocab: int, r
         for s in range(0, b, per_call):
             last.append(eng.prefill(ids[s:s + per_call], _prompts(rng, vocab, len(ids[s:s + per_call]), context)))
         tokens = torch.cat(last).argmax(-1)
-        single = []
+        single, queued = [], []
         for _ in range(10):
             _sync(dev)
             t0 = time.perf_counter()
-            tokens = eng.decode(ids, tokens).argmax(-1)
+            logits = eng.decode(ids, tokens)
+            queued.append(time.perf_counter() - t0)
+            tokens = logits.argmax(-1)
             _sync(dev)
             single.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
@@ -92,7 +95,8 @@ def decode_rows(eng, batches: list[int], context: int, steps: int, vocab: int, r
         eng.remove(ids)
         rows.append({"batch": b, "context": context, "steps": steps, "ms_per_call": round(1e3 * wall / steps, 3),
                      "tok_s": round(b * steps / wall, 1), "first_call_ms": round(1e3 * single[0], 3),
-                     "tenth_call_ms": round(1e3 * single[9], 3)})
+                     "tenth_call_ms": round(1e3 * single[9], 3), "first_call_host_ms": round(1e3 * queued[0], 3),
+                     "tenth_call_host_ms": round(1e3 * queued[9], 3)})
     return rows
 
 
@@ -200,7 +204,8 @@ def run(args, eargs, modes: set, argv) -> None:
             for r in rows:
                 print(f"  decode batch {r['batch']:3d} at {r['context']}: {r['ms_per_call']:8.2f} ms/call  "
                       f"{r['tok_s']:9.0f} tok/s  (first call {r['first_call_ms']:.2f} ms, tenth "
-                      f"{r['tenth_call_ms']:.2f} ms, each synced)", flush=True)
+                      f"{r['tenth_call_ms']:.2f} ms, each synced; host {r['first_call_host_ms']:.2f} / "
+                      f"{r['tenth_call_host_ms']:.2f} ms)", flush=True)
     if "mixed" in modes:
         for key, requeue in (("mixed", 0.0), ("mixed_requeue", args.mixed_requeue)):
             results[key] = r = mixed_trace(eng, args.mixed_requests, args.mixed_concurrency, prompt_lens,
