@@ -19,6 +19,7 @@ The recurrent and chunked forms compute the same function (as the reference, whi
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -284,32 +285,18 @@ class GatedDeltaNet(nn.Module):
         return gated_rms_norm_torch(o, z, self.norm.weight, self.norm.eps).flatten(1)
 
     def mixed_fast(self, proj: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """mixed_torch batched by kind of row (host lists only, no device sync): the decode rows (one token on a
-        state) through the decode op in one call, the other sequences through the varlen prefill kernels. A step
-        without decode rows passes the batch's own tensors (no copy); otherwise each kind's rows are a slice when
-        they are contiguous (the scheduler puts the decodes first), else gathered."""
-        offsets = [0, *itertools.accumulate(batch.seq_lens_cpu)]
-        on_state = [n == 1 and start > 0 for n, start in zip(batch.seq_lens_cpu, batch.start_pos_cpu)]
-        decodes = [i for i, d in enumerate(on_state) if d]
-        chunked = [i for i, d in enumerate(on_state) if not d]
-        if not decodes:
+        """mixed_torch batched by kind of row (no device sync): the decode rows (one token on a state) through the
+        decode op in one call, the other sequences through the varlen prefill kernels, as mixed_split (once per step)
+        divides them. A step without decode rows passes the batch's own tensors (no copy); otherwise each kind's rows
+        are a slice when they are contiguous (the scheduler puts the decodes first), else gathered."""
+        split = mixed_split(batch, proj.device)
+        if split is None:
             return self._chunked(proj, batch.cu_seqlens, batch.start_pos, batch.state_slots, batch.checkpoints)
-        dev = proj.device
-        y = torch.empty(proj.shape[0], self.num_v_heads * self.dv, dtype=proj.dtype, device=dev)
-        rows = _rows_of(decodes, offsets, dev)
-        y[rows] = self.decode(proj[rows], _device_index([batch.state_slots_cpu[i] for i in decodes], dev))
-        if chunked:
-            lens = [batch.seq_lens_cpu[i] for i in chunked]
-            cu = _device_index([0, *itertools.accumulate(lens)], dev, torch.int32)
-            start = _device_index([batch.start_pos_cpu[i] for i in chunked], dev, torch.int32)
-            slots = _device_index([batch.state_slots_cpu[i] for i in chunked], dev)
-            rows = _rows_of(chunked, offsets, dev)
-            checkpoints = None
-            if batch.checkpoints_cpu:  # renumbered to the prefill rows (the runner refuses one on a decode row)
-                index = {row: i for i, row in enumerate(chunked)}
-                checkpoints = _device_index([v for row, pos, dst in batch.checkpoints_cpu
-                                             for v in (index[row], pos, dst)], dev).view(-1, 3)
-            y[rows] = self._chunked(proj[rows], cu, start, slots, checkpoints)
+        y = torch.empty(proj.shape[0], self.num_v_heads * self.dv, dtype=proj.dtype, device=proj.device)
+        y[split.decode_rows] = self.decode(proj[split.decode_rows], split.decode_slots)
+        if split.chunk_rows is not None:
+            y[split.chunk_rows] = self._chunked(proj[split.chunk_rows], split.cu_seqlens, split.start_pos,
+                                                split.slots, split.checkpoints)
         return y
 
     def _chunked(self, proj: torch.Tensor, cu_seqlens, start_pos, slots, checkpoints=None) -> torch.Tensor:
@@ -348,17 +335,65 @@ class GatedDeltaNet(nn.Module):
         return F.silu(y).t()
 
 
-def _device_index(values: list[int], device, dtype=torch.int64) -> torch.Tensor:
-    """A host list as an index (int64) or offsets on `device`, copied asynchronously (no wait for the GPU)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+class MixedSplit(NamedTuple):
+    """A mixed step's rows as the DeltaNet layers take them: the decode rows (packed rows, slots) and the other
+    sequences (packed rows, their offsets, start positions, slots, checkpoints renumbered to them; None if none)."""
+    decode_rows: slice | torch.Tensor
+    decode_slots: torch.Tensor
+    chunk_rows: slice | torch.Tensor | None
+    cu_seqlens: torch.Tensor | None     # int32
+    start_pos: torch.Tensor | None      # int32
+    slots: torch.Tensor | None
+    checkpoints: torch.Tensor | None    # [k, 3]
 
 
-def _rows_of(seqs: list[int], offsets: list[int], device):
-    """The packed rows of sequences `seqs` (ascending): a slice when they are adjacent, else a device index."""
+def mixed_split(batch: ForwardBatch, device: torch.device) -> MixedSplit | None:
+    """The batch's split into decode rows and prefill sequences (None: no decode rows), from its host lists, made
+    once per step (batch.derived) in one host-to-device copy of pinned integers: 30 layers each building it had
+    cost ~5 small copies a layer."""
+    if "deltanet" in batch.derived:
+        return batch.derived["deltanet"]
+    lens, starts, slots = batch.seq_lens_cpu, batch.start_pos_cpu, batch.state_slots_cpu
+    on_state = [n == 1 and start > 0 for n, start in zip(lens, starts)]
+    decodes = [i for i, d in enumerate(on_state) if d]
+    chunked = [i for i, d in enumerate(on_state) if not d]
+    split = None
+    if decodes:
+        offsets = [0, *itertools.accumulate(lens)]
+        fields = [[slots[i] for i in decodes]]
+        decode_rows = _rows_of(decodes, offsets, fields)
+        if chunked:
+            fields += [[0, *itertools.accumulate(lens[i] for i in chunked)], [starts[i] for i in chunked],
+                       [slots[i] for i in chunked]]
+            index = {row: i for i, row in enumerate(chunked)}  # checkpoints renumbered to the prefill sequences
+            fields.append([v for row, pos, dst in batch.checkpoints_cpu for v in (index[row], pos, dst)])
+            chunk_rows = _rows_of(chunked, offsets, fields)
+        sizes = [len(f) for f in fields]
+        host = torch.tensor([v for f in fields for v in f], dtype=torch.int64, pin_memory=device.type == "cuda")
+        parts = iter(host.to(device, non_blocking=True).split(sizes))
+        decode_slots = next(parts)
+        if isinstance(decode_rows, int):
+            decode_rows = next(parts)
+        if not chunked:
+            split = MixedSplit(decode_rows, decode_slots, None, None, None, None, None)
+        else:
+            cu, start, chunk_slots, checkpoints = next(parts), next(parts), next(parts), next(parts)
+            if isinstance(chunk_rows, int):
+                chunk_rows = next(parts)
+            split = MixedSplit(decode_rows, decode_slots, chunk_rows, cu.to(torch.int32), start.to(torch.int32),
+                               chunk_slots, checkpoints.view(-1, 3) if batch.checkpoints_cpu else None)
+    batch.derived["deltanet"] = split
+    return split
+
+
+def _rows_of(seqs: list[int], offsets: list[int], fields: list[list[int]]) -> slice | int:
+    """The packed rows of sequences `seqs` (ascending): a slice when they are adjacent, else their row numbers are
+    appended to `fields` (to be copied with them) and the field's position returned."""
     lo, hi = offsets[seqs[0]], offsets[seqs[-1] + 1]
     if hi - lo == sum(offsets[i + 1] - offsets[i] for i in seqs):
         return slice(lo, hi)
-    return _device_index([t for i in seqs for t in range(offsets[i], offsets[i + 1])], device)
+    fields.append([t for i in seqs for t in range(offsets[i], offsets[i + 1])])
+    return len(fields) - 1
 
 
 # ------------------------------------------------------------------------------------------------ Triton kernels

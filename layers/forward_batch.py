@@ -32,6 +32,9 @@ class ForwardBatch:
     # block_tables are then per row: [B*T], [B*T, W]; causal by the lengths), the DeltaNet layers verify without
     # writing their caches until commit (layers/deltanet_verify.py). 0: not one
     verify_tokens: int = 0
+    # what layers derive from this batch once per step, keyed by the code that derives it (e.g. the DeltaNet layers'
+    # split of a mixed step into decode rows and prefill sequences), so that every layer of the kind shares it
+    derived: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

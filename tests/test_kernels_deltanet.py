@@ -281,6 +281,29 @@ def test_mixed_fast_equals_per_sequence(kernels, case, monkeypatch):
         assert max_diff(a, b) <= TOL_CHUNKED
 
 
+def test_mixed_split_once_per_step_with_checkpoints_renumbered():
+    """mixed_split: the decode rows and the prefill sequences of an interleaved step (rows gathered), the prefill
+    sequences' offsets, starts and slots, their checkpoints renumbered to them; made once per step (the same
+    object for every layer); None for a step without decode rows."""
+    from layers.deltanet import mixed_split
+    lens, starts, slots = MIXED["interleaved"]  # decodes: sequences 0, 2, 6; prefill: 1, 3, 4, 5 (5: fresh)
+    batch = batch_of(lens, starts, slots)
+    batch.checkpoints_cpu = [(3, 64, 11), (4, 9, 12)]
+    split = mixed_split(batch, torch.device("cpu"))
+    assert mixed_split(batch, torch.device("cpu")) is split
+    offsets = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    rows = lambda seqs: [t for i in seqs for t in range(offsets[i], offsets[i + 1])]  # noqa: E731
+    assert split.decode_rows.tolist() == rows([0, 2, 6]) and split.decode_slots.tolist() == [3, 7, 2]
+    assert split.chunk_rows.tolist() == rows([1, 3, 4, 5])
+    assert split.cu_seqlens.tolist() == [0, 5, 75, 78, 79] and split.cu_seqlens.dtype == torch.int32
+    assert split.start_pos.tolist() == [0, 0, 6, 0] and split.slots.tolist() == [1, 0, 5, 6]
+    assert split.checkpoints.tolist() == [[1, 64, 11], [2, 9, 12]]
+    first = batch_of(*MIXED["decodes first"])  # decode rows, then prefill rows: slices, no index copied
+    split = mixed_split(first, torch.device("cpu"))
+    assert split.decode_rows == slice(0, 3) and split.chunk_rows == slice(3, 72) and split.checkpoints is None
+    assert mixed_split(batch_of(*MIXED["no decodes"]), torch.device("cpu")) is None
+
+
 def run_both(m, first, second):
     """(first(), the caches it left, second()), both from the same caches."""
     start = caches(m)
