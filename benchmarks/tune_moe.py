@@ -34,7 +34,7 @@ from layers import moe
 from qwen35.bench.step_timing import graph_ms
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-SLOT_CANDIDATE_MAX_T = 8  # the slot-parallel gate_up is a GEMV-path candidate up to this T (every program routes)
+PERSISTENT_CANDIDATE_MAX_T = 8  # the persistent gate_up is a GEMV-path candidate up to this T
 
 
 def block_m_candidates(T: int) -> list[int]:
@@ -68,6 +68,15 @@ def gemv_candidates(op: str, quick: bool) -> list[dict]:
     if quick:
         grid = {k: v[:2] for k, v in grid.items()}
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def persistent_candidates(quick: bool) -> list[dict]:
+    """The persistent gate_up (layers/moe/gemv.py): programs per SM, act columns per item (None: as many whole
+    gate|up rows as PERSISTENT_TILE holds), items in flight per program. The measured best first (1x H200)."""
+    grid = dict(per_sm=[4, 8, 2], BLOCK_N=[2, 1, None], num_stages=[1, 2])
+    if quick:
+        grid = {k: v[:2] for k, v in grid.items()}
+    return [dict(zip(grid, values), persistent=True) for values in itertools.product(*grid.values())]
 
 
 def time_ms(fn, graph: bool = False) -> float:
@@ -161,10 +170,10 @@ def tune_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, entry: dict, 
 def best_gate_up_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, quick: bool):
     """(ms, tile, outputs) of the GEMV path's gate_up at its best tile: the outputs are what down_combine reads."""
     k, w = layer.top_k, layer.w
-    # the slot-parallel kernel (its own tile, fixed by the shape: layers/moe/gemv.py) competes at small T
-    slots = [dict(moe.GEMV_TILE, slots=True)] if x.shape[0] <= SLOT_CANDIDATE_MAX_T else []
+    # the persistent kernel (layers/moe/gemv.py) competes at small T
+    persistent = persistent_candidates(quick) if x.shape[0] <= PERSISTENT_CANDIDATE_MAX_T else []
     t, tile = best_tile(lambda cand: moe.gate_up_gemv_fast(x, logits, k, w, cand), x.shape[0], quick,
-                        slots + gemv_candidates("gate_up_gemv", quick))
+                        persistent + gemv_candidates("gate_up_gemv", quick))
     return t, tile, moe.gate_up_gemv_fast(x, logits, k, w, tile)
 
 

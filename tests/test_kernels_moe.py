@@ -296,7 +296,8 @@ def gemv_inputs(T, E, H, gen, routed):
 
 @pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local,routed", GEMV_CASES)
 def test_gate_up_gemv_equals_torch(T, E, k, H, I, I_s, start, num_local, routed):
-    """The GEMV path's gate_up (default tile; several N tiles and H steps; the slot-parallel kernel): routing bit
+    """The GEMV path's gate_up (the per-token kernel: default tile, several N tiles and H steps; the persistent
+    kernel: whole rows, several items a program, pipelined): routing bit
     for bit route_fast's (ids exactly route_torch's, weights and gate within TOL_ROUTE), each pair's row as the
     oracle's, act rows of local pairs and the shared rows within TOL; down_combine on it, and the whole path,
     against the oracles."""
@@ -305,7 +306,8 @@ def test_gate_up_gemv_equals_torch(T, E, k, H, I, I_s, start, num_local, routed)
     x, router = gemv_inputs(T, E, H, gen, routed)
     logits = F.linear(x, router)
     ref = moe.gate_up_gemv_torch(x, logits, k, w)
-    for tile in (None, dict(BLOCK_N=4, BLOCK_K=16, num_warps=2, num_stages=3), dict(slots=True)):
+    for tile in (moe.GEMV_TILE, dict(BLOCK_N=4, BLOCK_K=16, num_warps=2, num_stages=3), dict(persistent=True),
+                 dict(persistent=True, BLOCK_N=2, num_stages=2, num_warps=2, per_sm=1)):
         fast = moe.gate_up_gemv_fast(x, logits, k, w, tile)
         assert fast.ids.dtype == torch.int32 and torch.equal(fast.ids.long(), ref.ids)
         assert all(torch.equal(a, b) for a, b in zip(fast[1:4], moe.route_fast(logits, k)))

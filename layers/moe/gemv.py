@@ -9,6 +9,8 @@ _gate_up_gemv_kernel  per (token, N tile): the token's routing (route_token: rou
                       routes, one stores it), then its local experts' gate|up rows as one tile and the shared
                       expert's, in one software-pipelined H loop -> act: shared row t, pair p at row T + p (other
                       ranks' pairs: -1 in the pair -> row index, rows unwritten)
+_gate_up_persistent_kernel  the same act from G programs a token, each routing once and taking the token's work
+                      items (whole rows of the shared expert, then of its local experts) in turn: fewer tokens
 _down_combine_kernel  per (token, N tile): the token's routed experts as one tile and the shared expert's, in one
                       software-pipelined K loop (every expert's loads in flight together), each GEMV times its
                       weight, summed in fp32 in a fixed order. It reads act through the pair -> row index, so it
@@ -16,6 +18,7 @@ _down_combine_kernel  per (token, N tile): the token's routed experts as one til
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -58,22 +61,31 @@ def gate_up_gemv_torch(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Exp
     return GemvAct(act, ids, weights, shared_gate, torch.where(mine, rows, -1).flatten().int())
 
 
-# The slot-parallel gate_up (a tile with "slots": tiles.py's default at T <= SLOT_MAX_T where no tuned table entry
-# says otherwise): a program per (token, slot, N tile) holds BLOCK_N whole gate and up rows of one expert
-# (2 * BLOCK_N * H <= SLOT_TILE elements, loaded at once, as linear.py's GEMV does). Under TP a token has ~k / tp
-# local experts: the programs of the others exit after routing instead of holding masked [k, BLOCK_N, BLOCK_K]
-# tiles and stepping through H a short slice at a time (18.9 us at T = 1 on 4x H200, TP=4, 2026-11-27, for ~8 MB
-# of weights).
-SLOT_TILE = 16384
-SLOT_WARPS = 8
+# The persistent gate_up (a tile with "persistent": tiles.py's default at T <= PERSISTENT_MAX_T where no tuned table
+# entry says otherwise): G programs a token (per_sm a SM, all resident), each routing once and then taking the token's
+# work items in turn, an item being BLOCK_N whole gate and up rows of one expert, loaded at once (as linear.py's GEMV
+# does). Under TP a token has ~k / tp local experts: only their rows are items. The grid it replaced, a program per
+# (slot, N tile), local or not, each routing, took 15.7 us at T = 1 for ~9 MB of weights at the TP=4 rank shape,
+# against 8.7 (1x H200, L2 cold, benchmarks/bench_gate_up_gemv.py, 2026-11-27).
+PERSISTENT_TILE = 16384   # elements of an item's gate and up rows where the tile names no BLOCK_N
+PERSISTENT_PER_SM = 4     # the persistent gate_up's programs per SM where the tile names none
+
+
+@functools.lru_cache(maxsize=None)
+def persistent_programs(device: torch.device, T: int, per_sm: int) -> int:
+    """Programs per token of _gate_up_persistent_kernel: per_sm a SM over the T tokens, so that every program is
+    resident at once and routes once (3 on the CPU, so that tests step the programs through several items)."""
+    if device.type != "cuda":
+        return 3
+    return max(1, per_sm * torch.cuda.get_device_properties(device).multi_processor_count // T)
 
 
 def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights,
                       tile: dict | None = None) -> GemvAct:
-    """gate_up_gemv_torch in one launch, a program per (token, N tile of max(I, I_s)), or with a tile's "slots" per
-    (token, slot, N tile): each routes its token (route_fast's kernel code, so the same bits) and streams that
-    token's local experts' and the shared expert's gate|up rows. x [T, H] and logits [T, E + 1] with unit column
-    stride."""
+    """gate_up_gemv_torch in one launch, a program per (token, N tile of max(I, I_s)), or with a tile's "persistent"
+    G programs a token (per_sm, BLOCK_N, num_stages: its keys): each routes its token (route_fast's kernel code, so
+    the same bits) and streams that token's local experts' and the shared expert's gate|up rows. x [T, H] and
+    logits [T, E + 1] with unit column stride."""
     T, H = x.shape
     E = logits.shape[1] - 1
     num_local, two_i, _ = w.gate_up.shape
@@ -83,17 +95,19 @@ def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Expe
     weights = torch.empty(T, top_k, dtype=logits.dtype, device=x.device)
     shared_gate = torch.empty(T, 1, dtype=logits.dtype, device=x.device)
     act = torch.empty(T * (top_k + 1), width, dtype=x.dtype, device=x.device)
-    if T and (tile or GEMV_TILE).get("slots"):
+    tile = tile or GEMV_TILE
+    if T and tile.get("persistent"):
         block_h = triton.next_power_of_2(H)
-        block_n = max(1, min(triton.next_power_of_2(width), SLOT_TILE // (2 * block_h)))
-        _gate_up_slot_kernel[(T, top_k + 1, triton.cdiv(width, block_n))](
+        block_n = min(triton.next_power_of_2(width), tile.get("BLOCK_N") or max(1, PERSISTENT_TILE // (2 * block_h)))
+        _gate_up_persistent_kernel[(persistent_programs(x.device, T, tile.get("per_sm", PERSISTENT_PER_SM)), T)](
             x, logits, w.gate_up, w.shared_gate_up, act, ids, inverse, weights, shared_gate, T, H, E, inter,
             shared_inter, w.start, num_local, x.stride(0), logits.stride(0), w.gate_up.stride(0),
             w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0), TOP_K=top_k,
             K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), BLOCK_N=block_n,
-            BLOCK_H=block_h, num_warps=SLOT_WARPS if 2 * block_n * block_h >= SLOT_TILE else 4)
+            BLOCK_H=block_h, NUM_STAGES=tile.get("num_stages", 1),
+            num_warps=tile.get("num_warps") or (8 if 2 * block_n * block_h >= PERSISTENT_TILE else 4))
     elif T:
-        tile = cap_tile(tile or GEMV_TILE, triton.next_power_of_2(width), triton.next_power_of_2(H), least=2)
+        tile = cap_tile(tile, triton.next_power_of_2(width), triton.next_power_of_2(H), least=2)
         _gate_up_gemv_kernel[(T, triton.cdiv(width, tile["BLOCK_N"]))](
             x, logits, w.gate_up, w.shared_gate_up, act, ids, inverse, weights, shared_gate, T, H, E, inter,
             shared_inter, w.start, num_local, x.stride(0), logits.stride(0), w.gate_up.stride(0),
@@ -200,45 +214,55 @@ if triton is not None:
         tl.store(act_ptr + t * sa + cols, silu_mul_sums(acc_sg, acc_su, dt), mask=smask)
 
     @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
-    def _gate_up_slot_kernel(x_ptr, logits_ptr, w_ptr, sw_ptr, act_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, T, H, E, I,
-                             I_s, start, num_local, sx, sl, swe, swn, sswn, sa, TOP_K: tl.constexpr,
-                             K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_H: tl.constexpr):
-        """Program (token t, slot j, N tile): t's routing (route_token: every program routes; (t, 0, 0) stores it),
-        then columns [n, n + BLOCK_N) of silu(x W_gate^T) * (x W_up^T) of slot j's expert, or (j = TOP_K) of the
-        shared expert, from BLOCK_N whole gate rows and up rows loaded at once. A slot of another rank's expert
-        stores -1 as its act row (program n = 0) and exits. Rows as _gate_up_gemv_kernel's."""
-        t = tl.program_id(0).to(tl.int64)
-        j = tl.program_id(1)
-        pid_n = tl.program_id(2)
-        ids = route_token(logits_ptr, ids_ptr, rw_ptr, sg_ptr, t, E, sl, (j == 0) & (pid_n == 0), TOP_K, K_POW2,
-                          BLOCK_E)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _gate_up_persistent_kernel(x_ptr, logits_ptr, w_ptr, sw_ptr, act_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, T, H,
+                                   E, I, I_s, start, num_local, sx, sl, swe, swn, sswn, sa, TOP_K: tl.constexpr,
+                                   K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_H: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """Program (p, token t) of G per token takes the token's work items p, p + G, ...: items [0, n_shared) are
+        the shared expert's N tiles, done before the routing (they need none); then t's routing, once (route_token;
+        (0, t) stores it and each pair's act row), and the N tiles of the token's local slots in slot order (other
+        ranks' slots are no items). An item is BLOCK_N whole gate rows and up rows, loaded at once; NUM_STAGES > 1
+        keeps the next items' loads in flight. G programs a token, all resident, so none waits for a wave before it
+        can route (a grid of a program per slot and N tile, local or not, each routing, was 1.8x slower). Rows as
+        _gate_up_gemv_kernel's."""
+        p = tl.program_id(0)
+        G = tl.num_programs(0)
+        t = tl.program_id(1).to(tl.int64)
         ks = tl.arange(0, BLOCK_H)
         kmask = ks < H
+        a = tl.load(x_ptr + t * sx + ks, mask=kmask, other=0.0).to(tl.float32)
         dt = act_ptr.dtype.element_ty
-        if j < TOP_K:
-            e = tl.sum(tl.where(tl.arange(0, K_POW2) == j, ids, 0), 0) - start
-            local = (e >= 0) & (e < num_local)
-            row = T + t * TOP_K + j
-            tl.store(inv_ptr + t * TOP_K + j, tl.where(local, row, -1).to(tl.int32), mask=pid_n == 0)
-            if local:
-                m = (cols < I)[:, None] & kmask[None, :]
-                wp = w_ptr + e.to(tl.int64) * swe + ks[None, :]
-                g = tl.load(wp + cols.to(tl.int64)[:, None] * swn, mask=m, other=0.0)
-                u = tl.load(wp + (cols + I).to(tl.int64)[:, None] * swn, mask=m, other=0.0)
-                a = tl.load(x_ptr + t * sx + ks, mask=kmask, other=0.0).to(tl.float32)
-                acc_g = tl.sum(g.to(tl.float32) * a[None, :], 1)
-                acc_u = tl.sum(u.to(tl.float32) * a[None, :], 1)
-                tl.store(act_ptr + row.to(tl.int64) * sa + cols, silu_mul_sums(acc_g, acc_u, dt), mask=cols < I)
-        elif pid_n * BLOCK_N < I_s:
-            m = (cols < I_s)[:, None] & kmask[None, :]
-            g = tl.load(sw_ptr + cols.to(tl.int64)[:, None] * sswn + ks[None, :], mask=m, other=0.0)
-            u = tl.load(sw_ptr + (cols + I_s).to(tl.int64)[:, None] * sswn + ks[None, :], mask=m, other=0.0)
-            a = tl.load(x_ptr + t * sx + ks, mask=kmask, other=0.0).to(tl.float32)
-            acc_g = tl.sum(g.to(tl.float32) * a[None, :], 1)
-            acc_u = tl.sum(u.to(tl.float32) * a[None, :], 1)
-            tl.store(act_ptr + t * sa + cols, silu_mul_sums(acc_g, acc_u, dt), mask=cols < I_s)
+        n_shared = tl.cdiv(I_s, BLOCK_N)
+        for i in tl.range(p, n_shared, G, num_stages=NUM_STAGES):
+            cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+            act = _silu_rows(sw_ptr, sswn, I_s, cols, ks, kmask, a, dt)
+            tl.store(act_ptr + t * sa + cols, act, mask=cols < I_s)
+        ids = route_token(logits_ptr, ids_ptr, rw_ptr, sg_ptr, t, E, sl, p == 0, TOP_K, K_POW2, BLOCK_E)
+        s = tl.arange(0, K_POW2)
+        e = ids - start
+        local = (s < TOP_K) & (e >= 0) & (e < num_local)
+        tl.store(inv_ptr + t * TOP_K + s, tl.where(local, T + t * TOP_K + s, -1).to(tl.int32),
+                 mask=s < tl.where(p == 0, TOP_K, 0))
+        rank = tl.cumsum(local.to(tl.int32), 0) - 1  # a local slot's place among the local slots
+        n_tiles = tl.cdiv(I, BLOCK_N)
+        total = n_shared + tl.sum(local.to(tl.int32), 0) * n_tiles
+        first = p + tl.cdiv(tl.maximum(n_shared - p, 0), G) * G  # this program's first item past the shared ones
+        for i in tl.range(first, total, G, num_stages=NUM_STAGES):
+            pick = local & (rank == (i - n_shared) // n_tiles)
+            j = tl.sum(tl.where(pick, s, 0), 0)
+            cols = ((i - n_shared) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+            act = _silu_rows(w_ptr + tl.sum(tl.where(pick, e, 0), 0).to(tl.int64) * swe, swn, I, cols, ks, kmask, a,
+                             dt)
+            tl.store(act_ptr + (T + t * TOP_K + j).to(tl.int64) * sa + cols, act, mask=cols < I)
+
+    @triton.jit
+    def _silu_rows(w_ptr, srow, I, cols, ks, kmask, a, DTYPE: tl.constexpr):
+        """silu(a W_gate^T) * (a W_up^T) at columns cols of one expert (gate rows [0, I), up rows [I, 2I), srow
+        apart), each row loaded whole."""
+        m = (cols < I)[:, None] & kmask[None, :]
+        g = tl.load(w_ptr + cols.to(tl.int64)[:, None] * srow + ks[None, :], mask=m, other=0.0)
+        u = tl.load(w_ptr + (cols + I).to(tl.int64)[:, None] * srow + ks[None, :], mask=m, other=0.0)
+        return silu_mul_sums(tl.sum(g.to(tl.float32) * a[None, :], 1), tl.sum(u.to(tl.float32) * a[None, :], 1), DTYPE)
 
     @triton.jit(do_not_specialize=["push_slot"])
     def _down_combine_kernel(act_ptr, w_ptr, sw_ptr, out_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, H, I, I_s, start,

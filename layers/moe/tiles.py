@@ -22,9 +22,12 @@ GEMV_TILE = dict(BLOCK_N=4, BLOCK_K=128, num_warps=4, num_stages=4)  # untuned d
                                                                      # I = 512, so one token's experts fill the SMs
 # (the H200 table holds tiles for the GEMV path's buckets at TP=1 from a sweep on 2026-11-25: gate_up_gemv 16.5 ->
 # 12.1 us at T = 1 and 71.3 -> 67.0 at T = 8, down_combine 6.4 -> 5.6 and 35.9 -> 34.9, in CUDA graphs)
-SLOT_MAX_T = 1           # untuned default: the slot-parallel gate_up kernel at or below (layers/moe/gemv.py). L2
-                         # cold, 1x H100, TP=4 rank shape (benchmarks/bench_gate_up_slots.py, 2026-11-27): 16.0 against
-                         # 20.2 us at T = 1, but 26.3 / 21.7 at T = 2 and 47.7 / 27.3 at T = 4 (every program routes)
+PERSISTENT_MAX_T = 4     # untuned default: the persistent gate_up kernel at or below (layers/moe/gemv.py), with
+PERSISTENT_GEMV = dict(persistent=True, per_sm=4, BLOCK_N=2, num_stages=1)  # this tile. 1x H200, L2 cold, every
+                         # rank shape (benchmarks/bench_gate_up_gemv.py, 2026-11-27): at T = 1 8.7 / 10.7 / 14.7 us at
+                         # TP = 4 / 2 / 1 against the per-token kernel's 22.2 / 21.0 / 23.1 (its tuned tiles 14.7 /
+                         # 15.5 / 15.7); at T = 8 and TP = 1 72.8 against 72.1 (every program routes all its tokens'
+                         # items, each token reading its own copy of a shared expert)
 GEMV_MAX_T = 8           # untuned default: the GEMV path at or below (a power of two, as the buckets). Above, each
                          # token streams its experts' gate_up rows itself, where the grouped kernel reads an expert
                          # once for all its tokens; a tuned table decides per bucket (moe_config)
@@ -60,7 +63,7 @@ def default_config(T: int) -> dict:
     Prefill: larger tiles that reuse each weight tile over many rows. down_combine (its tile, or None: down and
     combine in two kernels) and gemv (gate_up_gemv_fast's tile, or None: the sorted layout's path) serve
     T <= DECODE_MAX_T only; tables tuned before them lack the keys."""
-    gemv = dict(GEMV_TILE, slots=True) if T <= SLOT_MAX_T else GEMV_TILE  # (layers/moe/gemv.py: slot-parallel)
+    gemv = PERSISTENT_GEMV if T <= PERSISTENT_MAX_T else GEMV_TILE
     small = {"down_combine": DOWN_COMBINE_TILE if T <= DOWN_COMBINE_MAX_T else None,
              "gemv": gemv if T <= GEMV_MAX_T else None}
     if T <= 128:
