@@ -60,11 +60,12 @@ def tile_candidates(T: int, quick: bool) -> list[dict]:
 def gemv_candidates(op: str, quick: bool) -> list[dict]:
     """down_combine: output columns per (token, tile) program and I step of its [k + 1 slots, BLOCK_N, BLOCK_K]
     tile; gate_up_gemv: act columns per (token, tile) program and H step of its [k slots, BLOCK_N, BLOCK_K] tiles
-    (narrow: T * max(I, I_s) / BLOCK_N programs stream the weights). The default first (--quick keeps two)."""
+    (narrow: T * max(I, I_s) / BLOCK_N programs stream the weights; down_combine's BLOCK_K 512 takes whole rows of
+    the I = 512 experts at once). The default first (--quick keeps two)."""
     if op == "gate_up_gemv":
         grid = dict(BLOCK_N=[4, 8, 2, 16, 1], BLOCK_K=[128, 64, 256], num_warps=[4, 8, 2], num_stages=[4, 3])
     else:
-        grid = dict(BLOCK_N=[8, 16, 4, 2], BLOCK_K=[64, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
+        grid = dict(BLOCK_N=[8, 4, 16, 2], BLOCK_K=[64, 512, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
     if quick:
         grid = {k: v[:2] for k, v in grid.items()}
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
