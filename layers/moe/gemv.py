@@ -9,8 +9,8 @@ _gate_up_gemv_kernel  per (token, N tile): the token's routing (route_token: rou
                       routes, one stores it), then its local experts' gate|up rows as one tile and the shared
                       expert's, in one software-pipelined H loop -> act: shared row t, pair p at row T + p (other
                       ranks' pairs: -1 in the pair -> row index, rows unwritten)
-_gate_up_persistent_kernel  the same act from G programs, each routing the tokens once and taking work items
-                      (whole rows of the shared expert, then of the local experts, per token) in turn: few tokens
+_gate_up_persistent_kernel  the same act from G programs a token, each routing once and taking the token's work
+                      items (whole rows of the shared expert, then of its local experts) in turn: fewer tokens
 _down_combine_kernel  per (token, N tile): the token's routed experts as one tile and the shared expert's, in one
                       software-pipelined K loop (every expert's loads in flight together), each GEMV times its
                       weight, summed in fp32 in a fixed order. It reads act through the pair -> row index, so it
@@ -29,7 +29,7 @@ from layers.backend import round_to, tl, triton
 from layers.linear import inbox_args
 from layers.mlp import silu_mul_sums, silu_mul_torch
 from layers.moe.experts import ExpertWeights
-from layers.moe.routing import route_token, route_tokens, route_torch
+from layers.moe.routing import route_token, route_torch
 from layers.moe.tiles import DOWN_COMBINE_TILE, GEMV_TILE, cap_tile
 
 
@@ -62,9 +62,9 @@ def gate_up_gemv_torch(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Exp
 
 
 # The persistent gate_up (a tile with "persistent": tiles.py's default at T <= PERSISTENT_MAX_T where no tuned table
-# entry says otherwise): G programs (per_sm a SM, all resident), each routing the tokens once and then taking work
-# items in turn, an item being BLOCK_N whole gate and up rows of one expert for one token, loaded at once (as
-# linear.py's GEMV does). Under TP a token has ~k / tp local experts: only their rows are items. The grid it replaced, a program per
+# entry says otherwise): G programs a token (per_sm a SM, all resident), each routing once and then taking the token's
+# work items in turn, an item being BLOCK_N whole gate and up rows of one expert, loaded at once (as linear.py's GEMV
+# does). Under TP a token has ~k / tp local experts: only their rows are items. The grid it replaced, a program per
 # (slot, N tile), local or not, each routing, took 15.7 us at T = 1 for ~9 MB of weights at the TP=4 rank shape,
 # against 8.7 (1x H200, L2 cold, benchmarks/bench_gate_up_gemv.py, 2026-11-27).
 PERSISTENT_TILE = 16384   # elements of an item's gate and up rows where the tile names no BLOCK_N
@@ -72,19 +72,19 @@ PERSISTENT_PER_SM = 4     # the persistent gate_up's programs per SM where the t
 
 
 @functools.lru_cache(maxsize=None)
-def persistent_programs(device: torch.device, per_sm: int) -> int:
-    """Programs of _gate_up_persistent_kernel: per_sm a SM, so that every program is resident at once and routes
-    once (3 on the CPU, so that tests step the programs through several items)."""
+def persistent_programs(device: torch.device, T: int, per_sm: int) -> int:
+    """Programs per token of _gate_up_persistent_kernel: per_sm a SM over the T tokens, so that every program is
+    resident at once and routes once (3 on the CPU, so that tests step the programs through several items)."""
     if device.type != "cuda":
         return 3
-    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, per_sm * torch.cuda.get_device_properties(device).multi_processor_count // T)
 
 
 def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights,
                       tile: dict | None = None) -> GemvAct:
     """gate_up_gemv_torch in one launch, a program per (token, N tile of max(I, I_s)), or with a tile's "persistent"
-    G programs (per_sm, BLOCK_N, num_stages: its keys): each routes (route_fast's kernel code, so the same bits) and
-    streams the tokens' local experts' and the shared expert's gate|up rows. x [T, H] and
+    G programs a token (per_sm, BLOCK_N, num_stages: its keys): each routes its token (route_fast's kernel code, so
+    the same bits) and streams that token's local experts' and the shared expert's gate|up rows. x [T, H] and
     logits [T, E + 1] with unit column stride."""
     T, H = x.shape
     E = logits.shape[1] - 1
@@ -99,11 +99,11 @@ def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Expe
     if T and tile.get("persistent"):
         block_h = triton.next_power_of_2(H)
         block_n = min(triton.next_power_of_2(width), tile.get("BLOCK_N") or max(1, PERSISTENT_TILE // (2 * block_h)))
-        _gate_up_persistent_kernel[(persistent_programs(x.device, tile.get("per_sm", PERSISTENT_PER_SM)),)](
+        _gate_up_persistent_kernel[(persistent_programs(x.device, T, tile.get("per_sm", PERSISTENT_PER_SM)), T)](
             x, logits, w.gate_up, w.shared_gate_up, act, ids, inverse, weights, shared_gate, T, H, E, inter,
             shared_inter, w.start, num_local, x.stride(0), logits.stride(0), w.gate_up.stride(0),
-            w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0), T_POW2=triton.next_power_of_2(T),
-            TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), BLOCK_N=block_n,
+            w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0), TOP_K=top_k,
+            K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), BLOCK_N=block_n,
             BLOCK_H=block_h, NUM_STAGES=tile.get("num_stages", 1),
             num_warps=tile.get("num_warps") or (8 if 2 * block_n * block_h >= PERSISTENT_TILE else 4))
     elif T:
@@ -213,50 +213,47 @@ if triton is not None:
         tl.store(act_ptr + row.to(tl.int64)[:, None] * sa + cols[None, :], silu_mul_sums(acc_g, acc_u, dt), mask=rmask)
         tl.store(act_ptr + t * sa + cols, silu_mul_sums(acc_sg, acc_su, dt), mask=smask)
 
-    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size up to T_POW2
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
     def _gate_up_persistent_kernel(x_ptr, logits_ptr, w_ptr, sw_ptr, act_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, T, H,
-                                   E, I, I_s, start, num_local, sx, sl, swe, swn, sswn, sa, T_POW2: tl.constexpr,
-                                   TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, NUM_STAGES: tl.constexpr):
-        """Program p of G takes the work items p, p + G, ... of all T tokens: items [0, T * n_shared) are the shared
-        expert's N tiles of each token, done before the routing (they need none); then the tokens' routing, once
-        (route_tokens; program 0 stores it and each pair's act row), and the N tiles of the local (token, slot)
-        pairs in pair order (other ranks' pairs are no items). An item is BLOCK_N whole gate rows and up rows,
-        loaded at once; NUM_STAGES > 1 keeps the next items' loads in flight. The G programs are all resident, so
-        none waits for a wave before it can route (a grid of a program per slot and N tile, local or not, each
-        routing, was 1.8x slower), and a token with more local experts than another spreads over all of them.
-        Rows as _gate_up_gemv_kernel's."""
+                                   E, I, I_s, start, num_local, sx, sl, swe, swn, sswn, sa, TOP_K: tl.constexpr,
+                                   K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_H: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """Program (p, token t) of G per token takes the token's work items p, p + G, ...: items [0, n_shared) are
+        the shared expert's N tiles, done before the routing (they need none); then t's routing, once (route_token;
+        (0, t) stores it and each pair's act row), and the N tiles of the token's local slots in slot order (other
+        ranks' slots are no items). An item is BLOCK_N whole gate rows and up rows, loaded at once; NUM_STAGES > 1
+        keeps the next items' loads in flight. G programs a token, all resident, so none waits for a wave before it
+        can route (a grid of a program per slot and N tile, local or not, each routing, was 1.8x slower). Rows as
+        _gate_up_gemv_kernel's."""
         p = tl.program_id(0)
         G = tl.num_programs(0)
+        t = tl.program_id(1).to(tl.int64)
         ks = tl.arange(0, BLOCK_H)
         kmask = ks < H
+        a = tl.load(x_ptr + t * sx + ks, mask=kmask, other=0.0).to(tl.float32)
         dt = act_ptr.dtype.element_ty
         n_shared = tl.cdiv(I_s, BLOCK_N)
-        for i in tl.range(p, T * n_shared, G, num_stages=NUM_STAGES):
-            t = (i // n_shared).to(tl.int64)
-            cols = (i % n_shared) * BLOCK_N + tl.arange(0, BLOCK_N)
-            a = tl.load(x_ptr + t * sx + ks, mask=kmask, other=0.0).to(tl.float32)
-            tl.store(act_ptr + t * sa + cols, _silu_rows(sw_ptr, sswn, I_s, cols, ks, kmask, a, dt), mask=cols < I_s)
-        ids = route_tokens(logits_ptr, ids_ptr, rw_ptr, sg_ptr, 0, T, E, sl, p == 0, T_POW2, TOP_K, K_POW2, BLOCK_E)
-        q = tl.arange(0, T_POW2 * K_POW2)  # pairs, flattened: token q // K_POW2, slot q % K_POW2
-        tq, sq = q // K_POW2, q % K_POW2
-        e = tl.reshape(ids, [T_POW2 * K_POW2]) - start
-        local = (tq < T) & (sq < TOP_K) & (e >= 0) & (e < num_local)
-        row = T + tq * TOP_K + sq
-        tl.store(inv_ptr + tq * TOP_K + sq, tl.where(local, row, -1).to(tl.int32),
-                 mask=(tq < T) & (sq < tl.where(p == 0, TOP_K, 0)))
-        rank = tl.cumsum(local.to(tl.int32), 0) - 1  # a local pair's place among the local pairs
+        for i in tl.range(p, n_shared, G, num_stages=NUM_STAGES):
+            cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+            act = _silu_rows(sw_ptr, sswn, I_s, cols, ks, kmask, a, dt)
+            tl.store(act_ptr + t * sa + cols, act, mask=cols < I_s)
+        ids = route_token(logits_ptr, ids_ptr, rw_ptr, sg_ptr, t, E, sl, p == 0, TOP_K, K_POW2, BLOCK_E)
+        s = tl.arange(0, K_POW2)
+        e = ids - start
+        local = (s < TOP_K) & (e >= 0) & (e < num_local)
+        tl.store(inv_ptr + t * TOP_K + s, tl.where(local, T + t * TOP_K + s, -1).to(tl.int32),
+                 mask=s < tl.where(p == 0, TOP_K, 0))
+        rank = tl.cumsum(local.to(tl.int32), 0) - 1  # a local slot's place among the local slots
         n_tiles = tl.cdiv(I, BLOCK_N)
-        done = T * n_shared
-        first = p + tl.cdiv(tl.maximum(done - p, 0), G) * G  # this program's first item past the shared ones
-        for i in tl.range(first, done + tl.sum(local.to(tl.int32), 0) * n_tiles, G, num_stages=NUM_STAGES):
-            pick = local & (rank == (i - done) // n_tiles)
-            t = tl.sum(tl.where(pick, tq, 0), 0).to(tl.int64)
-            cols = ((i - done) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-            a = tl.load(x_ptr + t * sx + ks, mask=kmask, other=0.0).to(tl.float32)
+        total = n_shared + tl.sum(local.to(tl.int32), 0) * n_tiles
+        first = p + tl.cdiv(tl.maximum(n_shared - p, 0), G) * G  # this program's first item past the shared ones
+        for i in tl.range(first, total, G, num_stages=NUM_STAGES):
+            pick = local & (rank == (i - n_shared) // n_tiles)
+            j = tl.sum(tl.where(pick, s, 0), 0)
+            cols = ((i - n_shared) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
             act = _silu_rows(w_ptr + tl.sum(tl.where(pick, e, 0), 0).to(tl.int64) * swe, swn, I, cols, ks, kmask, a,
                              dt)
-            tl.store(act_ptr + tl.sum(tl.where(pick, row, 0), 0).to(tl.int64) * sa + cols, act, mask=cols < I)
+            tl.store(act_ptr + (T + t * TOP_K + j).to(tl.int64) * sa + cols, act, mask=cols < I)
 
     @triton.jit
     def _silu_rows(w_ptr, srow, I, cols, ks, kmask, a, DTYPE: tl.constexpr):

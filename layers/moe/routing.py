@@ -3,8 +3,8 @@
     router_logits_torch / _fast  x @ router^T: logits [T, E + 1] (router | shared gate) in the model dtype
     route_torch / route_fast     softmax (fp32) over the logits, top-k, renormalised; sigmoid of the shared gate
 
-route_tokens is the one Triton implementation of the routing (route_token: one token): route_fast's kernel and the
-GEMV path's gate_up kernels (layers/moe/gemv.py) call it, so all give the same bits.
+route_token is the one Triton implementation of the routing: route_fast's kernel and the GEMV path's gate_up kernel
+(layers/moe/gemv.py) both call it, so both give the same bits.
 """
 from __future__ import annotations
 
@@ -89,54 +89,40 @@ if triton is not None:
     @triton.jit
     def route_token(logits_ptr, ids_ptr, w_ptr, sg_ptr, t, E, sl, store, TOP_K: tl.constexpr,
                     K_POW2: tl.constexpr, BLOCK_E: tl.constexpr):
-        """route_tokens for token t alone: its ids [K_POW2] (slots past TOP_K: 0)."""
-        return tl.sum(route_tokens(logits_ptr, ids_ptr, w_ptr, sg_ptr, t, 1, E, sl, store, 1, TOP_K, K_POW2, BLOCK_E),
-                      0)
-
-    @triton.jit
-    def route_tokens(logits_ptr, ids_ptr, w_ptr, sg_ptr, t0, n, E, sl, store, T_POW2: tl.constexpr,
-                     TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr):
-        """route_torch for tokens t0 .. t0 + n - 1 (logits rows sl apart) as one [T_POW2, BLOCK_E] tile, the one
-        implementation of route_fast's and of the GEMV path's routing: softmax in fp32, top-k on int64 keys (the
-        probability's bits, then the column reversed: one max per slot takes the largest probability, among ties
-        the lowest id), renormalised, rounded to the model dtype; sigmoid of the shared gate's logit (column E).
-        Every reduction is exact (max, and sums by _exact_sum), so any caller, whatever its warps or tile, gives
-        the same bits. Stored where `store`; returns the ids [T_POW2, K_POW2] (rows past n, slots past TOP_K:
+        """route_torch for token t (its logits row sl apart), the one implementation of route_fast's and of the GEMV
+        path's routing: softmax in fp32, top-k on int64 keys (the probability's bits, then the column reversed: one
+        max per slot takes the largest probability, among ties the lowest id), renormalised, rounded to the model
+        dtype; sigmoid of the shared gate's logit (column E). Sums by _exact_sum, so every kernel that calls this
+        gives the same bits whatever its warps. Stored where `store`; returns the ids [K_POW2] (slots past TOP_K:
         0)."""
-        r = tl.arange(0, T_POW2)
-        rows = r < n
-        t = t0 + r.to(tl.int64)
         cols = tl.arange(0, BLOCK_E)
-        ptr = logits_ptr + t[:, None] * sl
-        logit = tl.load(ptr + cols[None, :], mask=rows[:, None] & (cols < E)[None, :], other=0.0).to(tl.float32)
-        logit = tl.where((cols < E)[None, :], logit, float("-inf"))
-        num = tl.exp(logit - tl.max(logit, 1)[:, None])
-        p = num / _exact_sum(num, 1)[:, None]
-        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)[None, :]
-        key = tl.where((cols < E)[None, :], key, -1)  # below every probability's key
-        slot = tl.arange(0, K_POW2)[None, :]
-        ids = tl.zeros([T_POW2, K_POW2], dtype=tl.int32)
-        vals = tl.zeros([T_POW2, K_POW2], dtype=tl.float32)
+        row = logits_ptr + t * sl
+        logit = tl.load(row + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
+        num = tl.exp(logit - tl.max(logit, 0))
+        p = num / _exact_sum(num)
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)
+        key = tl.where(cols < E, key, -1)  # below every probability's key
+        slot = tl.arange(0, K_POW2)
+        ids = tl.zeros([K_POW2], dtype=tl.int32)
+        vals = tl.zeros([K_POW2], dtype=tl.float32)
         for j in tl.static_range(TOP_K):
-            best = tl.max(key, 1)[:, None]
+            best = tl.max(key, 0)
             key = tl.where(key == best, -1, key)
             ids = tl.where(slot == j, (BLOCK_E - 1 - (best & (BLOCK_E - 1))).to(tl.int32), ids)
             vals = tl.where(slot == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), vals)
-        kept = (r < tl.where(store, n, 0))[:, None]  # the rows stored
-        smask = kept & (slot < TOP_K)
-        tl.store(ids_ptr + t[:, None] * TOP_K + slot, ids, mask=smask)
-        weights = (vals / _exact_sum(vals, 1)[:, None]).to(w_ptr.dtype.element_ty)
-        tl.store(w_ptr + t[:, None] * TOP_K + slot, weights, mask=smask)
-        g = tl.load(ptr + E, mask=rows[:, None], other=0.0).to(tl.float32)  # [T_POW2, 1]
-        tl.store(sg_ptr + t[:, None], tl.sigmoid(g).to(sg_ptr.dtype.element_ty), mask=kept)
-        return tl.where(rows[:, None], ids, 0)
+        smask = slot < tl.where(store, TOP_K, 0)
+        tl.store(ids_ptr + t * TOP_K + slot, ids, mask=smask)
+        tl.store(w_ptr + t * TOP_K + slot, (vals / _exact_sum(vals)).to(w_ptr.dtype.element_ty), mask=smask)
+        g = tl.load(row + E).to(tl.float32)
+        tl.store(sg_ptr + t, tl.sigmoid(g).to(sg_ptr.dtype.element_ty), mask=store)
+        return ids
 
     @triton.jit
-    def _exact_sum(v, AXIS: tl.constexpr):
+    def _exact_sum(v):
         """Sum of a vector of values in [0, 1], in 2^-48 fixed point: integer adds give the same bits in any reduction
         order (a float tl.sum's tree follows the layout, so the kernel's num_warps). The sum stays below 2^63 for
         fewer than 2^15 values; dropping what lies below 2^-48 moves a sum >= 2^-8 by < 2^-24 relative while it
         holds fewer than 2^16 values (softmax denominators are >= 1, top-k sums >= k / E)."""
-        return tl.sum((v * 281474976710656.0).to(tl.int64), AXIS).to(tl.float32) * (1.0 / 281474976710656.0)
+        return tl.sum((v * 281474976710656.0).to(tl.int64), 0).to(tl.float32) * (1.0 / 281474976710656.0)
 else:  # pragma: no cover
-    route_token = route_tokens = None
+    route_token = None
