@@ -50,3 +50,17 @@ def test_graph_steps_are_placed_by_name_and_summarised_per_kind():
     assert s["kernels_per_step"] == len(names)
     assert abs(s["step_span_us"] - (len(names) * 3.0 - 1.0)) < 1e-9
     assert set(s["outside"]) == {"other rows", "model:embedding embed", "model:lm_head lm_head"}
+
+
+def test_profile_mixed_host_plans():
+    """benchmarks.profile_mixed_host's step specs and plans: prefill rows from position 0 with their tokens, decode
+    rows one token at CONTEXT, every row with a table that holds its context."""
+    from types import SimpleNamespace
+
+    from benchmarks.profile_mixed_host import CONTEXT, make_plan, parse_step
+    assert parse_step("prefill:2x64") == (0, 2, 64) and parse_step("mixed:8+1x64") == (8, 1, 64)
+    plan = make_plan(SimpleNamespace(block_size=16), *parse_step("mixed:3+2x100"))
+    assert plan.start_pos == [CONTEXT] * 3 + [0, 0]
+    assert [len(t) for t in plan.token_ids] == [1, 1, 1, 100, 100]
+    assert all(len(b) * 16 >= s + len(t) for b, s, t in zip(plan.block_tables, plan.start_pos, plan.token_ids))
+    assert len({b for t in plan.block_tables for b in t}) == sum(map(len, plan.block_tables))  # no block shared
