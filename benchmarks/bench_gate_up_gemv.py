@@ -12,6 +12,9 @@ rank 0's gate_up rows the tokens need.
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--persistent", nargs="+", default=["4:2:1", "8:2:1", "8:1:1", "4:1:1", "4:2:2", "2:0:1"],
                     help="persistent variants per_sm:BLOCK_N:num_stages (BLOCK_N 0: the default)")
+    ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
     variants = [dict(zip(("per_sm", "BLOCK_N", "num_stages"), map(int, v.split(":"))), persistent=True)
                 for v in args.persistent]
@@ -35,6 +39,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: gate_up of the GEMV path, us per call (CUDA graph, L2 cold)")
     print(f"{'tp':>3} {'T':>3} {'per-token':>10} {'tuned':>6} "
           + " ".join(f"{'p' + v:>8}" for v in args.persistent) + f" {'route':>6} {'down_combine':>13} {'gate_up MB':>11}")
+    out = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "units": "us per call",
+           "command": "python -m benchmarks.bench_gate_up_gemv " + " ".join(sys.argv[1:]), "rows": []}
     for tp in args.tp:
         layer = Layer(cfg, tp)
         for T in args.batches:
@@ -55,6 +61,13 @@ def main() -> None:
                   + " ".join(f"{p * 1e3:8.1f}" for p in persistent) + f" "
                   f"{route * 1e3:6.1f} {dc * 1e3:13.1f} {mb:11.1f}",
                   flush=True)
+            out["rows"].append({"tp": tp, "T": T, "per_token": round(base * 1e3, 2), "tuned": round(tuned * 1e3, 2),
+                                **{f"p{v}": round(p * 1e3, 2) for v, p in zip(args.persistent, persistent)},
+                                "route": round(route * 1e3, 2), "down_combine": round(dc * 1e3, 2),
+                                "gate_up_MB": round(mb, 2)})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
