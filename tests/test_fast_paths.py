@@ -239,3 +239,38 @@ def test_sampling_tail_graph_equals_eager_sampling_tp2(moe_dir, tmp_path):
     mp.start_processes(_tp_tail_worker, args=(2, free_port(), moe_dir, out_file), nprocs=2, join=True,
                        start_method="spawn")
     assert torch.load(f"{out_file}.0") == [] and torch.load(f"{out_file}.1") == []
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fast"])
+def test_a_pad_sequence_changes_nothing_else(kernels):
+    """A mixed step (two decode rows, one new prompt) run alone and with one more prompt sequence on a spare state
+    slot and KV block, wanting no logits: the real rows' logits and the real slots' DeltaNet states, conv tails and
+    KV blocks are equal (1e-5; fp32, tiny MoE model), while the pad sequence's own state moved. This is how a step
+    padded to a captured token bucket would carry its padding (docs/admission_graphs.md: there on the scratch slot):
+    no kernel sees it as anything but one more sequence."""
+    from qwen35.synth import PRESETS
+    runner = ModelRunner(ModelConfig.from_dict(PRESETS["tiny"]),
+                         EngineArgs(model="tiny", load_format="dummy", device="cpu", dtype="float32", kernels=kernels,
+                                    max_num_seqs=4, max_model_len=128))
+    gen = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(1, 1000, (n,), generator=gen).tolist()  # noqa: E731
+    runner.execute(StepPlan([0, 1], [ids(20), ids(9)], [0, 0], [[0, 1], [2, 3]], [True, True]))
+    step = StepPlan([0, 1, 2], [ids(1), ids(1), ids(12)], [20, 9, 0], [[], [], [4]], [True, True, True])
+    pad_slot, pad_block = 3, 5
+    padded = dataclasses.replace(step, state_slots=step.state_slots + [pad_slot], token_ids=step.token_ids + [ids(7)],
+                                 start_pos=step.start_pos + [0], block_tables=step.block_tables + [[pad_block]],
+                                 want_logits=step.want_logits + [False])
+    caches = [t for m in runner.gdn_layers for t in (m.conv_state, m.ssm_state)] + \
+        [t for m in runner.attn_layers for t in (m.k_cache, m.v_cache)]
+    before = [t.clone() for t in caches]
+    want = runner.execute(step)
+    after = [t.clone() for t in caches]
+    for t, b in zip(caches, before):
+        t.copy_(b)
+    got = runner.execute(padded)
+    assert want.shape == got.shape == (3, runner.config.vocab_size) and max_diff(got, want) <= TOL
+    states = 2 * len(runner.gdn_layers)
+    for i, (t, a) in enumerate(zip(caches, after)):
+        rows = [0, 1, 2] if i < states else [0, 1, 2, 3, 4]
+        assert max_diff(t[rows], a[rows]) <= TOL, i
+    assert max_diff(caches[1][pad_slot], before[1][pad_slot]) > 0  # the pad sequence did run
