@@ -36,7 +36,14 @@ GEMV_MAX_T = 8           # untuned default: the GEMV path at or below (a power o
 def moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: int, device: torch.device) -> dict:
     """Tiles for T tokens: the table's entry for the smallest tuned bucket >= T's bucket (else the largest), else
     default_config; N/K tiles capped at the (power-of-two rounded) matrix sizes so that tiny models work too
-    (down_combine_fast and gate_up_gemv_fast cap their own tiles: they know their GEMVs' sizes)."""
+    (down_combine_fast and gate_up_gemv_fast cap their own tiles: they know their GEMVs' sizes). A function of T's
+    bucket (every threshold is a power of two), made once per bucket and shape: eager steps ask every layer (read
+    only: callers copy a tile before changing it)."""
+    return _moe_config(_pow2_bucket(T), num_local, hidden, inter, shared_inter, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: int, device: torch.device) -> dict:
     cfg = default_config(T)
     if device.type == "cuda":
         entries = _table(device.index if device.index is not None else torch.cuda.current_device()).get(
