@@ -19,6 +19,8 @@
 #   tune      benchmarks.tune_moe at TUNE_TPS (TUNE_ARGS, default --quick) into $OUT/moe_configs.json
 #   usetuned  copy $OUT/moe_configs.json over layers/moe_configs.json (the stages after it use the new tiles)
 #   kernels   each benchmarks/bench_<layer>.py micro-benchmark
+#   mixed     benchmarks.profile_mixed_host at TP=NGPU (MIXED_ARGS, default all 40 layers): the host's queueing time of
+#             the eager steps that admit a request, against their device time
 #   parity    benchmarks.gpu_parity (bf16 against transformers' fp32) at TP=1 and TP=NGPU
 #   latency   qwen35.bench --mode latency --compare-hf on qwen3.5-4b, one GPU
 #   host      qwen35.bench.host_time --breakdown (HOST_ARGS) and benchmarks.bench_host_calls
@@ -101,6 +103,10 @@ for stage in "$@"; do
     usetuned) cp "$OUT/moe_configs.json" layers/moe_configs.json && echo "layers/moe_configs.json replaced" ;;
     kernels)
       for b in benchmarks/bench_*.py; do CUDA_VISIBLE_DEVICES=0 python3 -m "benchmarks.$(basename "$b" .py)" 2>&1 | tail -30; done ;;
+    mixed)
+      run_tp "$NGPU" 0 ${MIXED_TIMEOUT:-300} "$OUT/mixed_host_tp$NGPU.log" -m benchmarks.profile_mixed_host \
+        ${MIXED_ARGS:---layers 40} --json "$OUT/mixed_host_tp$NGPU.json"
+      echo "mixed tp=$NGPU rc=$?"; grep -E "^ *(prefill|mixed):|step +queue" "$OUT/mixed_host_tp$NGPU.log" ;;
     parity)
       CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.gpu_parity --layers 8 --out "$OUT/parity_tp1.json" 2>&1 \
         | grep -v "falling back" | tail -5
