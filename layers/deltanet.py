@@ -116,8 +116,10 @@ def _dims(conv_state: torch.Tensor, ssm_state: torch.Tensor):
     return (conv_dim - Hv * dv) // (2 * dk), Hv, dk, dv, conv_dim
 
 
-def decode_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float):
-    """One token for each of B sequences on existing states -> y [B, Hv*dv] in proj's dtype, ready for out_proj.
+def decode_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float,
+                 out: torch.Tensor | None = None):
+    """One token for each of B sequences on existing states -> y [B, Hv*dv] in proj's dtype, ready for out_proj
+    (written into `out`, a contiguous [B, Hv*dv] view, where given).
 
     proj [B, conv_dim + Hv*dv + 2*Hv] is the fused projection u | z | b | a; conv_state [slots, conv_dim, K-1]
     (raw inputs, oldest first) and ssm_state [slots, Hv, dk, dv] (fp32) are updated in place at `slots` [B].
@@ -131,10 +133,12 @@ def decode_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias
     state = delta_rule_step(ssm_state[slots], k, v, g, beta)                        # [B, H, dk, dv]
     ssm_state[slots] = state
     o = torch.einsum("bhkv,bhk->bhv", state, q).to(u.dtype)
-    return gated_rms_norm_torch(o, z, norm_weight, eps).flatten(1)
+    y = gated_rms_norm_torch(o, z, norm_weight, eps).flatten(1)
+    return y if out is None else out.copy_(y)
 
 
-def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float):
+def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float,
+                out: torch.Tensor | None = None):
     """decode_torch in one Triton kernel. Program (h * n_split + j, b) owns value columns [j*BV, (j+1)*BV) of value
     head h of sequence b: the [dk, BV] slab of its fp32 state, read once and written once in place (the delta rule is
     column-separable given k, q, beta, the decay and the slab's v columns). Each program computes in-program the conv
@@ -151,7 +155,7 @@ def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     order the programs run in, and the launch settings depend on shapes only (CUDA-graph safe)."""
     Hk, Hv, dk, dv, conv_dim = _dims(conv_state, ssm_state)
     B = proj.shape[0]
-    y = torch.empty(B, Hv * dv, dtype=proj.dtype, device=proj.device)
+    y = torch.empty(B, Hv * dv, dtype=proj.dtype, device=proj.device) if out is None else out
     if B == 0:
         return y
     BK = triton.next_power_of_2(dk)
@@ -246,10 +250,11 @@ class GatedDeltaNet(nn.Module):
         self._commit_op(proj, self.conv_state, self.ssm_state, slots, self.conv1d.weight, self.A_log, self.dt_bias,
                         counts, T)
 
-    def decode(self, proj: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The decode op of this layer's kernel set on its caches and weights: proj [B, ...] -> y [B, Hv*dv]."""
+    def decode(self, proj: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode op of this layer's kernel set on its caches and weights: proj [B, ...] -> y [B, Hv*dv] (into
+        `out` where given)."""
         return self._decode_op(proj, self.conv_state, self.ssm_state, slots, self.conv1d.weight, self.A_log,
-                               self.dt_bias, self.norm.weight, self.norm.eps)
+                               self.dt_bias, self.norm.weight, self.norm.eps, out)
 
     def mixed_torch(self, proj: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Reference for any step, sequence by sequence: the chunked rule for new sequences and chunks, the recurrent
@@ -293,17 +298,24 @@ class GatedDeltaNet(nn.Module):
         if split is None:
             return self._chunked(proj, batch.cu_seqlens, batch.start_pos, batch.state_slots, batch.checkpoints)
         y = torch.empty(proj.shape[0], self.num_v_heads * self.dv, dtype=proj.dtype, device=proj.device)
-        y[split.decode_rows] = self.decode(proj[split.decode_rows], split.decode_slots)
-        if split.chunk_rows is not None:
-            y[split.chunk_rows] = self._chunked(proj[split.chunk_rows], split.cu_seqlens, split.start_pos,
-                                                split.slots, split.checkpoints)
+        rows = split.decode_rows
+        if isinstance(rows, slice):  # the kernels write their rows of y (no copy launch)
+            self.decode(proj[rows], split.decode_slots, out=y[rows])
+        else:
+            y[rows] = self.decode(proj[rows], split.decode_slots)
+        rows = split.chunk_rows
+        if isinstance(rows, slice):
+            self._chunked(proj[rows], split.cu_seqlens, split.start_pos, split.slots, split.checkpoints, out=y[rows])
+        elif rows is not None:
+            y[rows] = self._chunked(proj[rows], split.cu_seqlens, split.start_pos, split.slots, split.checkpoints)
         return y
 
-    def _chunked(self, proj: torch.Tensor, cu_seqlens, start_pos, slots, checkpoints=None) -> torch.Tensor:
+    def _chunked(self, proj: torch.Tensor, cu_seqlens, start_pos, slots, checkpoints=None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """A packed run of whole sequences (prompts, prompt chunks; cu_seqlens, start_pos, slots on the device)
         through the varlen kernels: gates, conv with the tails by slot, the chunked delta rule with the states by
         slot (layers/deltanet_prefill.py), the gated norm: five launches. proj [n, ...] -> y [n, Hv*dv].
-        checkpoints: [k, 3] (sequence, position, slot) of the prefix cache, or None."""
+        checkpoints: [k, 3] (sequence, position, slot) of the prefix cache, or None; out: y's rows, where given."""
         u, z, b, a = split_proj(proj, self.conv_dim, self.num_v_heads, self.dv)
         g, beta = gates_fast(a, b, self.A_log, self.dt_bias)
         c = causal_conv1d_varlen_fast(u, cu_seqlens, start_pos, self.conv_state, slots, self.conv1d.weight,
@@ -314,7 +326,7 @@ class GatedDeltaNet(nn.Module):
                                          k.unflatten(-1, (self.num_k_heads, self.dk)),
                                          v.unflatten(-1, (self.num_v_heads, self.dv)), g, beta, cu_seqlens,
                                          start_pos, self.ssm_state, slots, self.dk ** -0.5, checkpoints)
-        return self.norm(o, z).flatten(1)
+        return self.norm(o, z, None if out is None else out.view(o.shape)).flatten(1)
 
     def _qkv(self, c: torch.Tensor):
         return split_qkv(c, self.num_k_heads, self.num_v_heads, self.dk, self.dv)

@@ -34,17 +34,21 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return rms_norm_torch(s, weight, eps, plain), s
 
 
-def gated_rms_norm_torch(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_torch(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.float()
     y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     y = weight.float() * y.float()  # weight kept fp32 (checkpoint dtype); HF rounds it to bf16 first
-    return (y * F.silu(z.float())).to(dtype)
+    y = (y * F.silu(z.float())).to(dtype)
+    return y if out is None else out.copy_(y)
 
 
-def gated_rms_norm_fast(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_fast(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """gated_rms_norm_torch in one launch: x, z [..., H, D] (z may be a strided view, e.g. of the DeltaNet's fused
-    projection) -> [..., H, D] in x's dtype; one program per (row, block of heads)."""
+    projection) -> [..., H, D] in x's dtype (into `out`, contiguous, x's shape, where given); one program per (row,
+    block of heads)."""
     shape, D = x.shape, x.shape[-1]
     H = shape[-2] if x.dim() > 1 else 1
     x3, z3 = x.reshape(-1, H, D), z.reshape(-1, H, D)
@@ -52,7 +56,7 @@ def gated_rms_norm_fast(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, 
         x3 = x3.contiguous()
     if z3.stride(-1) != 1:
         z3 = z3.contiguous()
-    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device) if out is None else out.view(x3.shape)
     rows = x3.shape[0]
     if rows:
         block_d = triton.next_power_of_2(D)
@@ -193,8 +197,8 @@ class GatedRMSNorm(nn.Module):
         self.weight.data.fill_(1.0)
         self._norm = gated_rms_norm_fast if backend.use_fast() else gated_rms_norm_torch
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return self._norm(x, z, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, z: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._norm(x, z, self.weight, self.eps, out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
