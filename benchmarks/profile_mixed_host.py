@@ -83,7 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3.5-35b-a3b")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--steps", default="prefill:1x1024,prefill:1x64,mixed:8+1x64,mixed:32+1x64")
+    ap.add_argument("--steps", default="prefill:1x1024,prefill:1x64,mixed:8+1x64,mixed:32+1x64,mixed:8+1x12")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=30, help="cProfile rows (rank 0, the first step)")
     ap.add_argument("--json", default=None, help="write the rows here (rank 0)")
