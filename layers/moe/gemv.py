@@ -10,7 +10,7 @@ _gate_up_gemv_kernel  per (token, N tile): the token's routing (route_token: rou
                       expert's, in one software-pipelined H loop -> act: shared row t, pair p at row T + p (other
                       ranks' pairs: -1 in the pair -> row index, rows unwritten)
 _gate_up_persistent_kernel  the same act from G programs a token, each routing once and taking the token's work
-                      items (whole rows of the shared expert, then of its local experts) in turn: fewer tokens
+                      items (whole rows of the shared expert, then of its local experts) in turn: at 1-4 tokens
 _down_combine_kernel  per (token, N tile): the token's routed experts as one tile and the shared expert's, in one
                       software-pipelined K loop (every expert's loads in flight together), each GEMV times its
                       weight, summed in fp32 in a fixed order. It reads act through the pair -> row index, so it
