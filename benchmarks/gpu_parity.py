@@ -23,15 +23,13 @@ from qwen35.checkpoint import load_state_dict
 from qwen35.config import ModelConfig
 from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
-from qwen35.synth import PRESETS
+from qwen35.synth import preset_text
 from scheduler.plan import StepPlan
 
 
 def build_reference(preset: str, layers: int, seed: int, device: str):
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-    text = dict(PRESETS[preset]["text_config"])
-    text["num_hidden_layers"] = layers
-    text["layer_types"] = text["layer_types"][:layers]
+    text = preset_text(preset, layers)
     text.pop("dtype", None)
     torch.manual_seed(seed)
     with torch.device(device):

@@ -25,7 +25,7 @@ from dist import parallel
 from qwen35.config import ModelConfig
 from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
-from qwen35.synth import PRESETS
+from qwen35.synth import preset_text
 from scheduler.plan import StepPlan
 
 CONTEXT = 512  # decode rows' context
@@ -89,11 +89,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the rows here (rank 0)")
     args = ap.parse_args()
     parallel.init_distributed("cuda")
-    raw = {"text_config": dict(PRESETS[args.model]["text_config"])}
-    if args.layers:
-        raw["text_config"]["num_hidden_layers"] = args.layers
-        raw["text_config"]["layer_types"] = raw["text_config"]["layer_types"][:args.layers]
-    cfg = ModelConfig.from_dict(raw)
+    cfg = ModelConfig.from_dict({"text_config": preset_text(args.model, args.layers)})
     steps = [parse_step(s) for s in args.steps.split(",")]
     rows = max(d + s for d, s, _ in steps)
     max_len = max([CONTEXT + 64] + [n + 64 for _, _, n in steps])

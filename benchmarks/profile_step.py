@@ -38,7 +38,7 @@ from dist import parallel
 from qwen35.config import LINEAR_ATTENTION, ModelConfig
 from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
-from qwen35.synth import PRESETS
+from qwen35.synth import preset_text
 from scheduler.plan import StepPlan
 
 COMM_MARKERS = ("all_reduce", "one_shot", "two_shot", "all_gather", "nccl", "boundary")
@@ -274,11 +274,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the summaries here (rank 0)")
     args = ap.parse_args(argv)
     parallel.init_distributed("cuda")
-    raw = {"text_config": dict(PRESETS[args.model]["text_config"])}
-    if args.layers:
-        raw["text_config"]["num_hidden_layers"] = args.layers
-        raw["text_config"]["layer_types"] = raw["text_config"]["layer_types"][:args.layers]
-    cfg = ModelConfig.from_dict(raw)
+    cfg = ModelConfig.from_dict({"text_config": preset_text(args.model, args.layers)})
     batches = [int(b) for b in args.decode_batch.split(",")]
     pre = [int(v) for v in args.prefill.split("x")] if args.prefill else []
     rows = max(batches + pre[:1])

@@ -298,16 +298,16 @@ class GatedDeltaNet(nn.Module):
         if split is None:
             return self._chunked(proj, batch.cu_seqlens, batch.start_pos, batch.state_slots, batch.checkpoints)
         y = torch.empty(proj.shape[0], self.num_v_heads * self.dv, dtype=proj.dtype, device=proj.device)
-        rows = split.decode_rows
-        if isinstance(rows, slice):  # the kernels write their rows of y (no copy launch)
-            self.decode(proj[rows], split.decode_slots, out=y[rows])
-        else:
-            y[rows] = self.decode(proj[rows], split.decode_slots)
-        rows = split.chunk_rows
-        if isinstance(rows, slice):
-            self._chunked(proj[rows], split.cu_seqlens, split.start_pos, split.slots, split.checkpoints, out=y[rows])
-        elif rows is not None:
-            y[rows] = self._chunked(proj[rows], split.cu_seqlens, split.start_pos, split.slots, split.checkpoints)
+
+        def into(rows, op):  # op(proj rows, out): a slice of y is written in place (no copy launch)
+            if isinstance(rows, slice):
+                op(proj[rows], y[rows])
+            else:
+                y[rows] = op(proj[rows], None)
+        into(split.decode_rows, lambda p, out: self.decode(p, split.decode_slots, out))
+        if split.chunk_rows is not None:
+            into(split.chunk_rows, lambda p, out: self._chunked(p, split.cu_seqlens, split.start_pos, split.slots,
+                                                                split.checkpoints, out))
         return y
 
     def _chunked(self, proj: torch.Tensor, cu_seqlens, start_pos, slots, checkpoints=None,

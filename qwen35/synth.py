@@ -161,6 +161,16 @@ GENERATION_CONFIG = {  # spec section 1; sampling values are the model-card ones
 }
 
 
+def preset_text(preset: str, layers: int = 0) -> dict:
+    """A copy of a preset's text config with its first `layers` decoder layers only (0: all of them): the
+    benchmarks' full-size models cut short."""
+    text = dict(PRESETS[preset]["text_config"])
+    if layers:
+        text["num_hidden_layers"] = layers
+        text["layer_types"] = text["layer_types"][:layers]
+    return text
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The random-init rule (shared with `--load-format dummy`)
 
