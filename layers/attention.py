@@ -19,8 +19,6 @@ per-sequence SDPA loop.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -420,17 +418,9 @@ def decode_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.devi
                   per_sm: int = 2) -> int:
     """Enough programs to fill the GPU (per_sm per SM over batch * kv_heads), but no more splits than the widest
     possible context can give MIN_TILES_PER_SPLIT tiles of `tile` tokens each, and at most MAX_SPLITS."""
-    want = -(-per_sm * _sm_count(device) // (batch * kv_heads))
+    want = -(-per_sm * backend.sm_count(device) // (batch * kv_heads))
     most = -(-max_tokens // (tile * MIN_TILES_PER_SPLIT))
     return max(1, min(want, most, MAX_SPLITS))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the CPU interpreter: any small number; tests pick split counts explicitly
 
 
 def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate, splits: int,

@@ -10,6 +10,7 @@ result within the stated tolerances; a layer binds one of them when it is constr
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -54,6 +55,14 @@ def kernels() -> str:
 
 def use_fast() -> bool:
     return _current == "fast"
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device | str) -> int:
+    """The device's streaming multiprocessors, which launch sizes follow; 4 on the CPU (the interpreter: any small
+    number; tests pick launch sizes explicitly)."""
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 class use_kernels:

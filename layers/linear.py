@@ -199,7 +199,7 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
         tile, warps = GEMV_CONFIG["tile_1" if M == 1 else "tile"], GEMV_CONFIG["warps"]
     block_n = gemv_block_n(N, block_k, tile, x.device)
     warps *= max(1, block_n * block_k // tile)  # (K > tile: one row a program, more warps)
-    if norm is not None and M > 1 and triton.cdiv(N, block_n) > FOLD_MAX_PROGRAMS_PER_SM * _sm_count(x.device):
+    if norm is not None and M > 1 and triton.cdiv(N, block_n) > FOLD_MAX_PROGRAMS_PER_SM * backend.sm_count(x.device):
         x, norm, pulled = norm.tensor(), None, False  # too many programs to each pay the norm: the norm kernel first
     x2, y = _rows_and_output(x, M, N, K)
     if norm is None:
@@ -255,7 +255,7 @@ def gemv_block_n(N: int, block_k: int, tile: int, device: torch.device) -> int:
     """Output columns per GEMV program: the most whose weights fit `tile` elements, halved while the grid has fewer
     than two programs per SM (the router's 257 columns: one each)."""
     block_n = triton.next_power_of_2(tile // block_k) if tile >= block_k else 1
-    while block_n > 1 and triton.cdiv(N, block_n) < 2 * _sm_count(device):
+    while block_n > 1 and triton.cdiv(N, block_n) < 2 * backend.sm_count(device):
         block_n //= 2
     return block_n
 
@@ -287,15 +287,10 @@ def _split_k(col_blocks: int, K: int, block_k: int, device: torch.device) -> int
     steps = triton.cdiv(K, block_k)
     if SKINNY_CONFIG["split"]:
         return max(1, min(SKINNY_CONFIG["split"], steps))
-    split, room = 1, 2 * _sm_count(device)
+    split, room = 1, 2 * backend.sm_count(device)
     while col_blocks * split * 2 <= room and split * 2 <= steps:
         split *= 2
     return split
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 @functools.lru_cache(maxsize=None)

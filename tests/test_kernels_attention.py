@@ -191,7 +191,7 @@ def test_decode_padded_rows_read_only_the_scratch_block():
 def test_decode_splits_depend_on_shapes_only(monkeypatch):
     """Few sequences get many splits (up to MAX_SPLITS), a full batch few; never more than the widest context gives
     MIN_TILES_PER_SPLIT tiles each; at least 1."""
-    monkeypatch.setattr(A, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(A.backend, "sm_count", lambda device: 132)
     tiles = A.DECODE_TILE * A.MIN_TILES_PER_SPLIT
     assert A.decode_splits(1, 2, 32768, "cpu") == min(A.MAX_SPLITS, 132)
     assert A.decode_splits(64, 2, 32768, "cpu") == math.ceil(2 * 132 / 128)

@@ -66,7 +66,7 @@ def test_skinny_split_k(split, monkeypatch):
 
 def test_split_k_from_shape(monkeypatch):
     """split 0: the largest power of two with at most two programs per SM, within K's steps."""
-    monkeypatch.setattr(lin, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(lin.backend, "sm_count", lambda device: 132)
     assert lin._split_k(128, 4096, 256, torch.device("cpu")) == 2    # an out projection's 2,048 columns
     assert lin._split_k(17, 2048, 256, torch.device("cpu")) == 8     # the router's 257
     assert lin._split_k(17, 512, 256, torch.device("cpu")) == 2      # no more shares than K steps
@@ -99,7 +99,7 @@ def test_gemv_tile_settings(tile, warps, monkeypatch):
 
 def test_gemv_block_n_from_shape(monkeypatch):
     """The most columns whose weights fit the tile, halved until the grid has two programs per SM."""
-    monkeypatch.setattr(lin, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(lin.backend, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
     assert lin.gemv_block_n(12352, 2048, 8192, cpu) == 4   # the DeltaNet in-projection: 3,088 programs
     assert lin.gemv_block_n(12352, 2048, 2048, cpu) == 1   # at one row's tile: 12,352

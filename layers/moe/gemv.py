@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dist import push
+from layers import backend
 from layers.backend import round_to, tl, triton
 from layers.linear import inbox_args
 from layers.mlp import silu_mul_sums, silu_mul_torch
@@ -77,7 +78,7 @@ def persistent_programs(device: torch.device, T: int, per_sm: int) -> int:
     resident at once and routes once (3 on the CPU, so that tests step the programs through several items)."""
     if device.type != "cuda":
         return 3
-    return max(1, per_sm * torch.cuda.get_device_properties(device).multi_processor_count // T)
+    return max(1, per_sm * backend.sm_count(device) // T)
 
 
 def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights,
