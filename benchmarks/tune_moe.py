@@ -52,9 +52,7 @@ def tile_candidates(T: int, quick: bool) -> list[dict]:
         grid = dict(BLOCK_N=[64, 128], BLOCK_K=[64, 128], num_warps=[4, 8], num_stages=[3, 4])
     else:  # prefill chunks: compute-bound; wide N tiles and a short K step suit the down GEMM's K = 512
         grid = dict(BLOCK_N=[128, 64, 256], BLOCK_K=[64, 32, 128], num_warps=[8, 4], num_stages=[3, 4, 2])
-    if quick:
-        grid = {k: v[:2] for k, v in grid.items()}
-    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    return expand(grid, quick)
 
 
 def gemv_candidates(op: str, quick: bool) -> list[dict]:
@@ -66,18 +64,21 @@ def gemv_candidates(op: str, quick: bool) -> list[dict]:
         grid = dict(BLOCK_N=[4, 8, 2, 16, 1], BLOCK_K=[128, 64, 256], num_warps=[4, 8, 2], num_stages=[4, 3])
     else:
         grid = dict(BLOCK_N=[8, 4, 16, 2], BLOCK_K=[64, 512, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
-    if quick:
-        grid = {k: v[:2] for k, v in grid.items()}
-    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    return expand(grid, quick)
 
 
 def persistent_candidates(quick: bool) -> list[dict]:
     """The persistent gate_up (layers/moe/gemv.py): programs per SM, act columns per item (None: as many whole
     gate|up rows as PERSISTENT_TILE holds), items in flight per program. The measured best first (1x H200)."""
     grid = dict(per_sm=[4, 8, 2], BLOCK_N=[2, 1, None], num_stages=[1, 2])
+    return [dict(tile, persistent=True) for tile in expand(grid, quick)]
+
+
+def expand(grid: dict, quick: bool) -> list[dict]:
+    """Every combination of the grid's values (--quick: of each key's first two)."""
     if quick:
         grid = {k: v[:2] for k, v in grid.items()}
-    return [dict(zip(grid, values), persistent=True) for values in itertools.product(*grid.values())]
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 
 def time_ms(fn, graph: bool = False) -> float:
