@@ -54,8 +54,9 @@ class Layer:
     """One rank's MoE weights (random, std 0.02) and the two implementations as plain functions."""
 
     def __init__(self, cfg: ModelConfig, tp: int):
-        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        num_local, shared = E // tp, cfg.shared_expert_intermediate_size // tp
+        # every expert on every rank, 1/tp of its intermediate rows (layers/moe/experts.py)
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // tp
+        num_local, shared = E, cfg.shared_expert_intermediate_size // tp
 
         def rand(*shape):
             return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 0.02

@@ -212,7 +212,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for tp in args.tp:
         layer = Layer(cfg, tp)
-        key = moe.config_key(layer.w.gate_up.shape[0], cfg.hidden_size, cfg.moe_intermediate_size)
+        key = moe.config_key(layer.w.gate_up.shape[0], cfg.hidden_size, layer.w.down.shape[2])
         print(f"{device} TP={tp}: {key}, shared intermediate {layer.w.shared_down.shape[1]}", flush=True)
         entries = table.setdefault(device, {}).setdefault(key, {})
         for T in args.batches:

@@ -258,8 +258,9 @@ class ModelConfig:
             problems.append(f"linear_num_key_heads={self.linear_num_key_heads}")
         if self.linear_num_value_heads % tp:
             problems.append(f"linear_num_value_heads={self.linear_num_value_heads}")
-        if self.is_moe and self.num_experts % tp:
-            problems.append(f"num_experts={self.num_experts}")
+        if self.is_moe:  # every expert split by its intermediate dimension (layers/moe/experts.py)
+            problems += [f"{k}={getattr(self, k)}" for k in ("moe_intermediate_size", "shared_expert_intermediate_size")
+                         if getattr(self, k) % tp]
         if not self.is_moe and self.intermediate_size % tp:
             problems.append(f"intermediate_size={self.intermediate_size}")
         if problems:

@@ -534,10 +534,10 @@ def test_max_rows_is_an_upper_bound():
 # ------------------------------------------------------------------------------------------------------- GPU
 @functools.lru_cache(maxsize=None)
 def real_weights(tp: int) -> moe.ExpertWeights:
-    """The last rank's weights of Qwen3.5-35B-A3B at TP=tp (256 // tp experts, shared intermediate 512 // tp),
-    bf16, std 0.02, made on the GPU once per degree."""
+    """A rank's weights of Qwen3.5-35B-A3B at TP=tp (all 256 experts, each and the shared expert with 512 // tp
+    intermediate rows: layers/moe/experts.py), bf16, std 0.02, made on the GPU once per degree."""
     gen = torch.Generator(device="cuda").manual_seed(tp)
-    return make_weights(256 // tp, 2048, 512, 512 // tp, 256 - 256 // tp, gen, torch.bfloat16, scale=0.02)
+    return make_weights(256, 2048, 512 // tp, 512 // tp, 0, gen, torch.bfloat16, scale=0.02)
 
 
 @pytest.mark.gpu
@@ -564,7 +564,7 @@ def test_align_chunked_bf16_real_shapes(tp, T, chunk):
     num_local = w.gate_up.shape[0]
     gen = torch.Generator().manual_seed(T + tp)
     ids = moe.route_fast((torch.randn(T, 257, generator=gen) * 2).to("cuda", torch.bfloat16), 8)[0]
-    block_m = moe.moe_config(T, num_local, 2048, 512, 512 // tp, ids.device)["BLOCK_M"]
+    block_m = moe.moe_config(T, num_local, 2048, 512 // tp, 512 // tp, ids.device)["BLOCK_M"]
     ref = moe.align_torch(ids, w.start, num_local, block_m)
     fast = moe.align_chunked(ids, w.start, num_local, block_m, chunk)
     check_layout(fast, ids, w.start, num_local, block_m)
@@ -653,7 +653,7 @@ def test_down_combine_fast_bf16(tp, T):
     gen = torch.Generator().manual_seed(T + tp)
     x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
     ids, wts, gate = make_routing(T, 256, 8, gen, device="cuda", dtype=torch.bfloat16)
-    cfg = moe.moe_config(T, num_local, 2048, 512, 512 // tp, x.device)
+    cfg = moe.moe_config(T, num_local, 2048, 512 // tp, 512 // tp, x.device)
     lay = moe.align_torch(ids, w.start, num_local, cfg["BLOCK_M"])
     act = moe.gate_up_fast(x, w, lay, cfg["gate_up"])
     fast = moe.down_combine_fast(act, w, lay.inverse, ids.int(), wts, gate, cfg["down_combine"])
@@ -688,7 +688,7 @@ def test_moe_decode_gemv_bf16_real_shapes(tp, T):
     gen = torch.Generator().manual_seed(T * 7 + tp)
     x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
     logits = moe.padded_router_gemm(x, router)
-    tile = moe.moe_config(T, w.gate_up.shape[0], 2048, 512, 512 // tp, x.device)["gemv"]
+    tile = moe.moe_config(T, w.gate_up.shape[0], 2048, 512 // tp, 512 // tp, x.device)["gemv"]
     g = moe.gate_up_gemv_fast(x, logits, 8, w, tile)
     assert all(torch.equal(a, b) for a, b in zip(g[1:4], moe.route_fast(logits, 8)))
     ref = moe.experts_torch(x, *moe.route_torch(logits, 8), w)

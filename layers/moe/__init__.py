@@ -1,10 +1,11 @@
 """Sparse MoE block (spec §5): softmax router over all experts, top-k renormalised, routed experts + a shared expert
 scaled by a per-token sigmoid gate.
 
-TP split: expert parallel. Rank r owns a contiguous block of E/tp experts (fused [E, 2I, H] / [E, H, I] tensors are
-sliced on dim 0) and adds the contributions of its experts only; entries routed to other ranks' experts are dropped
-here. The router is replicated so every rank routes identically. The shared expert is split by its intermediate
-dimension (an even share of its work on every rank). The caller's all-reduce sums the partial outputs.
+TP split: by the intermediate dimension, routed and shared experts alike. Rank r holds 1/tp of every expert's
+intermediate rows (fused [E, 2I, H] / [E, H, I] tensors are sliced on dims 1 and 2: experts.py says why), so every
+rank computes every chosen expert's partial product, the same work whatever the routing. The router is replicated so
+every rank routes identically. The caller's all-reduce sums the partial outputs. (The kernels also take a block of
+whole experts per rank, `ExpertWeights.start`: pairs routed elsewhere are dropped.)
 
 The router and the shared-expert gate read the same input: their weights live in one [E + 1, H] tensor (fuse_rows),
 so one GEMM gives the logits [T, E + 1] (column E is the shared gate's). Two implementations of the block
