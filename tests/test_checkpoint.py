@@ -96,3 +96,35 @@ def test_fp32_tensors_stay_fp32_and_config_reads_nested(ckpts):
     cfg = ModelConfig.from_dict(raw)
     assert "text_config" in raw and cfg.weight_prefix == "model.language_model."
     assert cfg.full_attention_layers == [3] and cfg.rotary_dim == 8 and cfg.num_experts == 8
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_expert_shards_at_tp2_are_slices_of_the_intermediate_dimension(ckpts, layout, monkeypatch):
+    """Under TP every rank holds all experts, each cut to its share of the intermediate rows (layers/moe/experts.py):
+    ranks 0 and 1 of TP=2, loaded from either layout, put together give the TP=1 tensors (gate rows, then up rows;
+    the down projection's columns)."""
+    from dist import parallel
+    from qwen35.checkpoint import load_checkpoint
+    from qwen35.model import Qwen35Model
+    cfg = ModelConfig.from_dir(ckpts[layout])
+
+    def experts_at(rank, world):
+        monkeypatch.setattr(parallel, "_RANK", rank)
+        monkeypatch.setattr(parallel, "_WORLD", world)
+        model = Qwen35Model(cfg, dtype=torch.float32, device="cpu", max_positions=64)
+        load_checkpoint(model, ckpts[layout], "cpu")
+        return model.layers[0].mlp.experts
+    full, shards = experts_at(0, 1), [experts_at(r, 2) for r in range(2)]
+    I = cfg.moe_intermediate_size
+    assert all(s.start == 0 and s.num_local == cfg.num_experts for s in shards)
+    assert all(s.gate_up_proj.shape == (cfg.num_experts, I, cfg.hidden_size) for s in shards)
+    gate = torch.cat([s.gate_up_proj[:, :I // 2] for s in shards], 1)
+    up = torch.cat([s.gate_up_proj[:, I // 2:] for s in shards], 1)
+    assert torch.equal(torch.cat([gate, up], 1), full.gate_up_proj)
+    assert torch.equal(torch.cat([s.down_proj for s in shards], 2), full.down_proj)
+
+
+def test_tp_must_divide_the_expert_intermediate_dimension(ckpts):
+    cfg = ModelConfig.from_dir(ckpts["fused"])
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        cfg.check_tp(cfg.moe_intermediate_size * 2)
