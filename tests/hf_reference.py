@@ -17,15 +17,16 @@ TINY_MOE = dict(TINY_TEXT, num_experts=8, num_experts_per_tok=2, moe_intermediat
 TINY_DENSE = dict(TINY_TEXT, intermediate_size=128)
 
 
-def build_hf_model(kind: str = "moe", seed: int = 0):
-    """A random fp32 transformers model; norm weights perturbed so that a (1 + w) vs w mix-up cannot pass."""
+def build_hf_model(kind: str = "moe", seed: int = 0, **overrides):
+    """A random fp32 transformers model (the tiny config, with `overrides`); norm weights perturbed so that a
+    (1 + w) vs w mix-up cannot pass."""
     from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
                               Qwen3_5TextConfig)
     torch.manual_seed(seed)
     if kind == "moe":
-        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY_MOE))
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**dict(TINY_MOE, **overrides)))
     else:
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY_DENSE))
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**dict(TINY_DENSE, **overrides)))
     model = model.float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -50,12 +51,12 @@ def hf_decode_logits(model, prompt: list[int], steps: list[int]) -> list[torch.T
     return out
 
 
-def run_tp2(make_runner, path: str, plans, kernels: str, out_file: str) -> list[torch.Tensor]:
-    """The plans' logits at TP=2 over gloo: two spawned ranks, each building its runner with make_runner(path,
+def run_tp(world: int, make_runner, path: str, plans, kernels: str, out_file: str) -> list[torch.Tensor]:
+    """The plans' logits at TP=world over gloo: spawned ranks, each building its runner with make_runner(path,
     kernels=kernels) (a module-level function, so that it reaches the spawned ranks) and executing every plan."""
     import torch.multiprocessing as mp
-    mp.start_processes(_tp_worker, args=(2, free_port(), make_runner, path, plans, out_file, kernels), nprocs=2,
-                       join=True, start_method="spawn")
+    mp.start_processes(_tp_worker, args=(world, free_port(), make_runner, path, plans, out_file, kernels),
+                       nprocs=world, join=True, start_method="spawn")
     return torch.load(out_file)
 
 

@@ -22,7 +22,7 @@ from qwen35.config import ModelConfig
 from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
-from tests.hf_reference import hf_decode_logits, run_tp2
+from tests.hf_reference import hf_decode_logits, run_tp
 
 TOL_HF = 1e-4
 TOL_SELF = 1e-5
@@ -183,7 +183,7 @@ def test_tensor_parallel_2_equals_1(tp_reference, tmp_path, kernels):
     runner = make_runner(pt, kernels=kernels)
     single = [runner.execute(p) for p in plans]
     out_file = str(tmp_path / "tp2.pt")
-    for a, b in zip(single, run_tp2(make_runner, pt, plans, kernels, out_file)):
+    for a, b in zip(single, run_tp(2, make_runner, pt, plans, kernels, out_file)):
         assert a.shape == b.shape == (2, vocab)
         assert (a - b).abs().max().item() <= TOL_SELF
 

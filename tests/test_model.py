@@ -11,7 +11,7 @@ from qwen35.config import ModelConfig
 from qwen35.engine_config import EngineArgs
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
-from tests.hf_reference import build_hf_model, caches, from_same_caches, hf_decode_logits, run_tp2
+from tests.hf_reference import build_hf_model, caches, from_same_caches, hf_decode_logits, run_tp
 
 TOL_HF = 1e-4
 TOL_SELF = 1e-5
@@ -121,9 +121,34 @@ def test_tensor_parallel_2_equals_1(reference, tmp_path, kernels):
     runner = make_runner(path, kernels=kernels)
     single = [runner.execute(p) for p in plans]
     out_file = str(tmp_path / "tp2.pt")
-    tp2 = run_tp2(make_runner, path, plans, kernels, out_file)
+    tp2 = run_tp(2, make_runner, path, plans, kernels, out_file)
     for a, b in zip(single, tp2):
         assert a.shape == b.shape
+        assert (a - b).abs().max().item() <= TOL_SELF
+
+
+# heads, experts' rows and vocabulary that split 8 ways (the release model's TP=8: one query head, one DeltaNet key
+# head and two value heads per rank, the 2 KV heads replicated, every expert cut to 1/8 of its rows)
+WIDE = dict(num_attention_heads=8, head_dim=16, linear_num_key_heads=8, linear_num_value_heads=16,
+            moe_intermediate_size=64, shared_expert_intermediate_size=64)
+
+
+@pytest.mark.parametrize("world,kernels", [(8, "torch"), (4, "fast")])
+def test_tensor_parallel_4_and_8_equal_1(tmp_path, world, kernels):
+    """The engine's splits at the users' degree (8 ranks over gloo, torch kernels) and at 4 (the Triton kernels through
+    the interpreter): a prefill, a decode step and a mixed step give TP=1's logits."""
+    path = str(tmp_path / "wide")
+    build_hf_model("moe", seed=11, **WIDE).save_pretrained(path)
+    gen = torch.Generator().manual_seed(12)
+    seqs = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (70, 9)]
+    tables = [blocks_for(0, 72), blocks_for(1, 11)]
+    plans = [StepPlan([0, 1], seqs, [0, 0], tables, [True, True]),
+             StepPlan([0, 1], [[5], [6]], [70, 9], tables, [True, True]),
+             StepPlan([1, 0], [[8, 9], [7]], [10, 71], [tables[1], tables[0]], [True, True])]
+    runner = make_runner(path, kernels=kernels)
+    single = [runner.execute(p) for p in plans]
+    for a, b in zip(single, run_tp(world, make_runner, path, plans, kernels, str(tmp_path / "tp.pt"))):
+        assert a.shape == b.shape and a.abs().max() > 0.1
         assert (a - b).abs().max().item() <= TOL_SELF
 
 
