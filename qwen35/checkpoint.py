@@ -198,8 +198,8 @@ def _load_one(model, tracker: _Tracker, src) -> None:
     m = PER_EXPERT.match(name)
     if m:
         experts = model.get_submodule(m.group(1))
-        if experts.load_expert(src, int(m.group(2)), m.group(3)):
-            tracker.expert_parts.setdefault(m.group(1), set()).add((int(m.group(2)), m.group(3)))
+        experts.load_expert(src, int(m.group(2)), m.group(3))
+        tracker.expert_parts.setdefault(m.group(1), set()).add((int(m.group(2)), m.group(3)))
         return
     param = tracker.params.get(name)
     if param is None:

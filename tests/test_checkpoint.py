@@ -79,6 +79,15 @@ def test_misshapen_tensor_names_tensor_and_file(ckpts, tmp_path):
     assert os.path.basename(path) == "model.safetensors"
 
 
+def test_expert_outside_the_model_is_named(ckpts, tmp_path):
+    """A per-expert tensor for expert 8 of a model with 8 experts (a config that does not fit the checkpoint)."""
+    src = "model.language_model.layers.0.mlp.experts.7.down_proj.weight"
+    name = src.replace(".7.", ".8.")
+    _edit_copy(ckpts["per_expert"], tmp_path / "e", lambda t: t.__setitem__(name, t[src].clone()))
+    with pytest.raises(ValueError, match=r"experts\.8\.down_proj\.weight.*expert 8, but the model has 8"):
+        runner_for(str(tmp_path / "e"))
+
+
 def test_integer_tensor_is_rejected(ckpts, tmp_path):
     name = "model.language_model.norm.weight"
     _edit_copy(ckpts["fused"], tmp_path / "d", lambda t: t.__setitem__(name, torch.zeros(64, dtype=torch.int32)))

@@ -46,11 +46,12 @@ class Experts(nn.Module):
         self.down_proj = make_param((num_experts, hidden, intermediate), [None, None, self.rows], dtype, device)
         self.sync_free = backend.use_fast()
 
-    def load_expert(self, src, expert: int, proj: str) -> bool:
+    def load_expert(self, src, expert: int, proj: str) -> None:
         """Load this rank's share of one per-expert tensor (`experts.{e}.{gate,up,down}_proj.weight`: [I, H] or
-        [H, I]); False for an expert outside the model."""
+        [H, I]); every rank holds every expert."""
         if not 0 <= expert < self.num_local:
-            return False
+            raise ValueError(f"tensor {src.name!r} in {src.file}: expert {expert}, but the model has {self.num_local} "
+                             "(is the config right for this checkpoint?)")
         hidden, size = self.down_proj.shape[1], self.rows[0][1]
         I = self.gate_up_proj.full_shape[1] // 2
         if proj == "down_proj":
@@ -61,7 +62,6 @@ class Experts(nn.Module):
         if tuple(src.shape) != full:
             raise ValueError(f"tensor {src.name!r} in {src.file}: shape {tuple(src.shape)}, expected {full}")
         target.copy_(read_shard(src, shard))
-        return True
 
     def weights(self, shared: MLP) -> ExpertWeights:
         """This rank's experts with the shared expert's shard (it shares their launches)."""
