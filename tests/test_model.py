@@ -109,10 +109,9 @@ def test_chunked_prefill_equals_whole(reference):
     assert (out[0] - whole).abs().max().item() <= TOL_SELF
 
 
-@pytest.mark.parametrize("kernels", ["torch", "fast"])  # fast: the Triton kernels through the interpreter
-def test_tensor_parallel_2_equals_1(reference, tmp_path, kernels):
-    _, _, path = reference
-    gen = torch.Generator().manual_seed(5)
+def assert_tp_equals_tp1(path, world: int, kernels: str, seed: int, tmp_path) -> None:
+    """A prefill, a decode step and a mixed step at TP=world over gloo give TP=1's logits."""
+    gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (70, 9)]
     tables = [blocks_for(0, 72), blocks_for(1, 11)]
     plans = [StepPlan([0, 1], seqs, [0, 0], tables, [True, True]),
@@ -120,11 +119,14 @@ def test_tensor_parallel_2_equals_1(reference, tmp_path, kernels):
              StepPlan([1, 0], [[8, 9], [7]], [10, 71], [tables[1], tables[0]], [True, True])]
     runner = make_runner(path, kernels=kernels)
     single = [runner.execute(p) for p in plans]
-    out_file = str(tmp_path / "tp2.pt")
-    tp2 = run_tp(2, make_runner, path, plans, kernels, out_file)
-    for a, b in zip(single, tp2):
-        assert a.shape == b.shape
+    for a, b in zip(single, run_tp(world, make_runner, path, plans, kernels, str(tmp_path / f"tp{world}.pt"))):
+        assert a.shape == b.shape and a.abs().max() > 0.1
         assert (a - b).abs().max().item() <= TOL_SELF
+
+
+@pytest.mark.parametrize("kernels", ["torch", "fast"])  # fast: the Triton kernels through the interpreter
+def test_tensor_parallel_2_equals_1(reference, tmp_path, kernels):
+    assert_tp_equals_tp1(reference[2], 2, kernels, 5, tmp_path)
 
 
 # heads, experts' rows and vocabulary that split 8 ways (the release model's TP=8: one query head, one DeltaNet key
@@ -136,20 +138,10 @@ WIDE = dict(num_attention_heads=8, head_dim=16, linear_num_key_heads=8, linear_n
 @pytest.mark.parametrize("world,kernels", [(8, "torch"), (4, "fast")])
 def test_tensor_parallel_4_and_8_equal_1(tmp_path, world, kernels):
     """The engine's splits at the users' degree (8 ranks over gloo, torch kernels) and at 4 (the Triton kernels through
-    the interpreter): a prefill, a decode step and a mixed step give TP=1's logits."""
+    the interpreter) give TP=1's logits."""
     path = str(tmp_path / "wide")
     build_hf_model("moe", seed=11, **WIDE).save_pretrained(path)
-    gen = torch.Generator().manual_seed(12)
-    seqs = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (70, 9)]
-    tables = [blocks_for(0, 72), blocks_for(1, 11)]
-    plans = [StepPlan([0, 1], seqs, [0, 0], tables, [True, True]),
-             StepPlan([0, 1], [[5], [6]], [70, 9], tables, [True, True]),
-             StepPlan([1, 0], [[8, 9], [7]], [10, 71], [tables[1], tables[0]], [True, True])]
-    runner = make_runner(path, kernels=kernels)
-    single = [runner.execute(p) for p in plans]
-    for a, b in zip(single, run_tp(world, make_runner, path, plans, kernels, str(tmp_path / "tp.pt"))):
-        assert a.shape == b.shape and a.abs().max() > 0.1
-        assert (a - b).abs().max().item() <= TOL_SELF
+    assert_tp_equals_tp1(path, world, kernels, 12, tmp_path)
 
 
 def test_batched_decode_paths_equal_reference(reference):
