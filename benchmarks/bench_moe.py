@@ -20,10 +20,13 @@ Then the decode tables (batches 1..64, us per layer from a CUDA graph; launches 
 torch.profiler, memcpy/memset excluded):
 - fused / split: decode_path (router GEMM, route_fast, align_serial, gate_up, then down + combine in one kernel
   / in two: 5 or 6); gemv: the GEMV path
-  (router GEMM, gate_up_gemv_fast with the routing in its prologue, down_combine: 3); "moe_fast" says which one
+  (router GEMM, gate_up_gemv_fast with the routing in its prologue, down_combine: 3); scan_fused / scan_split: the
+  scan path (router GEMM, route_fast, gate_up_scan_fast, then down_combine or down_scan + combine: 4 or 5);
+  "moe_fast" says which one
   moe_fast takes here (the tuned table's choice, else moe.GEMV_MAX_T and moe.DOWN_COMBINE_MAX_T);
 - the parts alone: route_fast + align_serial; router GEMM + both;
-  down_combine vs down + combine; route + align + gate_up vs the GEMV path's gate_up (routing included);
+  down_combine vs down + combine vs the scan down (down_scan alone); route + align + gate_up vs the GEMV path's
+  gate_up (routing included) vs gate_up_scan alone;
 - floor: the layer's bytes at the copy rate measured in the same run.
 """
 from __future__ import annotations
@@ -132,18 +135,26 @@ def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
         "fused": lambda: moe.decode_path(x, router, k, w, down_combine=True, gemv=False),
         "split": lambda: moe.decode_path(x, router, k, w, down_combine=False, gemv=False),
         "gemv": lambda: moe.decode_path(x, router, k, w, gemv=True),
+        "scan_fused": lambda: moe.decode_path(x, router, k, w, gemv=False, scan=True, down_combine=True),
+        "scan_split": lambda: moe.decode_path(x, router, k, w, gemv=False, scan=True, down_combine=False),
     }
     parts = {
         "route_align": lambda: route_align(logits),
         "gemm_route_align": lambda: route_align(moe.padded_router_gemm(x, router)),
         "down_before": lambda: moe.combine_fast(moe.down_fast(act, w, layout, weights, shared_gate, cfg["down"]),
-                                                layout, T),
+                                                layout.inverse, T),
         "down_combine": lambda: moe.down_combine_fast(act, w, layout.inverse, ids, weights, shared_gate,
                                                       cfg["down_combine"]),
         "layout_gate_up": lambda: moe.gate_up_fast(x, w, route_align(logits), cfg["gate_up"]),
         "gemv_gate_up": lambda: moe.gate_up_gemv_fast(x, logits, k, w, cfg["gemv"]),
+        "scan_gate_up": lambda: moe.gate_up_scan_fast(x, ids, weights, shared_gate, w, scan["gate_up"]),
+        "scan_down": lambda: moe.down_scan_fast(act_scan, w, inverse, ids, weights, shared_gate, scan["down"]),
     }
-    taken = "gemv" if cfg["gemv"] is not None else "split" if cfg["down_combine"] is None else "fused"
+    scan = cfg["scan"] or {"gate_up": None, "down": None}
+    act_scan, inverse = moe.gate_up_scan_fast(x, ids, weights, shared_gate, w, scan["gate_up"])[::4]
+    taken = ("gemv" if cfg["gemv"] is not None else
+             ("scan_split" if cfg["scan"]["down"] else "scan_fused") if cfg["scan"] is not None else
+             "split" if cfg["down_combine"] is None else "fused")
     row = {"batch": T, "moe_fast": taken, "floor_us": layer.bytes(x, ids) / rate * 1e6}
     for name, fn in whole.items():
         row[f"{name}_launches"] = count_kernels(fn)  # eager first: compiles
@@ -189,18 +200,19 @@ def main() -> None:
         for T in DECODE:
             decode.append(decode_row(layer, T, gen, rate))
         print(f"\ndecode, us per layer from a CUDA graph (launches per layer, eager); copy rate {rate / 1e9:.0f} GB/s")
-        print(f"{'batch':>5} {'fused':>13} {'split':>13} {'gemv':>13} {'moe_fast':>8} {'floor':>6}")
+        paths = ("fused", "split", "gemv", "scan_fused", "scan_split")
+        print(f"{'batch':>5} " + " ".join(f"{n:>13}" for n in paths) + f" {'moe_fast':>10} {'floor':>6}")
         for r in decode:
-            cells = " ".join(f"{r[n + '_us']:7.1f} ({r[n + '_launches']})" for n in ("fused", "split", "gemv"))
-            print(f"{r['batch']:>5} {cells} {r['moe_fast']:>8} {r['floor_us']:6.1f}")
+            cells = " ".join(f"{r[n + '_us']:7.1f} ({r[n + '_launches']})" for n in paths)
+            print(f"{r['batch']:>5} {cells} {r['moe_fast']:>10} {r['floor_us']:6.1f}")
         print("\ndecode parts, us from a CUDA graph: route_fast + align_serial; router GEMM + both; down + combine vs "
-              "down_combine; route + align + gate_up vs the GEMV gate_up")
-        print(f"{'batch':>5} {'route+align':>11} | {'GEMM+r+a':>8} | {'down+comb':>9} {'down_comb':>9} | "
-              f"{'r+a+up':>7} {'gemv up':>7}")
+              "down_combine vs the scan down; route + align + gate_up vs the GEMV gate_up vs the scan gate_up")
+        print(f"{'batch':>5} {'route+align':>11} | {'GEMM+r+a':>8} | {'down+comb':>9} {'down_comb':>9} "
+              f"{'scan down':>9} | {'r+a+up':>7} {'gemv up':>7} {'scan up':>7}")
         for r in decode:
             print(f"{r['batch']:>5} {r['route_align_us']:11.1f} | {r['gemm_route_align_us']:8.1f} | "
-                  f"{r['down_before_us']:9.1f} {r['down_combine_us']:9.1f} | "
-                  f"{r['layout_gate_up_us']:7.1f} {r['gemv_gate_up_us']:7.1f}")
+                  f"{r['down_before_us']:9.1f} {r['down_combine_us']:9.1f} {r['scan_down_us']:9.1f} | "
+                  f"{r['layout_gate_up_us']:7.1f} {r['gemv_gate_up_us']:7.1f} {r['scan_gate_up_us']:7.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp,

@@ -9,7 +9,9 @@ separately over their tile candidates; the entry kept is the BLOCK_M whose best 
 Decode buckets (T <= moe.DECODE_MAX_T) also get the one-kernel down+combine's tile, or null where down + combine in
 two kernels (with the chosen down tile) is faster, and the GEMV path's gate_up tile, or null where route + align +
 gate_up and the down step chosen above beat its gate_up + down_combine (where it wins, the bucket keeps the
-down_combine tile: the GEMV path always ends in it): that decides moe_fast's path for the bucket. Decode buckets are
+down_combine tile: the GEMV path always ends in it), and the scan path's tiles (layers/moe/scan.py: route +
+gate_up_scan, then down_combine or down_scan + combine), or null: the fastest of the three decides moe_fast's path
+for the bucket. Decode buckets are
 timed from a CUDA graph, as decode steps run (eager timing of a few-us kernel mostly measures the host's launch),
 with L2 emptied of the call's data before each call (cold_graph_ms): a decode step streams ~6 GB, so its MoE weights
 come from HBM, while a call timed over and over finds most of its 37 MB (one token's experts) still in L2 and
@@ -35,6 +37,7 @@ from qwen35.bench.step_timing import graph_ms
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 PERSISTENT_CANDIDATE_MAX_T = 8  # the persistent gate_up is a GEMV-path candidate up to this T
+SCAN_CANDIDATE_MIN_T = 4        # the scan path is a candidate from this T (below, a token's experts barely overlap)
 
 
 def block_m_candidates(T: int) -> list[int]:
@@ -141,7 +144,7 @@ def tune_bucket(layer: Layer, T: int, quick: bool, gen: torch.Generator) -> dict
     if T <= moe.DECODE_MAX_T:
         t_dc, dc = best_tile(lambda tile: moe.down_combine_fast(act, w, lay.inverse, ids, weights, gate, tile), T,
                              quick, gemv_candidates("down_combine", quick))
-        t_split = time_ms(lambda: moe.combine_fast(moe.down_fast(act, w, lay, weights, gate, entry["down"]), lay, T),
+        t_split = time_ms(lambda: moe.combine_fast(moe.down_fast(act, w, lay, weights, gate, entry["down"]), lay.inverse, T),
                           graph=True)
         entry["down_combine"] = dc if t_dc < t_split else None  # None: down and combine stay two kernels
         print(f"  T={T:<5} down_combine {t_dc * 1e3:8.1f} us {dc} vs down + combine {t_split * 1e3:8.1f} us",
@@ -152,8 +155,12 @@ def tune_bucket(layer: Layer, T: int, quick: bool, gen: torch.Generator) -> dict
 
 def tune_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, entry: dict, t_down: float, dc: dict,
               quick: bool) -> None:
-    """entry["gemv"]: the GEMV path's best gate_up tile where its gate_up + down_combine (tile dc) beat route +
-    align + gate_up + the down step (t_down ms), else None. The router GEMM, common to both, is left out."""
+    """The bucket's decode path, the fastest of three (the router GEMM, common to all, left out):
+    - the sorted layout's: route + align + gate_up + the down step chosen above (t_down ms);
+    - the GEMV path: gate_up_gemv (routing inside) at its best tile + down_combine (tile dc): entry["gemv"];
+    - the scan path (T >= SCAN_CANDIDATE_MIN_T): route + gate_up_scan at its best tile, then down_combine (tile dc)
+      or down_scan at its best tile + combine: entry["scan"] = {"gate_up": tile, "down": tile or None}.
+    The GEMV path and the scan path with down_combine keep entry["down_combine"] = dc."""
     T, k, w = x.shape[0], layer.top_k, layer.w
     num_local = w.gate_up.shape[0]
     t_layout = t_down + time_ms(lambda: moe.gate_up_fast(
@@ -162,11 +169,45 @@ def tune_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, entry: dict, 
     t_up, gemv, g = best_gate_up_gemv(layer, x, logits, quick)
     t_gemv = t_up + time_ms(lambda: moe.down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, dc),
                             graph=True)
-    entry["gemv"] = gemv if t_gemv < t_layout else None
-    if entry["gemv"] is not None:
-        entry["down_combine"] = dc  # the GEMV path always ends in down_combine
-    print(f"  T={T:<5} gemv {t_gemv * 1e3:8.1f} us {gemv} (gate_up {t_up * 1e3:.1f}) vs route + align + gate_up + "
-          f"down {t_layout * 1e3:8.1f} us", flush=True)
+    t_scan, scan = tune_scan(layer, x, logits, dc, quick) if T >= SCAN_CANDIDATE_MIN_T else (float("inf"), None)
+    best = min(t_layout, t_gemv, t_scan)
+    entry["gemv"] = gemv if best == t_gemv else None
+    entry["scan"] = scan if best == t_scan and best < min(t_layout, t_gemv) else None
+    if entry["gemv"] is not None or (entry["scan"] is not None and entry["scan"]["down"] is None):
+        entry["down_combine"] = dc  # these paths end in down_combine
+    print(f"  T={T:<5} gemv {t_gemv * 1e3:8.1f} us {gemv} (gate_up {t_up * 1e3:.1f}) | scan {t_scan * 1e3:8.1f} us "
+          f"{scan} | route + align + gate_up + down {t_layout * 1e3:8.1f} us", flush=True)
+
+
+def tune_scan(layer: Layer, x: torch.Tensor, logits: torch.Tensor, dc: dict, quick: bool) -> tuple[float, dict]:
+    """(ms, entry) of the scan path after the router GEMM: route_fast + gate_up_scan at its best tile, then the
+    better of down_combine (tile dc) and down_scan at its best tile + combine."""
+    k, w = layer.top_k, layer.w
+    T = x.shape[0]
+    ids, weights, gate = moe.route_fast(logits, k)
+    t_up, up = best_tile(lambda tile: moe.gate_up_scan_fast(x, ids, weights, gate, w, tile), T, quick,
+                         scan_candidates("gate_up", quick))
+    t_route = time_ms(lambda: moe.route_fast(logits, k), graph=True)
+    g = moe.gate_up_scan_fast(x, ids, weights, gate, w, up)
+    t_dc = time_ms(lambda: moe.down_combine_fast(g.act, w, g.inverse, ids, weights, gate, dc), graph=True)
+    t_down, down = best_tile(
+        lambda tile: moe.combine_fast(moe.down_scan_fast(g.act, w, g.inverse, ids, weights, gate, tile), g.inverse, T),
+        T, quick, scan_candidates("down", quick))
+    print(f"  T={T:<5} scan: route {t_route * 1e3:.1f} gate_up {t_up * 1e3:.1f} us {up}; down_combine "
+          f"{t_dc * 1e3:.1f} | down_scan + combine {t_down * 1e3:.1f} us {down}", flush=True)
+    return t_route + t_up + min(t_dc, t_down), {"gate_up": up, "down": down if t_down < t_dc else None}
+
+
+def scan_candidates(op: str, quick: bool) -> list[dict]:
+    """gate_up_scan / down_scan tiles (layers/moe/scan.py): a [16, BLOCK_K] x [BLOCK_K, BLOCK_N] tl.dot a step,
+    a program per (expert, N tile). The default first (--quick keeps two of each)."""
+    if op == "gate_up":
+        grid = dict(BLOCK_M=[16], BLOCK_N=[32, 16, 64], BLOCK_K=[128, 64, 256], num_warps=[4, 8],
+                    num_stages=[3, 4])
+    else:
+        grid = dict(BLOCK_M=[16], BLOCK_N=[64, 128, 256, 32], BLOCK_K=[128, 64], num_warps=[4, 8],
+                    num_stages=[3, 2])
+    return expand(grid, quick)
 
 
 def best_gate_up_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, quick: bool):

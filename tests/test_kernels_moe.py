@@ -15,7 +15,9 @@ Decode kernels (T <= DECODE_MAX_T): down+combine within 1e-5 of its torch oracle
 whole block within 1e-5 of moe_torch on both sides of each threshold. The GEMV path (T <= GEMV_MAX_T: routing in the
 gate_up kernel, no sorted layout): its routing bit for bit route_fast's (ids route_torch's exactly, ties to the
 lowest ids), each pair's act row as gate_up_gemv_torch's and the act within 1e-5; T 1..8, E not a power of two,
-ranks with start > 0, one with no local pair, a narrower shared expert.
+ranks with start > 0, one with no local pair, a narrower shared expert. The scan path (a program per expert finding
+its pairs in the routing): its pair -> row index exactly its twin's, act and down rows within 1e-5, 64 pairs of one
+expert over several row blocks, and the path taken where a tile table says so.
 
 GPU (`-m gpu`, bf16, Qwen3.5-35B-A3B shapes: 256 experts, top-8, hidden 2048, expert intermediate 512; shared
 intermediate 512 at TP=1 and 64 per rank at TP=8 with 32 local experts): routing ids equal except at exact ties
@@ -246,8 +248,8 @@ def test_grouped_steps_fast_equal_torch(T, E, k, H, I, I_s, start, num_local, ro
     y = moe.down_torch(act, w, lay, wts, gate)
     fast_y = moe.down_fast(act, w, lay, wts, gate, tile)
     assert max_diff(fast_y[:T], y[:T]) <= TOL and (not len(rows) or max_diff(fast_y[rows], y[rows]) <= TOL)
-    out = moe.combine_torch(y, lay, T)
-    assert max_diff(moe.combine_fast(y, lay, T), out) <= TOL
+    out = moe.combine_torch(y, lay.inverse, T)
+    assert max_diff(moe.combine_fast(y, lay.inverse, T), out) <= TOL
     assert out.abs().max() > 0.05 and max_diff(out, moe.experts_torch(x, ids, wts, gate, w)) <= TOL
 
 
@@ -267,7 +269,7 @@ def test_down_combine_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, ro
     want = moe.down_combine_torch(act, w, lay.inverse, ids, wts, gate)
     assert want.abs().max() > 0.3 and max_diff(fast, want) <= TOL
     two = moe.combine_fast(moe.down_fast(act, w, lay, wts, gate, dict(BLOCK_N=16, BLOCK_K=16, num_warps=4,
-                                                                      num_stages=2)), lay, T)
+                                                                      num_stages=2)), lay.inverse, T)
     assert max_diff(fast, two) <= TOL
     assert max_diff(moe.down_combine_fast(act, w, lay.inverse, ids.int(), wts, gate), want) <= TOL  # default tile
     assert max_diff(fast, moe.experts_torch(x, ids, wts, gate, w)) <= TOL
@@ -382,6 +384,65 @@ def test_moe_fast_takes_gemv_up_to_threshold(monkeypatch):
     assert calls == [moe.GEMV_MAX_T]
 
 
+# ------------------------------------------------------------------------------------------- decode scan path
+SCAN_TILES = [  # (gate_up, down): the defaults; several N tiles and K steps
+    (None, None),
+    (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2),
+     dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)),
+]
+
+
+@pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local,routed", EXPERT_CASES + [
+    (64, 16, 4, 32, 16, 16, 0, 16, "one")])  # DECODE_MAX_T, 64 pairs on one expert: 4 row blocks of 16
+def test_scan_steps_equal_torch(T, E, k, H, I, I_s, start, num_local, routed):
+    """The scan path's kernels (a program per expert finding its pairs in the routing) against their torch twins
+    on the same inputs: gate_up_scan's pair -> row index exactly, its act rows (shared, and the local pairs') within
+    TOL; down_scan's rows within TOL; combine on them, and down_combine on the scan's act, give experts_torch's output
+    within TOL. Tiles: the defaults, and several N tiles with several K steps."""
+    gen = torch.Generator().manual_seed(T * 13 + start)
+    w = make_weights(num_local, H, I, I_s, start, gen)
+    x = torch.randn(T, H, generator=gen)
+    ids, wts, gate = make_routing(T, E, k, gen, routed)
+    ids = ids.int()
+    ref = moe.gate_up_scan_torch(x, ids, wts, gate, w)
+    mine = ref.inverse[ref.inverse >= 0].long()
+    assert (len(mine) > 0) == (routed != "low")
+    want = moe.experts_torch(x, ids.long(), wts, gate, w)
+    assert want.abs().max() > 0.05
+    for up_tile, down_tile in SCAN_TILES:
+        g = moe.gate_up_scan_fast(x, ids, wts, gate, w, up_tile)
+        assert torch.equal(g.inverse, ref.inverse)
+        assert max_diff(g.act[:T, :I_s], ref.act[:T, :I_s]) <= TOL
+        assert not len(mine) or max_diff(g.act[mine, :I], ref.act[mine, :I]) <= TOL
+        y_ref = moe.down_scan_torch(g.act, w, g.inverse, ids, wts, gate)
+        y = moe.down_scan_fast(g.act, w, g.inverse, ids, wts, gate, down_tile)
+        assert max_diff(y[:T], y_ref[:T]) <= TOL and (not len(mine) or max_diff(y[mine], y_ref[mine]) <= TOL)
+        out = moe.combine_fast(y, g.inverse, T)
+        assert max_diff(out, moe.combine_torch(y_ref, g.inverse, T)) <= TOL and max_diff(out, want) <= TOL
+        assert max_diff(moe.down_combine_fast(g.act, w, g.inverse, ids, wts, gate), want) <= TOL
+
+
+def test_moe_fast_takes_the_scan_path_where_the_table_says(monkeypatch):
+    """A tile table entry with "scan" (and no "gemv") sends moe_fast down the scan path, its "down" tile choosing
+    down_scan + combine (a tile) or down_combine (None); both match moe_torch."""
+    calls = []
+    real_up, real_down = moe.gate_up_scan_fast, moe.down_scan_fast
+    monkeypatch.setattr(moe_block, "gate_up_scan_fast", lambda *a: calls.append("up") or real_up(*a))
+    monkeypatch.setattr(moe_block, "down_scan_fast", lambda *a: calls.append("down") or real_down(*a))
+    gen = torch.Generator().manual_seed(5)
+    w = make_weights(8, 32, 16, 8, 0, gen)
+    router = torch.randn(9, 32, generator=gen) * 0.3
+    x = torch.randn(12, 32, generator=gen)
+    want = moe.moe_torch(x, router, 2, w)
+    for down, expect in ((dict(moe.SCAN_DOWN_TILE), ["up", "down"]), (None, ["up"])):
+        cfg = dict(moe.config_for(x, w), gemv=None, scan={"gate_up": dict(moe.SCAN_GATE_UP_TILE), "down": down},
+                   down_combine=dict(moe.DOWN_COMBINE_TILE))
+        monkeypatch.setattr(moe_block, "config_for", lambda *a, cfg=cfg: cfg)
+        calls.clear()
+        assert max_diff(moe.moe_fast(x, router, 2, w), want) <= TOL
+        assert calls == expect
+
+
 # ------------------------------------------------------------------------------------------------- the block
 BLOCK_CASES = [  # T, E, k, H, I, I_s, start, num_local
     (1, 8, 2, 32, 16, 8, 6, 2),       # one token, last rank, shared expert narrower
@@ -399,7 +460,8 @@ BLOCK_CASES = [  # T, E, k, H, I, I_s, start, num_local
 def test_moe_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, monkeypatch):
     """The whole block: moe_fast (which picks its kernels by T: the GEMV path up to GEMV_MAX_T, route_fast + the
     one-program align up to DECODE_MAX_T, the chunked layout above) and, where they apply, the decode paths it did not
-    take (the layout's with the other down+combine choice; the layout's or the GEMV one), against moe_torch."""
+    take (the layout's with the other down+combine choice; the layout's or the GEMV one; the scan path with either
+    down step), against moe_torch."""
     monkeypatch.setattr(moe_layout, "ALIGN_CHUNK", 64)  # several chunks at interpreter sizes
     gen = torch.Generator().manual_seed(T + E)
     w = make_weights(num_local, H, I, I_s, start, gen)
@@ -413,6 +475,8 @@ def test_moe_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, monkeypatch
         forced = moe.decode_path(x, router, k, w, down_combine=other, gemv=False)
         assert max_diff(forced, want) <= TOL
         assert max_diff(moe.decode_path(x, router, k, w, gemv=T > moe.GEMV_MAX_T), want) <= TOL
+        for down_combine in (True, False):
+            assert max_diff(moe.decode_path(x, router, k, w, down_combine, gemv=False, scan=True), want) <= TOL
 
 
 def test_moe_fast_padding_and_repeat():
@@ -659,7 +723,7 @@ def test_down_combine_fast_bf16(tp, T):
     fast = moe.down_combine_fast(act, w, lay.inverse, ids.int(), wts, gate, cfg["down_combine"])
     assert torch.isfinite(fast).all()
     assert rel(fast, moe.down_combine_torch(act, w, lay.inverse, ids, wts, gate)) <= 1e-2
-    two = moe.combine_fast(moe.down_fast(act, w, lay, wts, gate, cfg["down"]), lay, T)
+    two = moe.combine_fast(moe.down_fast(act, w, lay, wts, gate, cfg["down"]), lay.inverse, T)
     assert rel(fast, two) <= 1e-2
 
 
@@ -704,6 +768,32 @@ def test_moe_decode_gemv_bf16_real_shapes(tp, T):
         static.copy_(x2)
         graph.replay()
         assert torch.equal(replayed, moe.decode_path(x2, router, 8, w, gemv=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 4, 8])
+@pytest.mark.parametrize("T", [4, 16, 32, 64])
+def test_moe_decode_scan_bf16_real_shapes(tp, T):
+    """The scan path, with either down step, against experts_torch routed on the same logits; the same bits on a
+    second eager run and from a CUDA graph replayed on new inputs."""
+    w, router = real_weights(tp), real_router(tp)
+    gen = torch.Generator().manual_seed(T * 3 + tp)
+    x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
+    ref = moe.experts_torch(x, *moe.route_torch(moe.padded_router_gemm(x, router), 8), w)
+    for down_combine in (True, False):
+        run = functools.partial(moe.decode_path, router=router, top_k=8, w=w, down_combine=down_combine,
+                                gemv=False, scan=True)
+        out = run(x)
+        assert torch.isfinite(out).all() and rel(out, ref) <= 1e-2
+        assert torch.equal(run(x), out)
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = run(static)
+        x2 = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
+        static.copy_(x2)
+        graph.replay()
+        assert torch.equal(replayed, run(x2))
 
 
 @pytest.mark.gpu

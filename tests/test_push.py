@@ -6,7 +6,7 @@ producer before the consumers) and P processes sharing memory (every wait a real
   output within 1e-5), the same bits on every rank; two boundaries a forward, two forwards, and every inbox
   empty after each (the producers and end_step empty what was read);
 - the GEMV pushing from its epilogue (a row-parallel projection) then consume: the rank-order sum of every rank's
-  GEMV output, exact;
+  GEMV output, exact; the MoE's combine likewise;
 - the GEMV pulling in its prologue (RMSNorm.boundary of a Pushed): its output equals F.linear of the pulled, added
   and normed rows, and it stores that sum and those rows for the layer's other readers;
 - shapes the inbox does not take (more rows, another width or dtype) are not pushed; a forward with more
@@ -108,6 +108,38 @@ def test_gemv_pushes_and_pulls(world, rows):
         assert max_diff(pending.out, h0) <= 1e-5
         assert max_diff(y, torch.nn.functional.linear(h0, w_in)) <= 1e-4
     assert not any(all_empty(buf) for buf in bufs)
+
+
+@pytest.mark.parametrize("world,T", [(2, 1), (3, 5)])
+def test_moe_combine_pushes(world, T):
+    """The MoE's combine (layers/moe/grouped.py) pushing from its epilogue: every rank's combined rows go to every
+    inbox, and the boundary's sum is the rank-order sum of each rank's combine_torch output, exact; the second
+    boundary's producer empties the first."""
+    from layers.moe.grouped import combine_fast, combine_torch
+    H, k = 40, 3
+    bufs, boxes = inboxes(world, 3, 8, H)
+    gen = torch.Generator().manual_seed(world * 10 + T)
+    ys = [torch.randn(T * (k + 1), H, generator=gen) for _ in range(world)]
+    inverse = (T + torch.arange(T * k)).int()
+    inverse[1] = -1  # another rank's expert: adds nothing
+    for b in boxes:
+        push.begin_step(b)
+    pushed = []
+    for r in range(world):
+        push.install(boxes[r])
+        try:
+            pushed.append(combine_fast(ys[r], inverse, T, partial=True))
+        finally:
+            push.install(None)
+    total = rank_order_sum([combine_torch(y, inverse, T) for y in ys])
+    for r in range(world):
+        assert isinstance(pushed[r], push.Pushed) and pushed[r].slot == 0
+        assert torch.equal(push.consume(pushed[r]), total)
+    second = [push.push_(torch.zeros(T, H), boxes[r]) for r in range(world)]
+    assert all(torch.equal(push.consume(p), torch.zeros(T, H)) for p in second)
+    for b in boxes:
+        push.end_step(b)
+    assert all(all_empty(buf) for buf in bufs)
 
 
 def test_what_the_inbox_does_not_take():
@@ -372,11 +404,14 @@ def test_gpu_push_pull_two_ranks(tmp_path):
 
 def test_push_pull_kernels_compile_for_hopper():
     """Every push / pull kernel variant of a decode boundary, as the tests above launch them (GEMV pushing and
-    pulling, down + combine pushing, push_, the pull + norm kernel, consume, end_step), compiles for sm_90 through
-    Triton's compiler in bf16 (the interpreter accepts code the compiler does not)."""
+    pulling, down + combine pushing, the MoE's combine pushing, push_, the pull + norm kernel, consume, end_step),
+    and the MoE scan path's kernels before it, compile for sm_90 through Triton's compiler in bf16 (the interpreter
+    accepts code the compiler does not)."""
     from layers.backend import use_kernels
     from layers.moe.experts import ExpertWeights
     from layers.moe.gemv import down_combine_fast
+    from layers.moe.grouped import combine_fast
+    from layers.moe.scan import down_scan_fast, gate_up_scan_fast
     from tests.hopper_compile import compile_all, hopper_backend_available, recorded
     if not hopper_backend_available():
         pytest.skip("this Triton has no NVIDIA backend to compile with")
@@ -402,8 +437,12 @@ def test_push_pull_kernels_compile_for_hopper():
             ids = torch.tensor([[0, 1]], dtype=torch.int32)
             down_combine_fast(torch.randn(3, I, dtype=dt), w, torch.tensor([1, 2], dtype=torch.int32), ids,
                               torch.rand(1, 2, dtype=dt), torch.rand(1, 1, dtype=dt), partial=True)
+            g = gate_up_scan_fast(torch.randn(1, H, dtype=dt), ids, torch.rand(1, 2, dtype=dt),
+                                  torch.rand(1, 1, dtype=dt), w)
+            y = down_scan_fast(g.act, w, g.inverse, ids, g.weights, g.shared_gate)
+            combine_fast(y, g.inverse, 1, partial=True)
             p3 = push.push_(torch.randn(1, H, dtype=dt))
-            boxes[1].next_slot = 2
+            boxes[1].next_slot = 3
             push.install(boxes[1])
             push.push_(torch.randn(1, H, dtype=dt))
             push.install(box)
@@ -414,5 +453,6 @@ def test_push_pull_kernels_compile_for_hopper():
             push.install(None)
     names = {e["name"] for e in launches}
     assert {"_gemv_kernel", "_down_combine_kernel", "_push_kernel", "_pull_add_rms_norm_kernel",
-            "_consume_kernel", "_clear_kernel"} <= names, names
+            "_consume_kernel", "_clear_kernel", "_gate_up_scan_kernel", "_down_scan_kernel", "_combine_kernel"} <= names, \
+        names
     assert compile_all(launches) == []

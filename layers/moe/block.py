@@ -16,6 +16,13 @@ GEMV_MAX_T tokens without a table; the tuned table says per bucket), else 5 (or 
                           software-pipelined loop; else _down_kernel + _combine_kernel. The tuned table says which,
                           per power-of-two bucket of T and rank shape (DOWN_COMBINE_MAX_T without a table)
 
+or, where the tuned table has a "scan" entry, 4 (or 5) with no sorted layout (layers/moe/scan.py): router GEMM,
+_route_kernel, _gate_up_scan_kernel (a program per expert and N tile, finding its pairs in the routing), then
+_down_combine_kernel or _down_scan_kernel + _combine_kernel. At the TP=4 rank shape and 32 tokens it took 85.7 us
+against 89.0 on the GEMV path and 93.6 on the sorted layout (1x H200, L2 cold, benchmarks/tune_moe.py, 2026-11-27):
+each expert's weights read once, as the sorted layout's kernels do, without the align launch. The last kernel
+pushes the layer boundary's partial sums (dist/push.py) where the inbox takes them.
+
 Fewer launches measured slower (1x H200, python -m benchmarks.bench_moe --tp 1 --decode-only, in CUDA graphs):
 routing and layout in one program (one launch less) took 26 us at T = 1..16 and 88 us at T = 64, where
 _route_kernel + _align_kernel take 8-10 us, as one program's reductions over [16, 256] tiles serialise
@@ -33,9 +40,10 @@ from layers.linear import Linear, computed, fuse_rows
 from layers.mlp import MLP
 from layers.moe.experts import ExpertWeights, Experts
 from layers.moe.gemv import down_combine_fast, gate_up_gemv_fast
-from layers.moe.grouped import experts_fast, experts_on_layout, experts_torch
+from layers.moe.grouped import combine_fast, experts_fast, experts_on_layout, experts_torch
 from layers.moe.layout import align_fast
 from layers.moe.routing import ROUTER_PAD_ROWS, route_fast, route_torch, router_logits_fast, router_logits_torch
+from layers.moe.scan import down_scan_fast, gate_up_scan_fast
 from layers.moe.tiles import DECODE_MAX_T, config_for
 
 
@@ -58,12 +66,18 @@ def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights
 
 
 def decode_path(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
-                down_combine: bool | None = None, gemv: bool | None = None, partial: bool = False):
+                down_combine: bool | None = None, gemv: bool | None = None, scan: bool | None = None,
+                partial: bool = False):
     """moe_fast's kernels up to DECODE_MAX_T tokens, as the tile table chooses them, or as the caller forces them
-    (tests and benchmarks/bench_moe.py take every path): the GEMV path (gemv; by default where the config has a gemv
-    tile): router GEMM, gate_up_gemv_fast, down_combine_fast (pushing from its epilogue where `partial`). Else the
-    router GEMM, route_fast and align_fast, then experts_on_layout, down + combine in one kernel or two as
-    down_combine forces or the config says (then push_ where `partial`)."""
+    (tests and benchmarks/bench_moe.py take every path):
+    - the GEMV path (gemv; by default where the config has a gemv tile): router GEMM, gate_up_gemv_fast,
+      down_combine_fast;
+    - the scan path (scan; by default where the config has a scan entry): router GEMM, route_fast,
+      gate_up_scan_fast, then down_combine_fast or down_scan_fast + combine_fast (the entry's "down" tile, or
+      down_combine's where it has none; down_combine forces);
+    - else the sorted layout's: router GEMM, route_fast, align_fast, experts_on_layout (down + combine in one
+      kernel or two as down_combine forces or the config says).
+    The last kernel pushes where `partial` and the inbox takes the output."""
     if x.shape[0] == 0:
         return torch.empty_like(computed(x))
     cfg = config_for(x, w)
@@ -72,12 +86,19 @@ def decode_path(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeig
         g = gate_up_gemv_fast(computed(x).contiguous(), logits, top_k, w, cfg["gemv"])
         return down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, cfg["down_combine"],
                                  partial=partial)
+    logits = router_logits_fast(x, router)
     x = computed(x).contiguous()
-    ids, weights, shared_gate = route_fast(router_logits_fast(x, router), top_k)
+    ids, weights, shared_gate = route_fast(logits, top_k)
+    if cfg["scan"] is not None if scan is None else scan:
+        tiles = cfg["scan"] or {"gate_up": None, "down": None}
+        g = gate_up_scan_fast(x, ids, weights, shared_gate, w, tiles["gate_up"])
+        if tiles["down"] is None if down_combine is None else down_combine:
+            return down_combine_fast(g.act, w, g.inverse, ids, weights, shared_gate, cfg["down_combine"],
+                                     partial=partial)
+        y = down_scan_fast(g.act, w, g.inverse, ids, weights, shared_gate, tiles["down"])
+        return combine_fast(y, g.inverse, x.shape[0], partial)
     layout = align_fast(ids, w.start, w.gate_up.shape[0], cfg["BLOCK_M"])
-    out = experts_on_layout(x, w, layout, ids, weights, shared_gate, cfg, down_combine)
-    box = push.pushes(out.shape, out.dtype) if partial else None
-    return push.push_(out, box) if box is not None else out
+    return experts_on_layout(x, w, layout, ids, weights, shared_gate, cfg, down_combine, partial)
 
 
 class SparseMoE(nn.Module):

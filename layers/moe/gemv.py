@@ -45,13 +45,19 @@ class GemvAct(NamedTuple):
 
 def gate_up_gemv_torch(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights,
                        tile: dict | None = None) -> GemvAct:
-    """route_torch, then silu(x W_gate^T) * (x W_up^T) in the model dtype for every local pair and the shared
-    expert, in GemvAct's rows (other ranks' rows 0 here). tile is the fast kernel's and unused here."""
-    T = x.shape[0]
+    """route_torch, then act and inverse as pair_rows_torch's. tile is the fast kernel's and unused here."""
     ids, weights, shared_gate = route_torch(logits, top_k)
+    act, inverse = pair_rows_torch(x, ids, w)
+    return GemvAct(act, ids, weights, shared_gate, inverse)
+
+
+def pair_rows_torch(x: torch.Tensor, ids: torch.Tensor, w: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act, inverse) in the GEMV path's rows: silu(x W_gate^T) * (x W_up^T) in the model dtype for the shared expert
+    (row t) and every local pair (row T + p; other ranks' pairs: inverse -1 and their rows 0)."""
+    T, top_k = ids.shape
     num_local, two_i, _ = w.gate_up.shape
     inter, shared_inter = two_i // 2, w.shared_gate_up.shape[0] // 2
-    local = ids - w.start
+    local = ids.long() - w.start
     mine = (local >= 0) & (local < num_local)
     rows = T + torch.arange(T * top_k, device=x.device).view(T, top_k)
     act = torch.zeros(T * (top_k + 1), max(inter, shared_inter), dtype=x.dtype, device=x.device)
@@ -59,7 +65,7 @@ def gate_up_gemv_torch(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Exp
     tok, slot = mine.nonzero(as_tuple=True)
     h = torch.bmm(w.gate_up[local[tok, slot]], x[tok].unsqueeze(2)).squeeze(2)
     act[rows[tok, slot], :inter] = silu_mul_torch(h)
-    return GemvAct(act, ids, weights, shared_gate, torch.where(mine, rows, -1).flatten().int())
+    return act, torch.where(mine, rows, -1).flatten().int()
 
 
 # The persistent gate_up (a tile with "persistent": tiles.py's default at T <= PERSISTENT_MAX_T where no tuned table

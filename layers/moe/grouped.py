@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dist import push
 from layers.backend import round_to, tl, triton
+from layers.linear import inbox_args
 from layers.mlp import mlp_torch, silu_mul_sums, silu_mul_torch
 from layers.moe.experts import ExpertWeights
 from layers.moe.gemv import down_combine_fast
@@ -67,16 +69,19 @@ def experts_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shar
 
 
 def experts_on_layout(x: torch.Tensor, w: ExpertWeights, layout: Layout, ids: torch.Tensor, weights: torch.Tensor,
-                      shared_gate: torch.Tensor, cfg: dict, down_combine: bool | None = None) -> torch.Tensor:
+                      shared_gate: torch.Tensor, cfg: dict, down_combine: bool | None = None,
+                      partial: bool = False) -> torch.Tensor | push.Pushed:
     """gate_up, then down + combine in one kernel or two: as down_combine forces, else one where the config has a
-    down_combine tile (T <= DECODE_MAX_T only)."""
+    down_combine tile (T <= DECODE_MAX_T only). partial: the last kernel pushes where the inbox takes the output
+    (down_combine_fast, combine_fast)."""
     T = x.shape[0]
     act = gate_up_fast(x, w, layout, cfg["gate_up"])
     if down_combine is None:
         down_combine = T <= DECODE_MAX_T and cfg["down_combine"] is not None
     if down_combine:
-        return down_combine_fast(act, w, layout.inverse, ids, weights, shared_gate, cfg["down_combine"])
-    return combine_fast(down_fast(act, w, layout, weights, shared_gate, cfg["down"]), layout, T)
+        return down_combine_fast(act, w, layout.inverse, ids, weights, shared_gate, cfg["down_combine"],
+                                 partial=partial)
+    return combine_fast(down_fast(act, w, layout, weights, shared_gate, cfg["down"]), layout.inverse, T, partial)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -127,12 +132,12 @@ def down_torch(act: torch.Tensor, w: ExpertWeights, layout: Layout, weights: tor
     return y
 
 
-def combine_torch(y: torch.Tensor, layout: Layout, T: int) -> torch.Tensor:
-    """out [T, H]: each token's routed rows of y in top-k order (rows of other ranks' experts add nothing), then its
-    shared row, summed in fp32 in that order; cast to y's dtype."""
-    pos = layout.inverse.long().view(T, layout.top_k)
+def combine_torch(y: torch.Tensor, inverse: torch.Tensor, T: int) -> torch.Tensor:
+    """out [T, H]: each token's routed rows of y (pair p = t * k + slot at row inverse[p]; -1: another rank's expert,
+    adds nothing) in top-k order, then its shared row t, summed in fp32 in that order; cast to y's dtype."""
+    pos = inverse.long().view(T, -1)
     acc = torch.zeros(T, y.shape[1], dtype=torch.float32, device=y.device)
-    for j in range(layout.top_k):
+    for j in range(pos.shape[1]):
         mine = (pos[:, j] >= 0).nonzero().squeeze(1)
         acc[mine] += y[pos[mine, j]].float()
     return (acc + y[:T].float()).to(y.dtype)
@@ -175,14 +180,22 @@ def down_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, weights: torc
     return y
 
 
-def combine_fast(y: torch.Tensor, layout: Layout, T: int) -> torch.Tensor:
-    """out [T, H]: each token's routed rows of y in top-k order, then its shared row, summed in fp32."""
+def combine_fast(y: torch.Tensor, inverse: torch.Tensor, T: int, partial: bool = False) -> torch.Tensor | push.Pushed:
+    """combine_torch in one launch, a program per (token, column block). partial (the output is a layer boundary's
+    partial sums), where the inbox takes them (TP > 1, decode sizes): pushed to every rank from the epilogue
+    (dist/push.py), and a Pushed is returned."""
     H = y.shape[1]
     out = torch.empty(T, H, dtype=y.dtype, device=y.device)
+    if T == 0:
+        return out
+    box = push.pushes((T, H), y.dtype) if partial else None
+    slot = box.claim(T) if box is not None else 0
     block_h = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, block_h))](y, layout.inverse, out, H, y.stride(0), out.stride(0),
-                                                  TOP_K=layout.top_k, BLOCK_H=block_h, num_warps=4)
-    return out
+    _combine_kernel[(T, triton.cdiv(H, block_h))](y, inverse, out, H, y.stride(0), out.stride(0), slot,
+                                                  *inbox_args(box, y.device), TOP_K=inverse.numel() // T,
+                                                  BLOCK_H=block_h, PUSH=box is not None,
+                                                  P=box.world if box is not None else 1, num_warps=4)
+    return push.Pushed(box, slot, out.shape, out.dtype) if box is not None else out
 
 
 if triton is not None:
@@ -266,10 +279,12 @@ if triton is not None:
         y = (round_to(acc, dt) * rw[:, None]).to(dt)
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * sy + cols[None, :], y, mask=valid[:, None] & cmask[None, :])
 
-    @triton.jit
-    def _combine_kernel(y_ptr, inv_ptr, out_ptr, H, sy, so, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    @triton.jit(do_not_specialize=["push_slot"])
+    def _combine_kernel(y_ptr, inv_ptr, out_ptr, H, sy, so, push_slot, table, rank, region_stride,
+                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PUSH: tl.constexpr, P: tl.constexpr):
         """out[t] = sum of token t's routed rows in top-k order, then its shared row (row t), in fp32: a fixed
-        order, so no atomics and the same bits on every run."""
+        order, so no atomics and the same bits on every run. PUSH: the row goes into every rank's inbox instead of
+        out_ptr, and the programs empty the boundary before it in this rank's inbox (as _down_combine_kernel)."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = cols < H
@@ -279,4 +294,10 @@ if triton is not None:
             hit = cols < tl.where(pos >= 0, H, 0)  # pairs of other ranks' experts add nothing
             acc += tl.load(y_ptr + pos * sy + cols, mask=hit, other=0.0).to(tl.float32)
         acc += tl.load(y_ptr + t * sy + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * so + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        dt = out_ptr.dtype.element_ty
+        if PUSH:
+            push.push_rows(acc.to(dt), t, cols, mask, push_slot, table, rank, region_stride, H, P)
+            if push_slot > 0:
+                push.clear_slot(push_slot - 1, tl.num_programs(0) * H, table, rank, region_stride, P, dt, BLOCK_H)
+        else:
+            tl.store(out_ptr + t * so + cols, acc.to(dt), mask=mask)
