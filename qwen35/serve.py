@@ -36,6 +36,9 @@ API_KEY_ENV = "QWEN35_API_KEY"
 # kernels, tens of seconds. 300 s is far past any of that, yet ends a job with a frozen rank in 5 minutes rather
 # than the process group's 30-minute timeout.
 DEFAULT_STEP_TIMEOUT_S = 300.0
+DEFAULT_KEEP_ALIVE_S = 300.0  # uvicorn's 5 s closed connections a client's pool still held between its bursts, and a
+                              # request sent as the server closed its connection failed with a read error (one of 448
+                              # in the users' procedure at TP=2, 2x H100, 2026-11-27)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--max-request-bytes", type=int, default=server.DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get HTTP 413")
+    p.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_S,
+                   help="seconds an idle client connection stays open")
     p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
                    help="seconds a step may take before the job counts as hung (a frozen or dead rank): /health "
                         "turns 503, requests fail and the process exits non-zero (0: no watchdog)")
@@ -124,7 +129,7 @@ def main(argv=None) -> None:
     app = server.build_app(async_engine, engine.tokenizer, name, engine.max_model_len, api_key=key,
                            max_request_bytes=ns.max_request_bytes)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info", access_log=ns.access_log,
-                            timeout_graceful_shutdown=5)
+                            timeout_keep_alive=ns.keep_alive_timeout, timeout_graceful_shutdown=5)
     # uvicorn re-raises the signal that stopped it once it is done: no-op handlers let the engine shut down after
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)

@@ -83,6 +83,32 @@ def assert_error_body(r: httpx.Response, status: int) -> dict:
     return error
 
 
+# ---- connections --------------------------------------------------------------------------------------------------
+def test_an_idle_connection_stays_open(keyed):
+    """A connection idle for longer than uvicorn's default keep-alive (5 s) still takes the next request: a client
+    pool sending on a connection the server is closing gets a read error instead of a response."""
+    _, port, _ = keyed
+
+    def get_health(sock) -> bytes:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return data
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += sock.recv(4096)
+        return head
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        assert get_health(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6.5)
+        assert get_health(sock).startswith(b"HTTP/1.1 200")
+
+
 # ---- secrets ------------------------------------------------------------------------------------------------------
 
 def test_key_stays_out_of_the_log_and_ps(keyed):
