@@ -1,4 +1,4 @@
-"""The MoE's expert-major decode kernels: a program per (expert, N tiles) finds its expert's (token, slot) pairs by
+"""The MoE's expert-major decode kernels: a program per (expert, N tile) finds its expert's (token, slot) pairs by
 scanning the step's routing itself, so there is no sorted layout to build (no align launch), and each expert's
 weights are read once for all the tokens that chose it. The GEMV path (layers/moe/gemv.py), a program per token,
 reads an expert once per token that chose it: at 16-64 tokens that is 1.3-2.3x the bytes (the TP=4 rank shape,
@@ -12,8 +12,9 @@ The path (layers/moe/block.py decode_path): router GEMM, route_fast, gate_up_sca
 program per token) or down_scan_fast + combine_fast, as the tuned table says per bucket of T.
 
 A program's pairs: the step's T * k expert ids are loaded whole (T <= DECODE_MAX_T: at most 512), the pairs of its
-expert numbered by a cumulative sum, and taken BLOCK_M at a time in pair order (the shared expert's program takes
-the T tokens). Each output row is computed from its own input row only, so the grouping changes no bits.
+expert numbered by a cumulative sum, and taken BLOCK_M at a time in pair order. The shared expert's T rows go to
+cdiv(T, BLOCK_M) programs of one row block each, first in the grid (_scan says why). Each output row is computed from
+its own input row only, so the grouping changes no bits.
 """
 from __future__ import annotations
 
