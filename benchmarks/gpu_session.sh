@@ -16,7 +16,8 @@
 #   spec      qwen35.bench --mode spec (dummy-spec weights, acceptance 0.6) at SPEC_TP; SPEC_ARGS, SPEC_TAG
 #   dense     issue #29: benchmarks.profile_decode_calls, then the llama-1b and llama-3b create_engine traces
 #   sweep     benchmarks.sweep_decode_attention
-#   tune      benchmarks.tune_moe at TUNE_TPS (TUNE_ARGS, default --quick) into $OUT/moe_configs.json
+#   tune      benchmarks.tune_moe at each of TUNE_TPS on a GPU of its own, side by side (TUNE_ARGS, default --quick),
+#             merged into $OUT/moe_configs.json
 #   usetuned  copy $OUT/moe_configs.json over layers/moe_configs.json (the stages after it use the new tiles)
 #   kernels   each benchmarks/bench_<layer>.py micro-benchmark
 #   mixed     benchmarks.profile_mixed_host at TP=NGPU (MIXED_ARGS, default all 40 layers): the host's queueing time of
@@ -95,11 +96,20 @@ for stage in "$@"; do
     sweep)
       CUDA_VISIBLE_DEVICES=${SWEEP_GPU:-0} timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.sweep_decode_attention \
         --json "$OUT/sweep_decode.json" > "$OUT/sweep_decode.log" 2>&1; echo "sweep rc=$?"; grep -v "^\s*$" "$OUT/sweep_decode.log" | tail -16 ;;
-    tune)
+    tune)  # one TP a GPU, side by side (GPU i takes the i-th TP), then their changes merged into one table
       [ -f "$OUT/moe_configs.json" ] || cp layers/moe_configs.json "$OUT/moe_configs.json"
-      CUDA_VISIBLE_DEVICES=${TUNE_GPU:-0} timeout ${TUNE_TIMEOUT:-330} python3 -m benchmarks.tune_moe \
-        --tp ${TUNE_TPS:-$NGPU} ${TUNE_ARGS:---quick} --out "$OUT/moe_configs.json" > "$OUT/tune.log" 2>&1
-      echo "tune rc=$?"; grep -E "TP=|gemv " "$OUT/tune.log" | tail -20 ;;
+      i=0; tuned=()
+      for tp in ${TUNE_TPS:-$NGPU}; do
+        [ "$i" -gt 0 ] && [ $((i % NGPU)) -eq 0 ] && wait  # more TPs than GPUs: in waves (never two on one GPU)
+        g=$((i % NGPU)); cp "$OUT/moe_configs.json" "$OUT/moe_tp$tp.json"; tuned+=("$OUT/moe_tp$tp.json")
+        CUDA_VISIBLE_DEVICES=$g timeout ${TUNE_TIMEOUT:-330} python3 -m benchmarks.tune_moe --tp "$tp" \
+          ${TUNE_ARGS:---quick} --out "$OUT/moe_tp$tp.json" > "$OUT/tune_tp$tp.log" 2>&1 &
+        i=$((i + 1))
+      done
+      wait
+      python3 -m benchmarks.tune_moe --merge "${tuned[@]}" --out "$OUT/moe_configs.json"
+      rm -f "${tuned[@]}"
+      for tp in ${TUNE_TPS:-$NGPU}; do echo "tune tp=$tp"; grep -E "gemv .*scan" "$OUT/tune_tp$tp.log" | cut -c1-160; done ;;
     usetuned) cp "$OUT/moe_configs.json" layers/moe_configs.json && echo "layers/moe_configs.json replaced" ;;
     kernels)
       for b in benchmarks/bench_*.py; do CUDA_VISIBLE_DEVICES=0 python3 -m "benchmarks.$(basename "$b" .py)" 2>&1 | tail -30; done ;;

@@ -16,7 +16,8 @@ timed from a CUDA graph, as decode steps run (eager timing of a few-us kernel mo
 with L2 emptied of the call's data before each call (cold_graph_ms): a decode step streams ~6 GB, so its MoE weights
 come from HBM, while a call timed over and over finds most of its 37 MB (one token's experts) still in L2 and
 rewards tiles that do not stream well.
-`--gemv-only` re-tunes just the GEMV path's two tiles (gate_up_gemv, down_combine) of the buckets that take it. The
+`--merge A.json B.json` writes --out's table with what each of A, B changed (one TP each, tuned side by side on
+separate GPUs: gpu_session.sh's tune stage). `--gemv-only` re-tunes just the GEMV path's two tiles (gate_up_gemv, down_combine) of the buckets that take it. The
 file keeps other GPUs' tables and other shapes' entries; this GPU's entries for the swept shapes are replaced. Triton caches compiled kernels, so a second run is mostly timing (a full
 sweep takes minutes).
 """
@@ -235,6 +236,19 @@ def retune_gemv(layer: Layer, T: int, entry: dict, quick: bool, gen: torch.Gener
           f"down_combine {t_dc * 1e3:6.1f} us {dc} (was {was_dc[0] * 1e3:.1f} us {was_dc[1]})", flush=True)
 
 
+def merge_tables(base: dict, tuned: list[dict]) -> dict:
+    """base with every (GPU, shape, bucket) entry that one of the tuned tables changed: runs of one TP each, on
+    separate GPUs, each starting from a copy of base (gpu_session.sh's tune stage); a later table wins a conflict."""
+    out = json.loads(json.dumps(base))
+    for table in tuned:
+        for device, shapes in table.items():
+            for key, buckets in shapes.items():
+                for bucket, entry in buckets.items():
+                    if base.get(device, {}).get(key, {}).get(bucket) != entry:
+                        out.setdefault(device, {}).setdefault(key, {})[bucket] = entry
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -243,7 +257,20 @@ def main() -> None:
     ap.add_argument("--out", default=moe.CONFIG_FILE)
     ap.add_argument("--gemv-only", action="store_true",
                     help="re-tune only the GEMV path's gate_up_gemv and down_combine tiles of the buckets that take it")
+    ap.add_argument("--merge", nargs="+", metavar="TUNED",
+                    help="tune nothing: write to --out its table with what each TUNED table changed (merge_tables)")
     args = ap.parse_args()
+    if args.merge:
+        with open(args.out) as f:
+            base = json.load(f)
+        tuned = []
+        for path in args.merge:
+            with open(path) as f:
+                tuned.append(json.load(f))
+        with open(args.out, "w") as f:
+            json.dump(merge_tables(base, tuned), f, indent=1, sort_keys=True)
+        print(f"merged {len(tuned)} tables into {args.out}")
+        return
     cfg = model_config()
     device = torch.cuda.get_device_name()
     table = {}
