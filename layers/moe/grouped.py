@@ -224,6 +224,16 @@ if triton is not None:
             w = w_ptr + e.to(tl.int64) * swe
             wn = swn
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = gate_up_tile(x_ptr, tok, valid, w, wn, inter, cols, H, sx, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                           act_ptr.dtype.element_ty)  # pad rows: silu(0) * 0 = 0
+        tl.store(act_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], out, mask=(cols < inter)[None, :])
+
+    @triton.jit
+    def gate_up_tile(x_ptr, tok, valid, w, wn, inter, cols, H, sx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DTYPE: tl.constexpr):
+        """silu(x W_gate^T) * (x W_up^T) (silu_mul_sums' rounding) for x rows tok (invalid ones read as 0) and
+        columns cols of one expert, whose gate and up rows lie at w + cols * wn and w + (inter + cols) * wn: a
+        [BLOCK_M, BLOCK_N] tile, by tl.dot over H in BLOCK_K steps (the grouped and the scan gate_up's body)."""
         cmask = cols < inter
         ks = tl.arange(0, BLOCK_K)
         xp = x_ptr + tok.to(tl.int64)[:, None] * sx + ks[None, :]
@@ -237,8 +247,7 @@ if triton is not None:
             wmask = kmask[:, None] & cmask[None, :]
             acc_g = tl.dot(a, tl.load(gp + k0, mask=wmask, other=0.0), acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, tl.load(up + k0, mask=wmask, other=0.0), acc_u, input_precision=PRECISION)
-        out = silu_mul_sums(acc_g, acc_u, act_ptr.dtype.element_ty)  # pad rows: silu(0) * 0 = 0
-        tl.store(act_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], out, mask=cmask[None, :])
+        return silu_mul_sums(acc_g, acc_u, DTYPE)
 
     @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
     def _down_kernel(act_ptr, w_ptr, sw_ptr, y_ptr, sorted_ptr, block_expert_ptr, total_ptr, rw_ptr, sg_ptr,
@@ -265,6 +274,17 @@ if triton is not None:
             wh = swh
             inter = I
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = down_tile(act_ptr, rows, valid, rw, w, wh, inter, cols, H, sa, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                      y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * sy + cols[None, :], y,
+                 mask=valid[:, None] & (cols < H)[None, :])
+
+    @triton.jit
+    def down_tile(act_ptr, rows, valid, rw, w, wh, inter, cols, H, sa, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DTYPE: tl.constexpr):
+        """(act W_down^T) rounded to DTYPE, times rw (fp32, a row's routing weight), rounded, for act rows `rows`
+        (invalid ones read as 0) and output columns cols of one expert's [H, inter] weight at w (rows wh apart): a
+        [BLOCK_M, BLOCK_N] tile, by tl.dot over inter in BLOCK_K steps (the grouped and the scan down's body)."""
         cmask = cols < H
         ks = tl.arange(0, BLOCK_K)
         ap = act_ptr + rows.to(tl.int64)[:, None] * sa + ks[None, :]
@@ -272,12 +292,10 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             kmask = k0 + ks < inter
-            a = tl.load(ap + k0, mask=kmask[None, :], other=0.0)
+            a = tl.load(ap + k0, mask=valid[:, None] & kmask[None, :], other=0.0)
             acc = tl.dot(a, tl.load(wp + k0, mask=kmask[:, None] & cmask[None, :], other=0.0), acc,
                          input_precision=PRECISION)
-        dt = y_ptr.dtype.element_ty
-        y = (round_to(acc, dt) * rw[:, None]).to(dt)
-        tl.store(y_ptr + rows.to(tl.int64)[:, None] * sy + cols[None, :], y, mask=valid[:, None] & cmask[None, :])
+        return (round_to(acc, DTYPE) * rw[:, None]).to(DTYPE)
 
     @triton.jit(do_not_specialize=["push_slot"])
     def _combine_kernel(y_ptr, inv_ptr, out_ptr, H, sy, so, push_slot, table, rank, region_stride,

@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from layers.backend import round_to, tl, triton
-from layers.mlp import silu_mul_sums
+from layers.backend import tl, triton
 from layers.moe.experts import ExpertWeights
 from layers.moe.gemv import GemvAct, pair_rows_torch
+from layers.moe.grouped import down_tile, gate_up_tile
 
 # untuned defaults (the tuned table names a bucket's tiles; tests and forced calls use these): a [BLOCK_M, BLOCK_K] x
 # [BLOCK_K, BLOCK_N] tl.dot per step
@@ -175,22 +175,11 @@ if triton is not None:
         m = m0 + tl.arange(0, BLOCK_M)
         valid = m < count
         row, tok = _pick(p, match, rank, m, e, num_local, T, TOP_K)
-        ks = tl.arange(0, BLOCK_K)
-        xp = x_ptr + tok.to(tl.int64)[:, None] * sx + ks[None, :]
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < inter
-        gp = w + cols.to(tl.int64)[None, :] * wn + ks[:, None]
-        up = gp + inter.to(tl.int64) * wn
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kmask = k0 + ks < H
-            a = tl.load(xp + k0, mask=valid[:, None] & kmask[None, :], other=0.0)
-            wmask = kmask[:, None] & cmask[None, :]
-            acc_g = tl.dot(a, tl.load(gp + k0, mask=wmask, other=0.0), acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, tl.load(up + k0, mask=wmask, other=0.0), acc_u, input_precision=PRECISION)
-        out = silu_mul_sums(acc_g, acc_u, act_ptr.dtype.element_ty)
-        tl.store(act_ptr + row.to(tl.int64)[:, None] * sa + cols[None, :], out, mask=valid[:, None] & cmask[None, :])
+        out = gate_up_tile(x_ptr, tok, valid, w, wn, inter, cols, H, sx, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                           act_ptr.dtype.element_ty)
+        tl.store(act_ptr + row.to(tl.int64)[:, None] * sa + cols[None, :], out,
+                 mask=valid[:, None] & (cols < inter)[None, :])
 
     @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
     def _down_scan_kernel(act_ptr, ids_ptr, rw_ptr, sg_ptr, w_ptr, sw_ptr, y_ptr, T, H, I, I_s, start, num_local,
@@ -228,17 +217,7 @@ if triton is not None:
         row, tok = _pick(p, match, rank, m, e, num_local, T, TOP_K)
         shared = e == num_local
         rw = tl.load(tl.where(shared, sg_ptr + tok * ssg, rw_ptr + (row - T)), mask=valid, other=0.0).to(tl.float32)
-        ks = tl.arange(0, BLOCK_K)
-        ap = act_ptr + row.to(tl.int64)[:, None] * sa + ks[None, :]
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < H
-        wp = w + cols.to(tl.int64)[None, :] * wh + ks[:, None]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            kmask = k0 + ks < inter
-            a = tl.load(ap + k0, mask=valid[:, None] & kmask[None, :], other=0.0)
-            acc = tl.dot(a, tl.load(wp + k0, mask=kmask[:, None] & cmask[None, :], other=0.0), acc,
-                         input_precision=PRECISION)
-        dt = y_ptr.dtype.element_ty
-        y = (round_to(acc, dt) * rw[:, None]).to(dt)
-        tl.store(y_ptr + row.to(tl.int64)[:, None] * sy + cols[None, :], y, mask=valid[:, None] & cmask[None, :])
+        y = down_tile(act_ptr, row, valid, rw, w, wh, inter, cols, H, sa, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                      y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row.to(tl.int64)[:, None] * sy + cols[None, :], y, mask=valid[:, None] & (cols < H)[None, :])
