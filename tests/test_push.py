@@ -45,6 +45,21 @@ def parts_of(world, shape, seed=0):
     return [torch.randn(*shape, generator=gen) for _ in range(world)]
 
 
+def push_from_every_rank(boxes, produce):
+    """A new forward on every simulated rank, then produce(r) run with rank r's inbox installed, for every r in turn
+    (one process plays all the ranks): the producers' Pushed, in rank order."""
+    for b in boxes:
+        push.begin_step(b)
+    pushed = []
+    for r in range(len(boxes)):
+        push.install(boxes[r])
+        try:
+            pushed.append(produce(r))
+        finally:
+            push.install(None)
+    return pushed
+
+
 @pytest.mark.parametrize("world,rows", [(1, 1), (2, 2), (3, 5), (4, 1), (8, 3)])
 def test_push_then_pull_add_norm(world, rows):
     H = 48
@@ -80,15 +95,7 @@ def test_gemv_pushes_and_pulls(world, rows):
     w_out = [torch.randn(H, K, generator=gen) * 0.3 for _ in range(world)]   # row-parallel shards
     w_in = torch.randn(N, H, generator=gen) * 0.3                            # the next projection (replicated)
     residual, norm_w = torch.randn(rows, H, generator=gen), torch.randn(H, generator=gen) * 0.2
-    for b in boxes:
-        push.begin_step(b)
-    pushed = []
-    for r in range(world):
-        push.install(boxes[r])
-        try:
-            pushed.append(linear_fast(ys[r], w_out[r], partial=True))
-        finally:
-            push.install(None)
+    pushed = push_from_every_rank(boxes, lambda r: linear_fast(ys[r], w_out[r], partial=True))
     unpushed = [linear_fast(y, w, partial=True) for y, w in zip(ys, w_out)]  # no inbox: the GEMV's own output
     assert max_diff(unpushed[0], torch.nn.functional.linear(ys[0], w_out[0])) <= 1e-5
     total = rank_order_sum(unpushed)
@@ -122,15 +129,7 @@ def test_moe_combine_pushes(world, T):
     ys = [torch.randn(T * (k + 1), H, generator=gen) for _ in range(world)]
     inverse = (T + torch.arange(T * k)).int()
     inverse[1] = -1  # another rank's expert: adds nothing
-    for b in boxes:
-        push.begin_step(b)
-    pushed = []
-    for r in range(world):
-        push.install(boxes[r])
-        try:
-            pushed.append(combine_fast(ys[r], inverse, T, partial=True))
-        finally:
-            push.install(None)
+    pushed = push_from_every_rank(boxes, lambda r: combine_fast(ys[r], inverse, T, partial=True))
     total = rank_order_sum([combine_torch(y, inverse, T) for y in ys])
     for r in range(world):
         assert isinstance(pushed[r], push.Pushed) and pushed[r].slot == 0
@@ -222,15 +221,7 @@ def test_gpu_push_pull_simulated_inboxes_bf16(world, rows):
     w_out = [torch.randn(H, K, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(world)]
     residual = torch.randn(rows, H, generator=gen, device="cuda", dtype=torch.bfloat16)
     norm_w = torch.randn(H, generator=gen, device="cuda") .to(torch.bfloat16) * 0.2
-    for b in boxes:
-        push.begin_step(b)
-    pushed = []
-    for r in range(world):
-        push.install(boxes[r])
-        try:
-            pushed.append(linear_fast(ys[r], w_out[r], partial=True))
-        finally:
-            push.install(None)
+    pushed = push_from_every_rank(boxes, lambda r: linear_fast(ys[r], w_out[r], partial=True))
     partials = [linear_fast(y, w) for y, w in zip(ys, w_out)]  # the same GEMV, not pushed
     total = rank_order_sum([p.float() for p in partials]).to(torch.bfloat16)
     y0, s0 = add_rms_norm_torch(total, residual, norm_w, EPS)

@@ -128,6 +128,19 @@ if triton is not None:
         return e, tl.where(shared, q * BLOCK_M, 0), p, match, tl.cumsum(hits, 0) - 1, count
 
     @triton.jit
+    def _expert(e, num_local, w_ptr, swe, srow, I, sw_ptr, ssrow, I_s):
+        """(weight base, row stride, intermediate size) of local expert e, or of the shared expert (e == num_local)."""
+        if e == num_local:
+            w = sw_ptr
+            stride = ssrow
+            inter = I_s
+        else:
+            w = w_ptr + e.to(tl.int64) * swe
+            stride = srow
+            inter = I
+        return w, stride, inter
+
+    @triton.jit
     def _pick(p, match, rank, m, e, num_local, T, TOP_K: tl.constexpr):
         """(row, token) of the pairs numbered m (a [BLOCK_M] vector) of the program's expert: the shared expert's
         row and token are m; a pair's row is T + pair (the GemvAct rows)."""
@@ -147,18 +160,11 @@ if triton is not None:
         encloses it (inside one the kernel ran 1.4x slower: 84 against 61 us at T = 64, TP=4 shapes, 1x H200)."""
         pid_n = tl.program_id(1)
         e, m0, p, match, rank, count = _scan(ids_ptr, T, tl.program_id(0), start, num_local, TOP_K, P_POW2, BLOCK_M)
-        if e == num_local:
-            if (m0 == 0) & (pid_n == 0):
-                local = tl.load(ids_ptr + p, mask=p < T * TOP_K, other=-1).to(tl.int32) - start
-                mine = (local >= 0) & (local < num_local)
-                tl.store(inv_ptr + p, tl.where(mine, T + p, -1), mask=p < T * TOP_K)
-            w = sw_ptr
-            wn = sswn
-            inter = I_s
-        else:
-            w = w_ptr + e.to(tl.int64) * swe
-            wn = swn
-            inter = I
+        if (e == num_local) & (m0 == 0) & (pid_n == 0):
+            local = tl.load(ids_ptr + p, mask=p < T * TOP_K, other=-1).to(tl.int32) - start
+            mine = (local >= 0) & (local < num_local)
+            tl.store(inv_ptr + p, tl.where(mine, T + p, -1), mask=p < T * TOP_K)
+        w, wn, inter = _expert(e, num_local, w_ptr, swe, swn, I, sw_ptr, sswn, I_s)
         if (m0 >= count) | (pid_n * BLOCK_N >= inter):
             return
         _gate_up_block(x_ptr, w, wn, act_ptr, p, match, rank, count, m0, e, num_local, pid_n, T, H, inter, sx, sa,
@@ -191,14 +197,7 @@ if triton is not None:
         (the first block outside any loop, as _gate_up_scan_kernel's)."""
         pid_n = tl.program_id(1)
         e, m0, p, match, rank, count = _scan(ids_ptr, T, tl.program_id(0), start, num_local, TOP_K, P_POW2, BLOCK_M)
-        if e == num_local:
-            w = sw_ptr
-            wh = sswh
-            inter = I_s
-        else:
-            w = w_ptr + e.to(tl.int64) * swe
-            wh = swh
-            inter = I
+        w, wh, inter = _expert(e, num_local, w_ptr, swe, swh, I, sw_ptr, sswh, I_s)
         if m0 >= count:
             return
         _down_block(act_ptr, rw_ptr, sg_ptr, w, wh, y_ptr, p, match, rank, count, m0, e, num_local, pid_n, T, H,
