@@ -148,10 +148,10 @@ def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
         "layout_gate_up": lambda: moe.gate_up_fast(x, w, route_align(logits), cfg["gate_up"]),
         "gemv_gate_up": lambda: moe.gate_up_gemv_fast(x, logits, k, w, cfg["gemv"]),
         "scan_gate_up": lambda: moe.gate_up_scan_fast(x, ids, weights, shared_gate, w, scan["gate_up"]),
-        "scan_down": lambda: moe.down_scan_fast(act_scan, w, inverse, ids, weights, shared_gate, scan["down"]),
+        "scan_down": lambda: moe.down_scan_fast(g.act, w, g.inverse, ids, weights, shared_gate, scan["down"]),
     }
     scan = cfg["scan"] or {"gate_up": None, "down": None}
-    act_scan, inverse = moe.gate_up_scan_fast(x, ids, weights, shared_gate, w, scan["gate_up"])[::4]
+    g = moe.gate_up_scan_fast(x, ids, weights, shared_gate, w, scan["gate_up"])
     taken = ("gemv" if cfg["gemv"] is not None else
              ("scan_split" if cfg["scan"]["down"] else "scan_fused") if cfg["scan"] is not None else
              "split" if cfg["down_combine"] is None else "fused")

@@ -84,7 +84,7 @@ def experts_on_layout(x: torch.Tensor, w: ExpertWeights, layout: Layout, ids: to
     return combine_fast(down_fast(act, w, layout, weights, shared_gate, cfg["down"]), layout.inverse, T, partial)
 
 
-def _precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     """fp32 models multiply in full fp32 (Triton's default would be tf32); bf16/fp16 operands ignore the setting."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -154,7 +154,7 @@ def gate_up_fast(x: torch.Tensor, w: ExpertWeights, layout: Layout, tile: dict) 
                           layout.total, x.shape[0], H, inter, shared_inter, num_local, x.stride(0),
                           w.gate_up.stride(0), w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0),
                           TOP_K=layout.top_k, BLOCK_M=layout.block_m,
-                          BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], PRECISION=_precision(x.dtype),
+                          BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], PRECISION=dot_precision(x.dtype),
                           num_warps=tile["num_warps"], num_stages=tile["num_stages"])
     return act
 
@@ -175,7 +175,7 @@ def down_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, weights: torc
                        weights, shared_gate, T, H, inter, w.shared_down.shape[1], num_local, act.stride(0),
                        w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), y.stride(0), weights.stride(0),
                        shared_gate.stride(0), TOP_K=k, BLOCK_M=layout.block_m, BLOCK_N=tile["BLOCK_N"],
-                       BLOCK_K=tile["BLOCK_K"], PRECISION=_precision(act.dtype), num_warps=tile["num_warps"],
+                       BLOCK_K=tile["BLOCK_K"], PRECISION=dot_precision(act.dtype), num_warps=tile["num_warps"],
                        num_stages=tile["num_stages"])
     return y
 

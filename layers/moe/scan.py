@@ -24,17 +24,13 @@ import torch.nn.functional as F
 from layers.backend import tl, triton
 from layers.moe.experts import ExpertWeights
 from layers.moe.gemv import GemvAct, pair_rows_torch
-from layers.moe.grouped import down_tile, gate_up_tile
+from layers.moe.grouped import dot_precision, down_tile, gate_up_tile
+from layers.moe.tiles import cap_tile
 
 # untuned defaults (the tuned table names a bucket's tiles; tests and forced calls use these): a [BLOCK_M, BLOCK_K] x
 # [BLOCK_K, BLOCK_N] tl.dot per step
 SCAN_GATE_UP_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 SCAN_DOWN_TILE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """fp32 models multiply in full fp32 (Triton's default would be tf32); bf16/fp16 operands ignore the setting."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def gate_up_scan_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared_gate: torch.Tensor,
@@ -47,7 +43,8 @@ def gate_up_scan_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 def gate_up_scan_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared_gate: torch.Tensor,
                       w: ExpertWeights, tile: dict | None = None) -> GemvAct:
     """gate_up_scan_torch in one launch: a program per (local expert or the shared one, N tile of the gate|up
-    columns). x [T, H] with unit column stride; ids [T, k] contiguous."""
+    columns). x [T, H] with unit column stride."""
+    ids = ids.contiguous()  # the kernel reads the T * k ids flat
     T, H = x.shape
     top_k = ids.shape[1]
     num_local, two_i, _ = w.gate_up.shape
@@ -56,13 +53,13 @@ def gate_up_scan_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     act = torch.empty(T * (top_k + 1), width, dtype=x.dtype, device=x.device)
     inverse = torch.empty(T * top_k, dtype=torch.int32, device=x.device)
     if T:
-        t = _capped(tile or SCAN_GATE_UP_TILE, width, H)
+        t = cap_tile(tile or SCAN_GATE_UP_TILE, triton.next_power_of_2(width), triton.next_power_of_2(H))
         grid = (triton.cdiv(T, t["BLOCK_M"]) + num_local, triton.cdiv(width, t["BLOCK_N"]))
         _gate_up_scan_kernel[grid](
             x, ids, w.gate_up, w.shared_gate_up, act, inverse, T, H, inter, shared_inter, w.start, num_local,
             x.stride(0), w.gate_up.stride(0), w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0),
             TOP_K=top_k, P_POW2=triton.next_power_of_2(T * top_k), BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
-            BLOCK_K=t["BLOCK_K"], PRECISION=_precision(x.dtype), num_warps=t["num_warps"],
+            BLOCK_K=t["BLOCK_K"], PRECISION=dot_precision(x.dtype), num_warps=t["num_warps"],
             num_stages=t["num_stages"])
     return GemvAct(act, ids, weights, shared_gate, inverse)
 
@@ -86,26 +83,22 @@ def down_scan_torch(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor, 
 def down_scan_fast(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor, shared_gate: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
     """down_scan_torch in one launch: a program per (local expert or the shared one, N tile of H); rows of other
-    ranks' pairs left unwritten. ids [T, k] and weights contiguous."""
+    ranks' pairs left unwritten."""
+    ids, weights = ids.contiguous(), weights.contiguous()  # the kernel reads both flat, by pair
     T, top_k = ids.shape
     num_local, H, inter = w.down.shape
     y = torch.empty(act.shape[0], H, dtype=act.dtype, device=act.device)
     if T:
-        t = _capped(tile or SCAN_DOWN_TILE, H, max(inter, w.shared_down.shape[1]))
+        t = cap_tile(tile or SCAN_DOWN_TILE, triton.next_power_of_2(H),
+                     triton.next_power_of_2(max(inter, w.shared_down.shape[1])))
         grid = (triton.cdiv(T, t["BLOCK_M"]) + num_local, triton.cdiv(H, t["BLOCK_N"]))
         _down_scan_kernel[grid](
             act, ids, weights, shared_gate, w.down, w.shared_down, y, T, H, inter, w.shared_down.shape[1], w.start,
             num_local, act.stride(0), w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), y.stride(0),
             shared_gate.stride(0), TOP_K=top_k, P_POW2=triton.next_power_of_2(T * top_k), BLOCK_M=t["BLOCK_M"],
-            BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], PRECISION=_precision(act.dtype),
+            BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], PRECISION=dot_precision(act.dtype),
             num_warps=t["num_warps"], num_stages=t["num_stages"])
     return y
-
-
-def _capped(tile: dict, n: int, k: int) -> dict:
-    """N and K tiles no larger than the (power-of-two) matrix, no smaller than tl.dot's 16."""
-    return dict(tile, BLOCK_N=max(16, min(tile["BLOCK_N"], triton.next_power_of_2(n))),
-                BLOCK_K=max(16, min(tile["BLOCK_K"], triton.next_power_of_2(k))))
 
 
 if triton is not None:
@@ -114,8 +107,9 @@ if triton is not None:
         """What program q (of grid axis 0) takes: the shared expert's rows m0.. (programs q < cdiv(T, BLOCK_M), one
         block each: first in the grid, not one program streaming the shared weights once per block at the end), or
         local expert e = q - cdiv(T, BLOCK_M)'s pairs among the step's T * TOP_K from m0 = 0.
-        Returns (e (num_local: the shared expert), m0, p, match, rank, count), with rank the place of each match in
-        pair order and count the expert's rows (the shared expert's: T)."""
+        Returns (e (num_local: the shared expert), m0, p, local (each pair's local expert id, -1 - start past the
+        pairs), match, rank, count), with rank the place of each match in pair order and count the expert's rows
+        (the shared expert's: T)."""
         n_shared = tl.cdiv(T, BLOCK_M)
         shared = q < n_shared
         e = tl.where(shared, num_local, q - n_shared)
@@ -125,7 +119,7 @@ if triton is not None:
         match = (p < n) & (local == e) & (e < num_local)
         hits = match.to(tl.int32)
         count = tl.where(shared, T, tl.sum(hits, 0))
-        return e, tl.where(shared, q * BLOCK_M, 0), p, match, tl.cumsum(hits, 0) - 1, count
+        return e, tl.where(shared, q * BLOCK_M, 0), p, local, match, tl.cumsum(hits, 0) - 1, count
 
     @triton.jit
     def _expert(e, num_local, w_ptr, swe, srow, I, sw_ptr, ssrow, I_s):
@@ -160,9 +154,9 @@ if triton is not None:
         TP=4 shapes, 1x H200, L2 cold); the larger gain was the shared expert's blocks first in the grid (_scan:
         79 -> 62)."""
         pid_n = tl.program_id(1)
-        e, m0, p, match, rank, count = _scan(ids_ptr, T, tl.program_id(0), start, num_local, TOP_K, P_POW2, BLOCK_M)
+        e, m0, p, local, match, rank, count = _scan(ids_ptr, T, tl.program_id(0), start, num_local, TOP_K, P_POW2,
+                                                    BLOCK_M)
         if (e == num_local) & (m0 == 0) & (pid_n == 0):
-            local = tl.load(ids_ptr + p, mask=p < T * TOP_K, other=-1).to(tl.int32) - start
             mine = (local >= 0) & (local < num_local)
             tl.store(inv_ptr + p, tl.where(mine, T + p, -1), mask=p < T * TOP_K)
         w, wn, inter = _expert(e, num_local, w_ptr, swe, swn, I, sw_ptr, sswn, I_s)
@@ -197,7 +191,8 @@ if triton is not None:
         times the routing weight (the shared expert's rows: sigmoid(shared gate)), rounded, BLOCK_M rows at a time
         (the first block outside any loop, as _gate_up_scan_kernel's)."""
         pid_n = tl.program_id(1)
-        e, m0, p, match, rank, count = _scan(ids_ptr, T, tl.program_id(0), start, num_local, TOP_K, P_POW2, BLOCK_M)
+        e, m0, p, _, match, rank, count = _scan(ids_ptr, T, tl.program_id(0), start, num_local, TOP_K, P_POW2,
+                                                BLOCK_M)
         w, wh, inter = _expert(e, num_local, w_ptr, swe, swh, I, sw_ptr, sswh, I_s)
         if m0 >= count:
             return
