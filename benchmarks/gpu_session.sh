@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_session.sh tests record spec pack
 #
 # Stages (settings from the environment; TP defaults to every GPU of the machine):
-#   tests     pytest -m gpu over GPU_TESTS (default tests/), GPU_K a -k filter, TEST_GPUS the visible GPUs
+#   tests     pytest -m gpu over GPU_TESTS (default tests/), GPU_K a -k filter, TEST_GPUS the visible GPUs; TEST_SPLIT=1
+#             on >= 3 GPUs: the files side by side, one GPU each (those with 2-GPU tests on GPUs 0,1)
 #   record    qwen35.bench --mode record (decode rows of record, kernels, host time) at each TP in RECORD_TPS;
 #             RECORD_ARGS, RECORD_TAG naming its files, RECORD_GPU0 its first GPU (records side by side); TP=1 of
 #             the full model only on a GPU of > 100 GB
@@ -16,8 +17,8 @@
 #   spec      qwen35.bench --mode spec (dummy-spec weights, acceptance 0.6) at SPEC_TP; SPEC_ARGS, SPEC_TAG
 #   dense     issue #29: benchmarks.profile_decode_calls, then the llama-1b and llama-3b create_engine traces
 #   sweep     benchmarks.sweep_decode_attention
-#   tune      benchmarks.tune_moe at each of TUNE_TPS on a GPU of its own, side by side (TUNE_ARGS, default --quick),
-#             merged into $OUT/moe_configs.json
+#   tune      benchmarks.tune_moe, each job of TUNE_JOBS ("TP" or "TP:T,T,...", default every GPU's TP) on a GPU of
+#             its own, side by side (TUNE_ARGS, default --quick), their changes merged into $OUT/moe_configs.json
 #   usetuned  copy $OUT/moe_configs.json over layers/moe_configs.json (the stages after it use the new tiles)
 #   kernels   each benchmarks/bench_<layer>.py micro-benchmark
 #   mixed     benchmarks.profile_mixed_host at TP=NGPU (MIXED_ARGS, default all 40 layers): the host's queueing time of
@@ -52,8 +53,27 @@ for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
     tests)
-      CUDA_VISIBLE_DEVICES=${TEST_GPUS:-$(devs $NGPU)} timeout ${TESTS_TIMEOUT:-500} python3 -m pytest ${GPU_TESTS:-tests/} \
-        -m gpu -q -p no:cacheprovider ${GPU_K:+-k "$GPU_K"} 2>&1 | tee "$OUT/gpu_tests${TEST_TAG:-}.log" | tail -8 ;;
+      gpu_tests() {  # gpu_tests VISIBLE_GPUS TAG FILES...
+        local vis=$1 tag=$2; shift 2
+        CUDA_VISIBLE_DEVICES=$vis timeout ${TESTS_TIMEOUT:-500} python3 -m pytest "$@" -m gpu -q -p no:cacheprovider \
+          ${GPU_K:+-k "$GPU_K"} > "$OUT/gpu_tests${TEST_TAG:-}$tag.log" 2>&1
+        echo "gpu tests$tag on GPU $vis: $(tail -1 "$OUT/gpu_tests${TEST_TAG:-}$tag.log")"
+      }
+      if [ -n "${TEST_SPLIT:-}" ] && [ "$NGPU" -ge 3 ]; then
+        # every test on one GPU, as on a 1-GPU machine, the files spread over GPUs 2.. side by side; the files with
+        # 2-GPU tests on GPUs 0,1 (largest files first, each to the least loaded GPU by bytes)
+        files=$(ls ${GPU_TESTS:-tests/test_*.py}); two=$(grep -l "device_count() < 2" $files); one=()
+        declare -A load=(); for g in $(seq 2 $((NGPU - 1))); do load[$g]=0; done
+        for f in $(ls -S $(grep -L "device_count() < 2" $(grep -l "mark.gpu" $files))); do
+          best=2; for g in "${!load[@]}"; do [ "${load[$g]}" -lt "${load[$best]}" ] && best=$g; done
+          load[$best]=$(( ${load[$best]} + $(stat -c %s "$f") )); one[$best]="${one[$best]:-} $f"
+        done
+        gpu_tests 0,1 _gpu01 $two &
+        for g in "${!load[@]}"; do gpu_tests "$g" "_gpu$g" ${one[$g]} & done
+        wait
+      else
+        gpu_tests "${TEST_GPUS:-$(devs $NGPU)}" "" ${GPU_TESTS:-tests/}; tail -8 "$OUT/gpu_tests${TEST_TAG:-}.log"
+      fi ;;
     record|base)
       big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
       g0=${RECORD_GPU0:-0}
@@ -96,20 +116,22 @@ for stage in "$@"; do
     sweep)
       CUDA_VISIBLE_DEVICES=${SWEEP_GPU:-0} timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.sweep_decode_attention \
         --json "$OUT/sweep_decode.json" > "$OUT/sweep_decode.log" 2>&1; echo "sweep rc=$?"; grep -v "^\s*$" "$OUT/sweep_decode.log" | tail -16 ;;
-    tune)  # one TP a GPU, side by side (GPU i takes the i-th TP), then their changes merged into one table
+    tune)  # one job a GPU, side by side (GPU i takes the i-th job), then their changes merged into one table
       [ -f "$OUT/moe_configs.json" ] || cp layers/moe_configs.json "$OUT/moe_configs.json"
       i=0; tuned=()
-      for tp in ${TUNE_TPS:-$NGPU}; do
-        [ "$i" -gt 0 ] && [ $((i % NGPU)) -eq 0 ] && wait  # more TPs than GPUs: in waves (never two on one GPU)
-        g=$((i % NGPU)); cp "$OUT/moe_configs.json" "$OUT/moe_tp$tp.json"; tuned+=("$OUT/moe_tp$tp.json")
+      for job in ${TUNE_JOBS:-$NGPU}; do
+        [ "$i" -gt 0 ] && [ $((i % NGPU)) -eq 0 ] && wait  # more jobs than GPUs: in waves (never two on one GPU)
+        g=$((i % NGPU)); tp=${job%%:*}; name="tp${job//[:,]/_}"; batches=()
+        [ "$job" != "$tp" ] && batches=(--batches ${job#*:}) && batches=(${batches[@]//,/ })
+        cp "$OUT/moe_configs.json" "$OUT/moe_$name.json"; tuned+=("$OUT/moe_$name.json")
         CUDA_VISIBLE_DEVICES=$g timeout ${TUNE_TIMEOUT:-330} python3 -m benchmarks.tune_moe --tp "$tp" \
-          ${TUNE_ARGS:---quick} --out "$OUT/moe_tp$tp.json" > "$OUT/tune_tp$tp.log" 2>&1 &
+          ${TUNE_ARGS:---quick} "${batches[@]}" --out "$OUT/moe_$name.json" > "$OUT/tune_$name.log" 2>&1 &
         i=$((i + 1))
       done
       wait
       python3 -m benchmarks.tune_moe --merge "${tuned[@]}" --out "$OUT/moe_configs.json"
       rm -f "${tuned[@]}"
-      for tp in ${TUNE_TPS:-$NGPU}; do echo "tune tp=$tp"; grep -E "gemv .*scan" "$OUT/tune_tp$tp.log" | cut -c1-160; done ;;
+      for f in "$OUT"/tune_tp*.log; do echo "$(basename "$f" .log)"; grep -E "gemv .*scan" "$f" | cut -c1-160; done ;;
     usetuned) cp "$OUT/moe_configs.json" layers/moe_configs.json && echo "layers/moe_configs.json replaced" ;;
     kernels)
       for b in benchmarks/bench_*.py; do CUDA_VISIBLE_DEVICES=0 python3 -m "benchmarks.$(basename "$b" .py)" 2>&1 | tail -30; done ;;
