@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_session.sh tests record spec pack
 #
-# Stages (settings from the environment; TP defaults to every GPU of the machine):
+# Stages (settings from the environment; TP defaults to every GPU of the machine; REQUIRE_GPU=H200 runs none
+# elsewhere):
 #   tests     pytest -m gpu over GPU_TESTS (default tests/), GPU_K a -k filter, TEST_GPUS the visible GPUs; TEST_SPLIT=1
 #             on >= 3 GPUs: the files side by side, one GPU each (those with 2-GPU tests on GPUs 0,1)
 #   record    qwen35.bench --mode record (decode rows of record, kernels, host time) at each TP in RECORD_TPS;
@@ -42,6 +43,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NGPU=$(nvidia-smi -L | wc -l)
 DEV="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$NGPU"
 echo "device: $DEV, $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null)"
+if [ -n "${REQUIRE_GPU:-}" ] && [[ "$DEV" != *"$REQUIRE_GPU"* ]]; then  # timings of record need that card: stop early
+  echo "not a $REQUIRE_GPU machine: no stage run"; exit 3
+fi
 devs() { seq -s, ${2:-0} $((${2:-0} + $1 - 1)); }           # devs N [FIRST]: N visible GPUs from FIRST
 port() { echo $((29500 + ${1:-0} * 7 + RANDOM % 5)); }     # a torchrun port per first GPU (stages side by side)
 run_tp() {  # run_tp TP FIRST_GPU TIMEOUT LOG -m module args...: torchrun on TP GPUs, output to LOG
