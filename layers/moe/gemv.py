@@ -287,11 +287,13 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < H
         s = tl.arange(0, K_POW2)
+        # the three loads side by side (ids and weights not masked by the rows: one round trip to memory, not two)
         row = tl.load(inv_ptr + t * TOP_K + s, mask=s < TOP_K, other=-1)
+        e = tl.load(ids_ptr + t * sid + s, mask=s < TOP_K, other=0).to(tl.int64) - start
+        rw = tl.load(rw_ptr + t * srw + s, mask=s < TOP_K, other=0.0).to(tl.float32)
         valid = row >= 0
-        e = tl.load(ids_ptr + t * sid + s, mask=valid, other=0).to(tl.int64) - start
         e = tl.where(valid, e, 0)
-        rw = tl.load(rw_ptr + t * srw + s, mask=valid, other=0.0).to(tl.float32)
+        rw = tl.where(valid, rw, 0.0)
         ks = tl.arange(0, BLOCK_K)
         ap = act_ptr + tl.where(valid, row, 0).to(tl.int64)[:, None] * sa + ks[None, :]
         wp = w_ptr + e[:, None, None] * swe + cols.to(tl.int64)[None, :, None] * swh + ks[None, None, :]

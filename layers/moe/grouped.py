@@ -206,19 +206,22 @@ if triton is not None:
         """Columns [n, n + BLOCK_N) of silu(x W_gate^T) * (x W_up^T) for one block of rows of one expert; gate and
         up of those columns are rows n.. and n + inter.. of the expert's [2 inter, H] weight."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        # the layout's three loads side by side, one round trip to memory (the grid covers the buffers' rows; a
+        # shared block's pairs are unwritten and unused)
         e = tl.load(block_expert_ptr + pid_m)
+        total = tl.load(total_ptr)
+        pair = tl.load(sorted_ptr + rows)
         shared = e == num_local
         inter = tl.where(shared, I_s, I)
-        if (pid_m * BLOCK_M >= tl.load(total_ptr)) | (pid_n * BLOCK_N >= inter):
+        if (pid_m * BLOCK_M >= total) | (pid_n * BLOCK_N >= inter):
             return
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         if shared:
             tok = rows
             valid = rows < T
             w = sw_ptr
             wn = sswn
         else:
-            pair = tl.load(sorted_ptr + rows)
             tok = pair // TOP_K
             valid = pair >= 0
             w = w_ptr + e.to(tl.int64) * swe
@@ -255,10 +258,12 @@ if triton is not None:
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
         """Columns [n, n + BLOCK_N) of (act W_down^T) * routing weight for one block of rows of one expert."""
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-        if pid_m * BLOCK_M >= tl.load(total_ptr):
-            return
-        e = tl.load(block_expert_ptr + pid_m)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        e = tl.load(block_expert_ptr + pid_m)  # side by side, as _gate_up_kernel's
+        total = tl.load(total_ptr)
+        pair = tl.load(sorted_ptr + rows)
+        if pid_m * BLOCK_M >= total:
+            return
         if e == num_local:
             valid = rows < T
             rw = tl.load(sg_ptr + rows * ssg, mask=valid, other=0.0).to(tl.float32)
@@ -266,7 +271,6 @@ if triton is not None:
             wh = sswh
             inter = I_s
         else:
-            pair = tl.load(sorted_ptr + rows)
             valid = pair >= 0
             rw = tl.load(rw_ptr + (pair // TOP_K).to(tl.int64) * srw + pair % TOP_K, mask=valid,
                          other=0.0).to(tl.float32)
