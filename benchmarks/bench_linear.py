@@ -9,7 +9,7 @@ Each shape is timed over enough copies of its weight (at least 256 MB, one call 
 they do not stay in L2, as in a decode step, which streams ~6 GB: a single weight timed over and over sits in L2
 (50 MB) and flatters whichever kernel reads it. Prints microseconds per call and the weight-read rate (TB/s); --sweep
 times GEMV_CONFIG's tile and warps per shape at each row count and prints the best three. --norm times, for the
-shapes that read a layer norm (the mixers' input projections, the router) at up to GEMV_MAX_M rows, the norm kernel
+shapes that read a layer norm (the mixers' input projections, the router) at every row count, the norm kernel
 then the GEMV against the GEMV that computes the norm itself (a PendingNorm, layers/norm.py RMSNorm.boundary).
 """
 from __future__ import annotations
@@ -123,7 +123,7 @@ def main():
                 rec["sweep_best"] = [(round(t, 2), cfg) for t, cfg in results[:3]]
                 print("    best (tile, warps): " + ", ".join(f"{t:.1f} us {cfg}" for t, cfg in results[:3]),
                       flush=True)
-            if args.norm and name in ("gdn_in", "attn_qkv", "router") and M <= linear.GEMV_MAX_M:
+            if args.norm and name in ("gdn_in", "attn_qkv", "router"):
                 t = norm_then_gemv(weights, M, K, args.sweep)
                 rec.update(t)
                 print(f"    norm + GEMV {t.pop('norm_then_gemv_us'):.1f} us, GEMV with the norm folded in "
