@@ -42,8 +42,10 @@ from layers.backend import rms_norm_row, round_to, tl, triton
 # one row the GEMV beats cuBLAS on every projection (in 13.6 against 15.9 us, qkv 10.7 / 11.8, out 6.0 / 8.5, router
 # 2.2 / 3.1, LM head 227 / 245), at two on the DeltaNet input and the out projections (15.5 / 16.4, 7.2 / 8.8), at
 # four it loses the projections (21.9 / 16.3, 9.3 / 8.6: its per-row sums cost) but still wins the router's 257
-# columns (3.7 against cuBLAS 8.4 and the skinny kernel 4.3; moe.router_logits_fast asks for it there). Module level,
-# so that the benchmark can sweep them; from shapes only (a CUDA graph holds them).
+# columns (3.7 against cuBLAS 8.4 and the skinny kernel 4.3; moe.router_logits_fast asks for it there). The same at
+# the TP=4 and TP=2 rank shapes (1x H100, 2026-11-28, `--tp 4 --rows 1,2,4,8 --norm`): at 4 rows the GEMV loses the
+# DeltaNet input projection (9.7 against cuBLAS 7.5 us at TP=4) and a folded norm saves nothing past 2 rows. Module
+# level, so that the benchmark can sweep them; from shapes only (a CUDA graph holds them).
 GEMV_MAX_M = 2
 GEMV_MAX_K = 16384
 GEMV_CONFIG = {"tile_1": 2048, "tile": 8192, "warps": 4, "norm_tile_1": 16384, "norm_warps_1": 8}
