@@ -50,9 +50,10 @@ def block_m_candidates(T: int) -> list[int]:
 
 
 def tile_candidates(T: int, quick: bool) -> list[dict]:
-    if T <= 128:  # few rows per expert: memory-bound, the N tile sets how many programs stream weights (the
-        # defaults' 32 and 64 first, so that --quick tries both: with 16 and 32 it never tried a wider down tile)
-        grid = dict(BLOCK_N=[32, 64, 128, 16], BLOCK_K=[64, 128, 256], num_warps=[4], num_stages=[3, 4, 5])
+    if T <= 128:  # few rows per expert: memory-bound, the N tile sets how many programs stream weights (32 and
+        # 128 first, so that --quick tries both: the full grid at the TP=4 rank shape took 128 for the down step at
+        # every bucket of 4-64 tokens and 32 for gate_up at 32-64, 2026-11-28)
+        grid = dict(BLOCK_N=[32, 128, 64, 16], BLOCK_K=[64, 128, 256], num_warps=[4], num_stages=[3, 4, 5])
     elif T < 1024:
         grid = dict(BLOCK_N=[64, 128], BLOCK_K=[64, 128], num_warps=[4, 8], num_stages=[3, 4])
     else:  # prefill chunks: compute-bound; wide N tiles and a short K step suit the down GEMM's K = 512
