@@ -16,8 +16,7 @@ timed from a CUDA graph, as decode steps run (eager timing of a few-us kernel mo
 with L2 emptied of the call's data before each call (cold_graph_ms): a decode step streams ~6 GB, so its MoE weights
 come from HBM, while a call timed over and over finds most of its 37 MB (one token's experts) still in L2 and
 rewards tiles that do not stream well.
-`--fused-only` times the fused path (layers/moe/fused.py) against each bucket's path as the table has it and sets its
-"fused" entry. `--merge A.json B.json` writes --out's table with what each of A, B changed (one TP each, tuned side by side on
+`--merge A.json B.json` writes --out's table with what each of A, B changed (one TP each, tuned side by side on
 separate GPUs: gpu_session.sh's tune stage). `--gemv-only` re-tunes just the GEMV path's two tiles (gate_up_gemv, down_combine) of the buckets that take it. The
 file keeps other GPUs' tables and other shapes' entries; this GPU's entries for the swept shapes are replaced. Triton caches compiled kernels, so a second run is mostly timing (a full
 sweep takes minutes).
@@ -40,7 +39,6 @@ from qwen35.bench.step_timing import graph_ms
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 PERSISTENT_CANDIDATE_MAX_T = 8  # the persistent gate_up is a GEMV-path candidate up to this T
 SCAN_CANDIDATE_MIN_T = 4        # the scan path is a candidate from this T (below, a token's experts barely overlap)
-FUSED_CANDIDATE_MAX_T = 32      # the fused path (layers/moe/fused.py) is a candidate up to this T
 
 
 def block_m_candidates(T: int) -> list[int]:
@@ -73,19 +71,6 @@ def gemv_candidates(op: str, quick: bool) -> list[dict]:
     else:
         grid = dict(BLOCK_N=[8, 4, 16, 2], BLOCK_K=[64, 512, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
     return expand(grid, quick)
-
-
-def fused_candidates(quick: bool) -> list[dict]:
-    """fused_fast's tiles (layers/moe/fused.py): intermediate rows an item (how many items, so SMs, a token's
-    experts fill), the H steps of its gate|up rows and of its down columns, warps, stages."""
-    grid = dict(BLOCK_I=[16, 32, 8], BLOCK_K=[256, 512], BLOCK_HD=[256, 512], num_warps=[4, 8], num_stages=[2, 3])
-    return expand(grid, quick)
-
-
-def tune_fused(layer: Layer, x: torch.Tensor, logits: torch.Tensor, quick: bool) -> tuple[float, dict]:
-    """(ms, tile) of fused_fast at its best tile (after the router GEMM, as the other paths are timed)."""
-    return best_tile(lambda tile: moe.fused_fast(x, logits, layer.top_k, layer.w, tile), x.shape[0], quick,
-                     fused_candidates(quick))
 
 
 def persistent_candidates(quick: bool) -> list[dict]:
@@ -173,12 +158,11 @@ def tune_bucket(layer: Layer, T: int, quick: bool, gen: torch.Generator) -> dict
 
 def tune_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, entry: dict, t_down: float, dc: dict,
               quick: bool) -> None:
-    """The bucket's decode path, the fastest of four (the router GEMM, common to all, left out):
+    """The bucket's decode path, the fastest of three (the router GEMM, common to all, left out):
     - the sorted layout's: route + align + gate_up + the down step chosen above (t_down ms);
     - the GEMV path: gate_up_gemv (routing inside) at its best tile + down_combine (tile dc): entry["gemv"];
     - the scan path (T >= SCAN_CANDIDATE_MIN_T): route + gate_up_scan at its best tile, then down_combine (tile dc)
-      or down_scan at its best tile + combine: entry["scan"] = {"gate_up": tile, "down": tile or None};
-    - the fused path (T <= FUSED_CANDIDATE_MAX_T): fused_fast at its best tile, one launch: entry["fused"].
+      or down_scan at its best tile + combine: entry["scan"] = {"gate_up": tile, "down": tile or None}.
     The GEMV path and the scan path with down_combine keep entry["down_combine"] = dc."""
     T, k, w = x.shape[0], layer.top_k, layer.w
     num_local = w.gate_up.shape[0]
@@ -189,32 +173,69 @@ def tune_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, entry: dict, 
     t_gemv = t_up + time_ms(lambda: moe.down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, dc),
                             graph=True)
     t_scan, scan = tune_scan(layer, x, logits, dc, quick) if T >= SCAN_CANDIDATE_MIN_T else (float("inf"), None)
-    t_fused, fused = tune_fused(layer, x, logits, quick) if T <= FUSED_CANDIDATE_MAX_T else (float("inf"), None)
-    best = min(t_layout, t_gemv, t_scan, t_fused)
-    entry["fused"] = fused if best == t_fused else None
-    entry["gemv"] = gemv if best == t_gemv and entry["fused"] is None else None
-    entry["scan"] = scan if best == t_scan and best < min(t_layout, t_gemv, t_fused) else None
+    best = min(t_layout, t_gemv, t_scan)
+    entry["gemv"] = gemv if best == t_gemv else None
+    entry["scan"] = scan if best == t_scan and best < min(t_layout, t_gemv) else None
     if entry["gemv"] is not None or (entry["scan"] is not None and entry["scan"]["down"] is None):
         entry["down_combine"] = dc  # these paths end in down_combine
     print(f"  T={T:<5} gemv {t_gemv * 1e3:8.1f} us {gemv} (gate_up {t_up * 1e3:.1f}) | scan {t_scan * 1e3:8.1f} us "
-          f"{scan} | route + align + gate_up + down {t_layout * 1e3:8.1f} us | fused {t_fused * 1e3:8.1f} us {fused}",
-          flush=True)
+          f"{scan} | route + align + gate_up + down {t_layout * 1e3:8.1f} us", flush=True)
 
 
-def retune_fused(layer: Layer, T: int, entries: dict, quick: bool, gen: torch.Generator) -> None:
-    """fused_fast's best tile, then the whole block (moe.decode_path, router GEMM included) with it against the
-    bucket's path as the table (or the defaults) has it; the bucket's "fused" entry set to the tile where it wins,
-    else None, the rest of its entry kept (a bucket the table lacks gets an entry of that key alone)."""
+def tune_scan(layer: Layer, x: torch.Tensor, logits: torch.Tensor, dc: dict, quick: bool) -> tuple[float, dict]:
+    """(ms, entry) of the scan path after the router GEMM: route_fast + gate_up_scan at its best tile, then the
+    better of down_combine (tile dc) and down_scan at its best tile + combine."""
+    k, w = layer.top_k, layer.w
+    T = x.shape[0]
+    ids, weights, gate = moe.route_fast(logits, k)
+    t_up, up = best_tile(lambda tile: moe.gate_up_scan_fast(x, ids, weights, gate, w, tile), T, quick,
+                         scan_candidates("gate_up", quick))
+    t_route = time_ms(lambda: moe.route_fast(logits, k), graph=True)
+    g = moe.gate_up_scan_fast(x, ids, weights, gate, w, up)
+    t_dc = time_ms(lambda: moe.down_combine_fast(g.act, w, g.inverse, ids, weights, gate, dc), graph=True)
+    t_down, down = best_tile(
+        lambda tile: moe.combine_fast(moe.down_scan_fast(g.act, w, g.inverse, ids, weights, gate, tile), g.inverse, T),
+        T, quick, scan_candidates("down", quick))
+    print(f"  T={T:<5} scan: route {t_route * 1e3:.1f} gate_up {t_up * 1e3:.1f} us {up}; down_combine "
+          f"{t_dc * 1e3:.1f} | down_scan + combine {t_down * 1e3:.1f} us {down}", flush=True)
+    return t_route + t_up + min(t_dc, t_down), {"gate_up": up, "down": down if t_down < t_dc else None}
+
+
+def scan_candidates(op: str, quick: bool) -> list[dict]:
+    """gate_up_scan / down_scan tiles (layers/moe/scan.py): a [16, BLOCK_K] x [BLOCK_K, BLOCK_N] tl.dot a step,
+    a program per (expert, N tile). The default first (--quick keeps two of each)."""
+    if op == "gate_up":
+        grid = dict(BLOCK_M=[16], BLOCK_N=[32, 16, 64], BLOCK_K=[128, 64, 256], num_warps=[4, 8],
+                    num_stages=[3, 4])
+    else:
+        grid = dict(BLOCK_M=[16], BLOCK_N=[64, 128, 256, 32], BLOCK_K=[128, 64], num_warps=[4, 8],
+                    num_stages=[3, 2])
+    return expand(grid, quick)
+
+
+def best_gate_up_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, quick: bool):
+    """(ms, tile, outputs) of the GEMV path's gate_up at its best tile: the outputs are what down_combine reads."""
+    k, w = layer.top_k, layer.w
+    # the persistent kernel (layers/moe/gemv.py) competes at small T
+    persistent = persistent_candidates(quick) if x.shape[0] <= PERSISTENT_CANDIDATE_MAX_T else []
+    t, tile = best_tile(lambda cand: moe.gate_up_gemv_fast(x, logits, k, w, cand), x.shape[0], quick,
+                        persistent + gemv_candidates("gate_up_gemv", quick))
+    return t, tile, moe.gate_up_gemv_fast(x, logits, k, w, tile)
+
+
+def retune_gemv(layer: Layer, T: int, entry: dict, quick: bool, gen: torch.Generator) -> None:
+    """The GEMV path's gate_up_gemv and down_combine tiles of a bucket that takes it, the rest of its entry kept."""
     x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     logits = F.linear(x, layer.router)
     k, w = layer.top_k, layer.w
-    t_fused, fused = tune_fused(layer, x, logits, quick)
-    t_now = time_ms(lambda: moe.decode_path(x, layer.router, k, w, fused=False), graph=True)
-    t_whole = time_ms(lambda: moe.decode_path(x, layer.router, k, w, fused=fused), graph=True)
-    entry = entries.setdefault(str(T), {})
-    entry["fused"] = fused if t_whole < t_now else None
-    print(f"  T={T:<5} fused {t_fused * 1e3:6.1f} us {fused}; with the router GEMM {t_whole * 1e3:6.1f} us against "
-          f"the table's path {t_now * 1e3:6.1f} us", flush=True)
+    was = (time_ms(lambda: moe.gate_up_gemv_fast(x, logits, k, w, entry["gemv"]), graph=True), entry["gemv"])
+    t_up, gemv, g = best_gate_up_gemv(layer, x, logits, quick)
+    down = lambda tile: moe.down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, tile)  # noqa
+    was_dc = (time_ms(lambda: down(entry["down_combine"]), graph=True), entry["down_combine"])
+    t_dc, dc = best_tile(down, T, quick, gemv_candidates("down_combine", quick))
+    entry["gemv"], entry["down_combine"] = gemv, dc
+    print(f"  T={T:<5} gate_up_gemv {t_up * 1e3:6.1f} us {gemv} (was {was[0] * 1e3:.1f} us {was[1]})  "
+          f"down_combine {t_dc * 1e3:6.1f} us {dc} (was {was_dc[0] * 1e3:.1f} us {was_dc[1]})", flush=True)
 
 
 def merge_tables(base: dict, tuned: list[dict]) -> dict:
@@ -238,8 +259,6 @@ def main() -> None:
     ap.add_argument("--out", default=moe.CONFIG_FILE)
     ap.add_argument("--gemv-only", action="store_true",
                     help="re-tune only the GEMV path's gate_up_gemv and down_combine tiles of the buckets that take it")
-    ap.add_argument("--fused-only", action="store_true",
-                    help=f"time only the fused path against each bucket's path (T <= {FUSED_CANDIDATE_MAX_T})")
     ap.add_argument("--merge", nargs="+", metavar="TUNED",
                     help="tune nothing: write to --out its table with what each TUNED table changed (merge_tables)")
     args = ap.parse_args()
@@ -267,10 +286,6 @@ def main() -> None:
         print(f"{device} TP={tp}: {key}, shared intermediate {layer.w.shared_down.shape[1]}", flush=True)
         entries = table.setdefault(device, {}).setdefault(key, {})
         for T in args.batches:
-            if args.fused_only:
-                if T <= FUSED_CANDIDATE_MAX_T:
-                    retune_fused(layer, T, entries, args.quick, gen)
-                continue
             if args.gemv_only:
                 if (entries.get(str(T)) or {}).get("gemv"):
                     retune_gemv(layer, T, entries[str(T)], args.quick, gen)

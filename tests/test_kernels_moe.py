@@ -327,63 +327,6 @@ def test_gate_up_gemv_equals_torch(T, E, k, H, I, I_s, start, num_local, routed)
     assert want.abs().max() > 0.1 and max_diff(moe.decode_path(x, router, k, w, gemv=True), want) <= TOL
 
 
-# ------------------------------------------------------------------------------------------ decode fused path
-FUSED_CASES = GEMV_CASES + [
-    (16, 16, 4, 32, 40, 40, 0, 16, "any"),   # 16 tokens, every expert local, several chunks of a 40-row expert
-]
-FUSED_TILES = [None, dict(BLOCK_I=4, BLOCK_K=16, BLOCK_HD=8, num_warps=2, num_stages=2),
-               dict(BLOCK_I=32, BLOCK_K=64, BLOCK_HD=64, num_warps=4, num_stages=1)]
-
-
-@pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local,routed", FUSED_CASES)
-def test_fused_equals_torch(T, E, k, H, I, I_s, start, num_local, routed):
-    """The one-launch fused path (default tile; several chunks a pair, H steps and column blocks; one chunk a pair)
-    against its oracle and the whole block against moe_torch, within TOL; a token's bits the same alone or in a
-    batch (its items and their sums' order are its own), and the counters back at zero after every launch."""
-    from layers.moe.fused import _counters
-    gen = torch.Generator().manual_seed(T * 19 + start)
-    w = make_weights(num_local, H, I, I_s, start, gen)
-    x, router = gemv_inputs(T, E, H, gen, routed)
-    logits = F.linear(x, router)
-    want = moe.fused_torch(x, logits, k, w)
-    assert want.abs().max() > 0.1
-    for tile in FUSED_TILES:
-        out = moe.fused_fast(x, logits, k, w, tile)
-        assert max_diff(out, want) <= TOL, tile
-        assert not _counters(x.device, k).any()
-    tile = FUSED_TILES[1]
-    out = moe.fused_fast(x, logits, k, w, tile)
-    assert torch.equal(moe.fused_fast(x[-1:], logits[-1:], k, w, tile), out[-1:])  # a row's bits: its own
-    assert max_diff(moe.decode_path(x, router, k, w, fused=True), moe.moe_torch(x, router, k, w)) <= TOL
-
-
-def test_fused_refuses_more_tokens_than_its_counters():
-    from layers.moe.fused import COUNTER_TOKENS
-    gen = torch.Generator().manual_seed(0)
-    w = make_weights(4, 16, 8, 8, 0, gen)
-    with pytest.raises(ValueError, match="at most"):
-        moe.fused_fast(torch.randn(COUNTER_TOKENS + 1, 16), torch.randn(COUNTER_TOKENS + 1, 5), 2, w)
-
-
-def test_moe_fast_takes_the_fused_path_where_the_table_says(monkeypatch):
-    """A tuned entry with a "fused" tile sends moe_fast to fused_fast (router GEMM + one launch), and its output is
-    moe_torch's within TOL; without one, the other paths."""
-    calls = []
-    real = moe_block.fused_fast
-    monkeypatch.setattr(moe_block, "fused_fast", lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
-    tile = dict(BLOCK_I=8, BLOCK_K=16, BLOCK_HD=16, num_warps=2, num_stages=2)
-    base = moe_block.config_for
-    monkeypatch.setattr(moe_block, "config_for", lambda x, w: {**base(x, w), "fused": tile})
-    gen = torch.Generator().manual_seed(5)
-    w = make_weights(8, 32, 16, 16, 0, gen)
-    x, router = gemv_inputs(3, 8, 32, gen, "any")
-    assert max_diff(moe.moe_fast(x, router, 2, w), moe.moe_torch(x, router, 2, w)) <= TOL
-    assert calls == [tile]
-    monkeypatch.setattr(moe_block, "config_for", base)
-    moe.moe_fast(x, router, 2, w)
-    assert calls == [tile]
-
-
 def test_gate_up_gemv_ties_go_to_lowest_id():
     """Integer logits with many exact ties: the lowest ids among equal values, as route_fast and route_torch."""
     gen = torch.Generator().manual_seed(7)
@@ -825,35 +768,6 @@ def test_moe_decode_gemv_bf16_real_shapes(tp, T):
         static.copy_(x2)
         graph.replay()
         assert torch.equal(replayed, moe.decode_path(x2, router, 8, w, gemv=True))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tp", [1, 4, 8])
-@pytest.mark.parametrize("T", [1, 3, 8, 16, 64])
-def test_moe_decode_fused_bf16_real_shapes(tp, T):
-    """The fused path (default tile and a narrow one) against experts_torch routed on the same logits; the same
-    bits on a second eager run, for a row alone, and from a CUDA graph replayed on new inputs; counters at zero."""
-    from layers.moe.fused import _counters
-    w, router = real_weights(tp), real_router(tp)
-    gen = torch.Generator().manual_seed(T * 5 + tp)
-    x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
-    ref = moe.experts_torch(x, *moe.route_torch(moe.padded_router_gemm(x, router), 8), w)
-    for tile in (True, dict(BLOCK_I=8, BLOCK_K=512, BLOCK_HD=128, num_warps=8, num_stages=2)):
-        run = functools.partial(moe.decode_path, router=router, top_k=8, w=w, fused=tile)
-        out = run(x)
-        assert torch.isfinite(out).all() and rel(out, ref) <= 1e-2
-        assert torch.equal(run(x), out) and torch.equal(run(x[-1:]), out[-1:])
-        static = x.clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = run(static)
-        for _ in range(2):
-            x2 = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
-            static.copy_(x2)
-            graph.replay()
-            assert torch.equal(replayed, run(x2))
-        torch.cuda.synchronize()
-        assert not _counters(x.device, 8).any()
 
 
 @pytest.mark.gpu

@@ -19,8 +19,6 @@ so one GEMM gives the logits [T, E + 1] (column E is the shared gate's). Two imp
     gemv.py     gate_up_gemv_torch / _fast, down_combine_torch / _fast: the decode kernels, a program per token
     scan.py     gate_up_scan_torch / _fast, down_scan_torch / _fast: decode kernels a program per expert, each
                 finding its pairs in the routing (no sorted layout)
-    fused.py    fused_torch / fused_fast: everything after the router GEMM in one launch, at a few tokens (items
-                of (token, pair, intermediate rows) whose partial sums meet by atomic counters)
     tiles.py    tiles and path choices per power-of-two bucket of T (layers/moe_configs.json, else defaults)
     block.py    moe_torch, moe_fast (which kernels, by T) and the SparseMoE module
 
@@ -36,7 +34,6 @@ kernels round to the model dtype where the oracle does (GEMM outputs, silu, the 
 """
 from layers.moe.block import SparseMoE, decode_path, moe_fast, moe_torch
 from layers.moe.experts import ExpertWeights, Experts
-from layers.moe.fused import FUSED_TILE, fused_fast, fused_torch
 from layers.moe.gemv import (GemvAct, down_combine_fast, down_combine_torch, gate_up_gemv_fast, gate_up_gemv_torch,
                              pair_rows_torch)
 from layers.moe.grouped import (combine_fast, combine_torch, down_fast, down_torch, experts_fast, experts_on_layout,
@@ -50,8 +47,7 @@ from layers.moe.scan import (SCAN_DOWN_TILE, SCAN_GATE_UP_TILE, down_scan_fast, 
 from layers.moe.tiles import (CONFIG_FILE, DECODE_MAX_T, DOWN_COMBINE_MAX_T, DOWN_COMBINE_TILE, GEMV_MAX_T, GEMV_TILE,
                               config_for, config_key, default_config, moe_config)
 
-__all__ = ["SparseMoE", "decode_path", "moe_fast", "moe_torch", "ExpertWeights", "Experts", "FUSED_TILE",
-           "fused_fast", "fused_torch", "GemvAct",
+__all__ = ["SparseMoE", "decode_path", "moe_fast", "moe_torch", "ExpertWeights", "Experts", "GemvAct",
            "down_combine_fast", "down_combine_torch", "gate_up_gemv_fast", "gate_up_gemv_torch", "pair_rows_torch",
            "SCAN_DOWN_TILE", "SCAN_GATE_UP_TILE", "down_scan_fast", "down_scan_torch", "gate_up_scan_fast",
            "gate_up_scan_torch",

@@ -39,7 +39,6 @@ from layers import backend
 from layers.linear import Linear, computed, fuse_rows
 from layers.mlp import MLP
 from layers.moe.experts import ExpertWeights, Experts
-from layers.moe.fused import fused_fast
 from layers.moe.gemv import down_combine_fast, gate_up_gemv_fast
 from layers.moe.grouped import combine_fast, experts_fast, experts_on_layout, experts_torch
 from layers.moe.layout import align_fast
@@ -68,11 +67,9 @@ def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights
 
 def decode_path(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
                 down_combine: bool | None = None, gemv: bool | None = None, scan: bool | None = None,
-                fused: dict | bool | None = None, partial: bool = False):
+                partial: bool = False):
     """moe_fast's kernels up to DECODE_MAX_T tokens, as the tile table chooses them, or as the caller forces them
     (tests and benchmarks/bench_moe.py take every path):
-    - the fused path (fused: True or a tile; by default where the config has a fused tile): router GEMM, fused_fast
-      (layers/moe/fused.py: everything else in one launch);
     - the GEMV path (gemv; by default where the config has a gemv tile): router GEMM, gate_up_gemv_fast,
       down_combine_fast;
     - the scan path (scan; by default where the config has a scan entry): router GEMM, route_fast,
@@ -84,10 +81,6 @@ def decode_path(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeig
     if x.shape[0] == 0:
         return torch.empty_like(computed(x))
     cfg = config_for(x, w)
-    if cfg["fused"] is not None if fused is None else fused:
-        logits = router_logits_fast(x, router)  # first: its GEMV computes a PendingNorm x, which the kernel reads
-        tile = fused if isinstance(fused, dict) else cfg["fused"]
-        return fused_fast(computed(x).contiguous(), logits, top_k, w, tile, partial=partial)
     if cfg["gemv"] is not None if gemv is None else gemv:
         logits = router_logits_fast(x, router)  # first: its GEMV computes a PendingNorm x, which gate_up reads
         g = gate_up_gemv_fast(computed(x).contiguous(), logits, top_k, w, cfg["gemv"])

@@ -90,23 +90,11 @@ if triton is not None:
     def route_token(logits_ptr, ids_ptr, w_ptr, sg_ptr, t, E, sl, store, TOP_K: tl.constexpr,
                     K_POW2: tl.constexpr, BLOCK_E: tl.constexpr):
         """route_torch for token t (its logits row sl apart), the one implementation of route_fast's and of the GEMV
-        path's routing (top_k_token), stored where `store`: the ids, the weights rounded to the model dtype, and
-        sigmoid of the shared gate's logit (column E). Returns the ids [K_POW2] (slots past TOP_K: 0)."""
-        ids, rw = top_k_token(logits_ptr, t, E, sl, TOP_K, K_POW2, BLOCK_E)
-        slot = tl.arange(0, K_POW2)
-        smask = slot < tl.where(store, TOP_K, 0)
-        tl.store(ids_ptr + t * TOP_K + slot, ids, mask=smask)
-        tl.store(w_ptr + t * TOP_K + slot, rw.to(w_ptr.dtype.element_ty), mask=smask)
-        g = tl.load(logits_ptr + t * sl + E).to(tl.float32)
-        tl.store(sg_ptr + t, tl.sigmoid(g).to(sg_ptr.dtype.element_ty), mask=store)
-        return ids
-
-    @triton.jit
-    def top_k_token(logits_ptr, t, E, sl, TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr):
-        """Token t's (ids [K_POW2] int32, weights [K_POW2] fp32 not yet rounded; slots past TOP_K: 0): softmax in
-        fp32, top-k on int64 keys (the probability's bits, then the column reversed: one max per slot takes the
-        largest probability, among ties the lowest id), renormalised. Sums by _exact_sum, so every kernel that calls
-        this gives the same bits whatever its warps."""
+        path's routing: softmax in fp32, top-k on int64 keys (the probability's bits, then the column reversed: one
+        max per slot takes the largest probability, among ties the lowest id), renormalised, rounded to the model
+        dtype; sigmoid of the shared gate's logit (column E). Sums by _exact_sum, so every kernel that calls this
+        gives the same bits whatever its warps. Stored where `store`; returns the ids [K_POW2] (slots past TOP_K:
+        0)."""
         cols = tl.arange(0, BLOCK_E)
         row = logits_ptr + t * sl
         logit = tl.load(row + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
@@ -122,7 +110,12 @@ if triton is not None:
             key = tl.where(key == best, -1, key)
             ids = tl.where(slot == j, (BLOCK_E - 1 - (best & (BLOCK_E - 1))).to(tl.int32), ids)
             vals = tl.where(slot == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), vals)
-        return ids, vals / _exact_sum(vals)
+        smask = slot < tl.where(store, TOP_K, 0)
+        tl.store(ids_ptr + t * TOP_K + slot, ids, mask=smask)
+        tl.store(w_ptr + t * TOP_K + slot, (vals / _exact_sum(vals)).to(w_ptr.dtype.element_ty), mask=smask)
+        g = tl.load(row + E).to(tl.float32)
+        tl.store(sg_ptr + t, tl.sigmoid(g).to(sg_ptr.dtype.element_ty), mask=store)
+        return ids
 
     @triton.jit
     def _exact_sum(v):
@@ -132,4 +125,4 @@ if triton is not None:
         holds fewer than 2^16 values (softmax denominators are >= 1, top-k sums >= k / E)."""
         return tl.sum((v * 281474976710656.0).to(tl.int64), 0).to(tl.float32) * (1.0 / 281474976710656.0)
 else:  # pragma: no cover
-    route_token = top_k_token = None
+    route_token = None

@@ -56,8 +56,7 @@ def _moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: i
     return {"BLOCK_M": cfg["BLOCK_M"],
             "gate_up": cap_tile(cfg["gate_up"], width, triton.next_power_of_2(hidden)),
             "down": cap_tile(cfg["down"], triton.next_power_of_2(hidden), width),
-            "down_combine": cfg["down_combine"], "gemv": cfg["gemv"], "scan": cfg.get("scan"),
-            "fused": cfg.get("fused")}
+            "down_combine": cfg["down_combine"], "gemv": cfg["gemv"], "scan": cfg.get("scan")}
 
 
 def config_for(x: torch.Tensor, w: ExpertWeights) -> dict:
@@ -71,11 +70,11 @@ def default_config(T: int) -> dict:
     Prefill: larger tiles that reuse each weight tile over many rows. down_combine (its tile, or None: down and
     combine in two kernels), gemv (gate_up_gemv_fast's tile, or None) and scan ({"gate_up": gate_up_scan_fast's
     tile, "down": down_scan_fast's or None for down_combine}, or None) serve T <= DECODE_MAX_T only and choose its
-    path (layers/moe/block.py decode_path), as does fused (fused_fast's tile, or None); only a tuned table takes the
-    scan and fused paths; tables tuned before these keys lack them."""
+    path (layers/moe/block.py decode_path); only a tuned table takes the scan path; tables tuned before these keys
+    lack them."""
     gemv = PERSISTENT_GEMV if T <= PERSISTENT_MAX_T else GEMV_TILE
     small = {"down_combine": DOWN_COMBINE_TILE if T <= DOWN_COMBINE_MAX_T else None,
-             "gemv": gemv if T <= GEMV_MAX_T else None, "scan": None, "fused": None}
+             "gemv": gemv if T <= GEMV_MAX_T else None, "scan": None}
     if T <= 128:
         return {"BLOCK_M": 16, "gate_up": dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
                 "down": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4), **small}
