@@ -37,6 +37,7 @@ import torch
 from dist import parallel, push
 from layers import backend
 from layers.attention import GatedAttention, decode_variant_rows
+from layers.block_tables import bind_set_tables, pack_tables
 from layers.deltanet import GatedDeltaNet
 from layers.deltanet_prefill import CHUNK
 from layers.forward_batch import ForwardBatch
@@ -98,6 +99,7 @@ class ModelRunner:
         self.kernels = backend.resolve(args.kernels, self.device)
         backend.set_kernels(self.kernels)
         self._feed_tokens = bind_feed_tokens()
+        self._set_tables_dev = bind_set_tables()
         torch.manual_seed(args.seed)
         self.model = Qwen35Model(config, dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
         if args.builds_mtp:  # the MTP head: loaded and initialised with the rest, its KV cache allocated with the
@@ -203,9 +205,9 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- forward
     def _set_tables(self, plan: StepPlan) -> None:
-        """Write the block tables the plan sets into the slots' rows: one host-to-device copy of [slots | lengths |
-        blocks] (a flat array: ~0.1 ms for 64 tables of 65 blocks, where a [slot, column, block] triple per entry
-        took ~4 ms on the host) and the rows and columns worked out on the device."""
+        """Write the block tables the plan sets into the slots' rows: one host-to-device copy of a flat array
+        (layers/block_tables.py: ~0.1 ms for 64 tables of 65 blocks, where a [slot, column, block] triple per entry
+        took ~4 ms on the host) and one launch that writes the rows."""
         sets = [(slot, t) for slot, t in zip(plan.state_slots, plan.block_tables) if t]
         if not sets:
             return
@@ -215,22 +217,11 @@ class ModelRunner:
                 raise ValueError(f"bad step plan: block table of {len(t)} blocks (ids {min(t)}..{max(t)}) for slot "
                                  f"{slot}; {self.num_kv_blocks} blocks, at most {self.max_blocks_per_seq} per slot")
             self._table_len[slot] = len(t)
-        n = len(sets)
-        flat = array("q", [slot for slot, _ in sets])
-        flat.extend(len(t) for _, t in sets)
-        for _, t in sets:
-            flat.extend(t)
+        flat = array("q", pack_tables(sets))
         host = torch.empty(len(flat), dtype=torch.int64, pin_memory=self._pin)
         host.copy_(torch.frombuffer(flat, dtype=torch.int64))
-        dev = host.to(self.device, non_blocking=True)
-        slots, lens, blocks = dev[:n], dev[n:2 * n], dev[2 * n:]
-        total = len(flat) - 2 * n
-        starts = torch.cumsum(lens, 0) - lens
-        rows = slots.repeat_interleave(lens, output_size=total)
-        cols = torch.arange(total, device=self.device) - starts.repeat_interleave(lens, output_size=total)
-        self.block_table[rows, cols] = blocks.to(torch.int32)
-        if self.slot_end is not None:
-            self.slot_end[slots] = (lens * self.block_size).clamp_(max=self.max_model_len) - 1
+        self._set_tables_dev(self.block_table, host.to(self.device, non_blocking=True), len(sets), self.slot_end,
+                             self.block_size, self.max_model_len)
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:
         """The step's inputs on the device (the block tables the plan sets are written first)."""

@@ -25,5 +25,6 @@ def test_decode_and_prefill_kernels_compile_for_hopper():
         runner.execute(StepPlan([0], [[5]], [20], [tables[0]], [True]))
         runner.execute(StepPlan([0, 1], [[7], [8]], [21, 9], tables, [True, True]))
     names = {e["name"] for e in launches}
-    assert {"_gemv_kernel", "_decode_kernel", "_gate_up_persistent_kernel", "_down_combine_kernel"} <= names, names
+    assert {"_gemv_kernel", "_decode_kernel", "_gate_up_persistent_kernel", "_down_combine_kernel",
+            "_set_tables_kernel"} <= names, names
     assert compile_all(launches) == []

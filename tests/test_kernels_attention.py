@@ -553,3 +553,30 @@ def test_gpu_layer_decode_bf16(tp, monkeypatch):
     x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
     outs = [m(x, batch) for m in layers]
     assert rel(outs[1], outs[0]) <= 2e-2
+
+
+# ------------------------------------------------------------------------------------------------- block tables
+@pytest.mark.parametrize("n,width", [(1, 5), (4, 9), (7, 33)])
+def test_set_tables_fast_equals_torch(n, width):
+    """The block tables a step sets (layers/block_tables.py): the one-launch writer equals the torch one exactly,
+    on tables of 1..width blocks (a full-width one included) into some of the slots; other slots' rows and the
+    columns past each table keep their values; slot_end is the last position each table covers, clamped."""
+    from layers.block_tables import pack_tables, set_tables_fast, set_tables_torch
+    gen = torch.Generator().manual_seed(n * 31 + width)
+    slots = torch.randperm(12, generator=gen)[:n].tolist()
+    lens = [width] + torch.randint(1, width + 1, (n - 1,), generator=gen).tolist()
+    tables = [(s, torch.randint(0, 1000, (m,), generator=gen).tolist()) for s, m in zip(slots, lens)]
+    flat = torch.tensor(pack_tables(tables), dtype=torch.int64)
+    before = torch.randint(0, 1000, (12, width + 2), generator=gen, dtype=torch.int32)
+    got, want = before.clone(), before.clone()
+    end_got, end_want = torch.full((12,), -7, dtype=torch.int64), torch.full((12,), -7, dtype=torch.int64)
+    set_tables_fast(got, flat, n, end_got, block_size=16, max_len=16 * width - 5)
+    set_tables_torch(want, flat, n, end_want, block_size=16, max_len=16 * width - 5)
+    assert torch.equal(got, want) and torch.equal(end_got, end_want)
+    for s, t in tables:
+        assert got[s, :len(t)].tolist() == t and torch.equal(got[s, len(t):], before[s, len(t):])
+        assert end_got[s] == min(16 * len(t), 16 * width - 5) - 1
+    others = [s for s in range(12) if s not in slots]
+    assert torch.equal(got[others], before[others]) and (end_got[others] == -7).all()
+    set_tables_fast(got, flat, n)  # no slot_end: the tables alone
+    assert torch.equal(got, want)
