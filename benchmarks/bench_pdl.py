@@ -1,127 +1,81 @@
-"""Does programmatic dependent launch (PDL) pay for a decode step's chain of small kernels? (issue #8, batch 1)
+"""What programmatic dependent launch (PDL) buys a chain of dependent decode kernels (GPU, sm_90+).
 
-    python -m benchmarks.bench_pdl [--layers 40] [--reps 20]
+    python -m benchmarks.bench_pdl [--layers 80] [--rows 1] [--shapes 2048x1024,1024x2048]
 
-A stand-in for batch-1 decode: per layer a one-program norm-like kernel, then two GEMVs shaped like a DeltaNet
-layer's in projection ([1 x 2048] @ [2048 x 12288]) and out projection ([1 x 4096] @ [4096 x 2048]), each reading
-the previous kernel's output. Timed in a CUDA graph, per variant: cuBLAS (F.linear), a Triton GEMV launched plainly,
-the same launched with PDL (each program waits for the previous kernel first), and with PDL where each program
-loads its weights before that wait (they do not depend on the previous kernel), so that the weight stream of the
-next GEMV starts while the previous kernel drains. Prints us per layer and per kernel boundary saved.
+A chain of GEMVs y = W_i x, each reading the one before it (distinct weights, bf16, more bytes than L2 holds, as a
+decode step's layers), replayed from a CUDA graph, in four ways:
+- plain: every kernel waits for the one before it to finish (stream order);
+- pdl: launched with PDL, gdc_wait first thing (the launch and the programs' start overlap the last kernel's tail);
+- pdl+prefetch: the weight tile loaded before gdc_wait, the input after (the weight stream overlaps too);
+- pdl+prefetch+trigger: as above, and each kernel lets the next one launch at its start (gdc_launch_dependents).
+Prints us per kernel and the bytes floor at the copy rate measured in the same run.
 """
 from __future__ import annotations
 
 import argparse
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # older Triton
-    gdc_wait = gdc_launch_dependents = None
+from qwen35.bench.step_timing import copy_rate, graph_ms
 
 
 @triton.jit
-def _gemv(x_ptr, w_ptr, y_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
-          PREFETCH: tl.constexpr):
-    # y[n] = sum_k w[n, k] x[k] for this program's BLOCK_N rows, the whole K of each in registers
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, K)
-    if PREFETCH:
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :])
-    if PDL:
-        gdc_wait()
+def _gemv(x_ptr, w_ptr, y_ptr, K, N, R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          MODE: tl.constexpr):
+    """y[r, n] = sum_k W[n, k] x[r, k] for BLOCK_N rows n of W, whole rows loaded at once. MODE 0: no PDL; 1: wait
+    first; 2: weights before the wait; 3: as 2, and trigger the next kernel first."""
+    if MODE == 3:
         gdc_launch_dependents()
-    if not PREFETCH:
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :])
-    x = tl.load(x_ptr + rk).to(tl.float32)
-    y = tl.sum(w.to(tl.float32) * x[None, :], 1)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _norm(x_ptr, w_ptr, y_ptr, H: tl.constexpr, PDL: tl.constexpr):
-    r = tl.arange(0, H)
-    w = tl.load(w_ptr + r).to(tl.float32)
-    if PDL:
+    if MODE == 1:
         gdc_wait()
-        gdc_launch_dependents()
-    x = tl.load(x_ptr + r).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, 0) / H + 1e-6) * w
-    tl.store(y_ptr + r, y.to(y_ptr.dtype.element_ty))
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    m = (n < N)[:, None] & (k < K)[None, :]
+    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=m, other=0.0).to(tl.float32)
+    if MODE >= 2:
+        gdc_wait()
+    for r in tl.static_range(R):
+        x = tl.load(x_ptr + r * K + k, mask=k < K, other=0.0).to(tl.float32)
+        tl.store(y_ptr + r * N + n, tl.sum(w * x[None, :], 1).to(y_ptr.dtype.element_ty), mask=n < N)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=40)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--inner", type=int, default=4096)
-    ap.add_argument("--in-out", type=int, default=12288)
+def chain(weights, xs, mode: int, rows: int) -> None:
+    for w, x, y in zip(weights, xs, xs[1:]):
+        N, K = w.shape
+        block_n = max(1, 16384 // triton.next_power_of_2(K))
+        _gemv[(triton.cdiv(N, block_n),)](x, w, y, K, N, R=rows, BLOCK_N=block_n,
+                                          BLOCK_K=triton.next_power_of_2(K), MODE=mode, num_warps=4,
+                                          launch_pdl=mode > 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--shapes", default="2048x1024,1024x2048", help="NxK of the GEMVs, repeated along the chain")
     args = ap.parse_args()
-    h, inner, n_in = args.hidden, args.inner, args.in_out
-    dev, dt = "cuda", torch.bfloat16
-    layers = [(torch.randn(h, device=dev, dtype=dt), torch.randn(n_in, h, device=dev, dtype=dt) / 50,
-               torch.randn(h, inner, device=dev, dtype=dt) / 50) for _ in range(args.layers)]
-    x0 = torch.randn(h, device=dev, dtype=dt)
-    xn = torch.empty(h, device=dev, dtype=dt)
-    mid = torch.empty(n_in, device=dev, dtype=dt)
-    out = torch.empty(h, device=dev, dtype=dt)
-
-    def chain(kind: str):
-        pdl = kind in ("pdl", "prefetch")
-        pre = kind == "prefetch"
-        extra = {"launch_pdl": True} if pdl else {}
-        x = x0
-        for nw, w_in, w_out in layers:
-            _norm[(1,)](x, nw, xn, H=h, PDL=pdl, num_warps=4, **extra)
-            if kind == "cublas":
-                torch.matmul(w_in, xn, out=mid)
-                torch.matmul(w_out, mid[:inner], out=out)
-            else:
-                _gemv[(n_in // 4,)](xn, w_in, mid, K=h, BLOCK_N=4, PDL=pdl, PREFETCH=pre, num_warps=4, **extra)
-                _gemv[(h // 2,)](mid, w_out, out, K=inner, BLOCK_N=2, PDL=pdl, PREFETCH=pre, num_warps=4,
-                                 **extra)
-            x = out
-        return out
-
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = [(torch.randn(*shapes[i % len(shapes)], generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+               for i in range(args.layers)]
+    xs = [torch.randn(args.rows, weights[0].shape[1], device="cuda", dtype=torch.bfloat16)]
+    xs += [torch.empty(args.rows, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in weights]
+    nbytes = sum(w.numel() * 2 for w in weights)
+    floor = nbytes / copy_rate("cuda") * 1e6 / args.layers
     ref = None
-    results = {}
-    for kind in ("cublas", "plain", "pdl", "prefetch"):
-        try:
-            y = chain(kind).float().clone()
-            torch.cuda.synchronize()
-            if ref is None:
-                ref = y
-            err = ((y - ref).abs().max() / ref.abs().max()).item()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                chain(kind)
-            g.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.reps):
-                g.replay()
-            end.record()
-            torch.cuda.synchronize()
-            us = start.elapsed_time(end) * 1e3 / args.reps
-            g.replay()
-            torch.cuda.synchronize()
-            err2 = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-            results[kind] = us
-            print(f"{kind:9s} {us:9.1f} us/step {us / args.layers:7.2f} us/layer  rel err eager {err:.1e} "
-                  f"graph {err2:.1e}")
-        except Exception as e:  # report and go on: the point is the table
-            print(f"{kind:9s} failed: {type(e).__name__}: {str(e)[:300]}")
-    bytes_ = args.layers * 2 * (n_in * h + h * inner)
-    print(f"weights {bytes_ / 1e9:.3f} GB: at 4.25 TB/s {bytes_ / 4.25e6:.1f} us/step")
-    if "plain" in results and "prefetch" in results:
-        saved = (results["plain"] - results["prefetch"]) / (3 * args.layers)
-        print(f"PDL + prefetch saves {saved:.2f} us per kernel boundary")
+    print(f"{torch.cuda.get_device_name()}: {args.layers} GEMVs {args.shapes}, {args.rows} row(s), "
+          f"{nbytes / 2**20:.0f} MB; floor {floor:.2f} us a kernel")
+    for mode, name in enumerate(["plain", "pdl", "pdl+prefetch", "pdl+prefetch+trigger"]):
+        chain(weights, xs, mode, args.rows)
+        torch.cuda.synchronize()
+        if ref is None:
+            ref = xs[-1].clone()
+        assert torch.equal(xs[-1], ref), name  # same bits every way
+        ms = graph_ms(lambda: chain(weights, xs, mode, args.rows))
+        print(f"  {name:22s} {1e3 * ms / args.layers:6.2f} us a kernel", flush=True)
 
 
 if __name__ == "__main__":
