@@ -140,3 +140,10 @@ def test_a_call_sends_a_block_table_only_when_it_grew(qwen2_pt):
     # rows (b, a): a holds 3 tokens, then 4..9 (a new block at 5 and at 9); b 5, then 6..11 (a new one at 9)
     assert sent == [[1, 2], [0, 0], [0, 2], [0, 0], [3, 0], [0, 0], [0, 3]]
     assert all(p.token_ids == [[], []] for p in plans[1:])  # decode tokens go to the slots on the device
+    # a prompt that fills its last block takes the next one at its prefill: the first decode call sends no table
+    eng.remove(["a", "b"])
+    plans.clear()
+    eng.prefill(["c"], [torch.tensor([1, 2, 3, 4])])
+    for t in range(5):
+        eng.decode(["c"], [t])
+    assert [[len(t) for t in p.block_tables] for p in plans] == [[2], [0], [0], [0], [0], [3]]
