@@ -10,6 +10,8 @@ repeat_interleaves, an index_put) and ~0.6 ms of host time (the first decode cal
 """
 from __future__ import annotations
 
+import itertools
+from array import array
 from typing import Callable
 
 import torch
@@ -18,14 +20,12 @@ from layers import backend
 from layers.backend import tl, triton
 
 
-def pack_tables(tables: list[tuple[int, list[int]]]) -> list[int]:
-    """The flat [slots | lengths | offsets | blocks] of (slot, table) pairs."""
+def pack_tables(tables: list[tuple[int, list[int]]]) -> array:
+    """The flat [slots | lengths | offsets | blocks] of (slot, table) pairs, as int64 (torch.frombuffer takes it)."""
     lens = [len(t) for _, t in tables]
-    flat = [slot for slot, _ in tables] + lens
-    off = 0
-    for n in lens:
-        flat.append(off)
-        off += n
+    flat = array("q", [slot for slot, _ in tables])
+    flat.extend(lens)
+    flat.extend(itertools.accumulate(lens[:-1], initial=0))
     for _, t in tables:
         flat.extend(t)
     return flat

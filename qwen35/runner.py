@@ -28,7 +28,6 @@ import itertools
 import logging
 import math
 import zlib
-from array import array
 from itertools import repeat
 from operator import add, le, mul
 
@@ -217,7 +216,7 @@ class ModelRunner:
                 raise ValueError(f"bad step plan: block table of {len(t)} blocks (ids {min(t)}..{max(t)}) for slot "
                                  f"{slot}; {self.num_kv_blocks} blocks, at most {self.max_blocks_per_seq} per slot")
             self._table_len[slot] = len(t)
-        flat = array("q", pack_tables(sets))
+        flat = pack_tables(sets)
         host = torch.empty(len(flat), dtype=torch.int64, pin_memory=self._pin)
         host.copy_(torch.frombuffer(flat, dtype=torch.int64))
         self._set_tables_dev(self.block_table, host.to(self.device, non_blocking=True), len(sets), self.slot_end,
