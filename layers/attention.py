@@ -25,7 +25,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import round_to, tl, triton
+from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows, linear_fast, linear_torch
 from layers.norm import RMSNorm, rms_norm_torch
@@ -156,7 +156,7 @@ def qk_norm_rope_cache_fast(qkv, positions, slot_mapping, q_norm_weight, k_norm_
             qkv, positions, slot_mapping, qw, kw, cos, sin, q, kc, vc, eps,
             qkv.stride(0), cos.stride(0), kc.stride(0), kc.stride(1),
             H=H, KV=n_kv, D=D, Q=Q, RD=cos.shape[1], BLOCK_D=block, HAS_NORM=has_norm, PLAIN=plain_norm,
-            num_warps=max(1, min(4, block // 128)))
+            num_warps=max(1, min(4, block // 128)), **pdl())
     return q
 
 
@@ -179,6 +179,8 @@ if triton is not None:
         copied). Q: a query head's row count (2D with the gate rows after it, D without). Every rounding the torch
         oracle does in the model dtype is done here too: the norm's output (and its product with w when PLAIN),
         cos and sin, each product of the rotation and their sum."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         dtype = q_ptr.dtype.element_ty
@@ -287,7 +289,7 @@ def paged_prefill_attention_fast(q, k_cache, v_cache, batch: ForwardBatch, scale
         H=H, GROUP=H // n_kv, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_B=seq_tile(B),
         HAS_GATE=gate is not None, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
     return out
 
 
@@ -329,6 +331,8 @@ if triton is not None:
                         BLOCK_B: tl.constexpr, HAS_GATE: tl.constexpr, PREC: tl.constexpr):
         """Program (query block, head h), blocks in reverse order so that the long causal blocks start first.
         Query i of sequence b sits at absolute position start_b + i and sees keys 0 .. start_b + i."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         pid = tl.program_id(0)
         h = pid % H
         b, blk = block_of(cu_ptr, tl.num_programs(0) // H - 1 - pid // H, B, BLOCK_M, BLOCK_B, False)
@@ -450,7 +454,8 @@ def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: 
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0), gate.stride(0), gate.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         TILE=tile, MIN_TILES=min_tiles, BLOCK_S=triton.next_power_of_2(splits), ONE_SPLIT=splits == 1,
-        HAS_GATE=has_gate, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+        HAS_GATE=has_gate, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        **pdl())
     return out
 
 
@@ -481,6 +486,8 @@ if triton is not None:
         log-sum-exp (an empty part stores lse = -inf, a neutral partial, and no output), then count itself in; the
         last of the (b, kv head)'s programs to arrive merges the non-empty parts (_merge_splits) and resets the
         counter. No float atomics: the merge adds the parts in split order whatever the order of arrival."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)

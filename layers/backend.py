@@ -23,6 +23,12 @@ except ImportError:  # pragma: no cover - environments without triton run the to
     triton = None
     tl = None
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+try:  # grid dependency control (Triton >= 3.4), compiled for the GPU only: the interpreter has no such calls
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
 KERNELS = ("torch", "fast")
 ENV = "QWEN35_KERNELS"
 _current = "torch"
@@ -80,6 +86,24 @@ class use_kernels:
 
 
 ALIGN_BYTES = 16  # Triton specialises a pointer argument on 16-byte alignment
+
+# Programmatic dependent launch (PDL, sm_90+). A kernel launched with **pdl() may start while the kernel before it
+# in the stream still runs: every program of it calls next_may_start() (the kernel after it may launch too), loads
+# what no kernel writes (weights), then prior_done() (griddepcontrol.wait: the kernels before it have finished and
+# their writes are visible) before it reads or writes anything else. So the launch, the programs' start and the
+# weight loads of one kernel overlap the drain of the one before; a chain of 80 batch-1 GEMVs of 4 MB took 2.65 us
+# a kernel against 4.64 without (1x H200, benchmarks/bench_pdl.py, 2026-11-28). Every Triton kernel of layers/
+# follows the rule (dist/'s run in plain stream order); the interpreter runs both calls as no-ops. QWEN35_PDL=0
+# launches without it.
+PDL_ENV = "QWEN35_PDL"
+
+
+@functools.lru_cache(maxsize=None)
+def pdl() -> dict:
+    """The launch option of programmatic dependent launch where this process's GPU has it (sm_90+), else none."""
+    if os.environ.get(PDL_ENV, "1") == "0" or not torch.cuda.is_available() or _INTERPRET:
+        return {}
+    return {"launch_pdl": True} if torch.cuda.get_device_capability()[0] >= 9 else {}
 
 
 # Arrival counters (int32, zero between launches) for kernels whose programs count themselves in and whose last
@@ -181,5 +205,25 @@ if triton is not None:
         y = y.to(dt)
         tl.store(out_ptr + cols, y, mask=store)
         return y
+
+    if _INTERPRET or gdc_wait is None:
+        @triton.jit
+        def prior_done():
+            """(the interpreter runs launches one after another: nothing to wait for)"""
+            pass
+
+        @triton.jit
+        def next_may_start():
+            pass
+    else:
+        @triton.jit
+        def prior_done():
+            """Wait until the kernels before this one in the stream have finished, their writes visible (pdl())."""
+            gdc_wait()
+
+        @triton.jit
+        def next_may_start():
+            """Let the kernel after this one launch now (its programs wait in prior_done until this one ends)."""
+            gdc_launch_dependents()
 else:  # pragma: no cover
-    round_to = rms_norm_row = None
+    round_to = rms_norm_row = prior_done = next_may_start = None

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from layers import backend
-from layers.backend import tl, triton
+from layers.backend import next_may_start, pdl, prior_done, tl, triton
 
 
 def pack_tables(tables: list[tuple[int, list[int]]]) -> array:
@@ -51,7 +51,7 @@ def set_tables_fast(table: torch.Tensor, flat: torch.Tensor, n: int, slot_end: t
         return
     _set_tables_kernel[(n,)](table, flat, slot_end if slot_end is not None else flat, n, table.stride(0),
                              block_size, max_len, SLOT_END=slot_end is not None,
-                             BLOCK=triton.next_power_of_2(table.shape[1]))
+                             BLOCK=triton.next_power_of_2(table.shape[1]), **pdl())
 
 
 def bind_set_tables() -> Callable[..., None]:
@@ -63,6 +63,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n", "block_size", "max_len"])
     def _set_tables_kernel(table_ptr, flat_ptr, end_ptr, n, stride, block_size, max_len, SLOT_END: tl.constexpr,
                            BLOCK: tl.constexpr):
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         i = tl.program_id(0)
         slot = tl.load(flat_ptr + i)
         length = tl.load(flat_ptr + n + i)

@@ -27,7 +27,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import round_to, tl, triton
+from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
 from layers.deltanet_prefill import (CHUNK, L2_EPS, causal_conv1d_varlen_fast, chunk_delta_rule_varlen_fast,
                                      chunked_gated_delta_rule, l2norm)
 from layers.forward_batch import ForwardBatch
@@ -69,7 +69,7 @@ def gates_fast(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: t
         block_h = triton.next_power_of_2(H)
         block_t = max(1, 1024 // block_h)
         _gates_kernel[(triton.cdiv(T, block_t),)](a, b, A_log, dt_bias, g, beta, T, H, a.stride(0), b.stride(0),
-                                                  BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
+                                                  BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **pdl())
     return g, beta
 
 
@@ -170,7 +170,7 @@ def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
         proj.stride(0), *conv_state.stride(), conv_weight.stride(0), conv_weight.stride(2), *ssm_state.stride(),
         y.stride(0), Hk * dk, 2 * Hk * dk, z_off, b_off, b_off + Hv, dk ** -0.5, L2_EPS, eps,
         KERNEL=conv_weight.shape[-1], REP=rep, REP_P2=triton.next_power_of_2(rep), N_SPLIT=n_split, DK=dk, DV=dv,
-        BK=BK, BV=BV, BV_HEAD=triton.next_power_of_2(dv), num_warps=warps)
+        BK=BK, BV=BV, BV_HEAD=triton.next_power_of_2(dv), num_warps=warps, **pdl())
     return y
 
 
@@ -432,6 +432,8 @@ if triton is not None:
                       BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
         """BLOCK_T tokens: g = -exp(A_log) * softplus(a + dt_bias) in fp32, beta = sigmoid(b) rounded to b's dtype
         (the decode kernel computes the same inline)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         h = tl.arange(0, BLOCK_H)
         hm = h < H
@@ -477,6 +479,8 @@ if triton is not None:
             dtype);  S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q (rounded), stored in y;
         then, by the last program of the (b, qk-head) group to arrive: the q/k tail shift and, for each of its REP
         heads, y = (o / rms(o), rounded) * w * silu(z) (gated RMSNorm, spec §2.1)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
         h, j = pid // N_SPLIT, pid % N_SPLIT
         hk = h // REP

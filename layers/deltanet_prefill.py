@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from layers.backend import round_to, tl, triton
+from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
 from layers.varlen import block_of, seq_tile
 
 CHUNK = 64          # tokens per chunk of the delta rule
@@ -182,7 +182,7 @@ def causal_conv1d_varlen_fast(u: torch.Tensor, cu_seqlens: torch.Tensor, start_p
         u.stride(0), u.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         weight.stride(0), weight.stride(2), out.stride(0),
         KERNEL=K, BLOCK_T=block_t, BLOCK_C=cfg["conv_block_c"], BLOCK_B=seq_tile(B),
-        BLOCK_K1=triton.next_power_of_2(K - 1), HAS_CKPT=n_ck > 0, num_warps=cfg["warps_conv"])
+        BLOCK_K1=triton.next_power_of_2(K - 1), HAS_CKPT=n_ck > 0, num_warps=cfg["warps_conv"], **pdl())
     return out
 
 
@@ -216,7 +216,7 @@ def chunk_delta_rule_varlen_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         k, v, g, beta, cu_seqlens, w, u, scr, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         beta.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1), scr.stride(0), scr.stride(1),
         REP=Hv // Hk, DK=dk, DV=dv, BK=BK, BV_PAD=BV_PAD, CHUNK=chunk, BLOCK_B=block_b,
-        SOLVE=cfg["precision_solve"], PRECISION=cfg["precision_prep"], num_warps=cfg["warps_prep"])
+        SOLVE=cfg["precision_solve"], PRECISION=cfg["precision_prep"], num_warps=cfg["warps_prep"], **pdl())
     ck, n_ck = _checkpoint_arg(checkpoints, slots)
     block_v = min(cfg["block_v"], BV_PAD)
     st = ssm_state
@@ -226,13 +226,13 @@ def chunk_delta_rule_varlen_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         st.stride(0), st.stride(1), st.stride(2), h.stride(0), h.stride(1),
         REP=Hv // Hk, DK=dk, DV=dv, BK=BK, BV_PAD=BV_PAD, BV=block_v, CHUNK=chunk, BLOCK_B=block_b,
         BLOCK_CK=_ckpt_tile(n_ck), HAS_CKPT=n_ck > 0, PRECISION=cfg["precision"],
-        STAGES=cfg["stages"], num_warps=cfg["warps_state"])
+        STAGES=cfg["stages"], num_warps=cfg["warps_state"], **pdl())
     _output_kernel[(chunks, Hv)](
         q, k, g, u, h, cu_seqlens, out, B, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0),
         u.stride(0), u.stride(1), h.stride(0), h.stride(1), out.stride(0), out.stride(1), scale,
         REP=Hv // Hk, DK=dk, DV=dv, BK=BK, BV_PAD=BV_PAD, BV=min(cfg["block_v_out"], BV_PAD), CHUNK=chunk,
         BLOCK_B=block_b,
-        PRECISION=cfg["precision"], num_warps=cfg["warps_out"])
+        PRECISION=cfg["precision"], num_warps=cfg["warps_out"], **pdl())
     return out
 
 
@@ -264,6 +264,8 @@ if triton is not None:
         """silu(conv) for BLOCK_T tokens x BLOCK_C channels of one sequence. Only a sequence's first block reads
         its cached tail (BLOCK_T >= K-1), so it alone rewrites the tail, after a barrier that orders the reads of
         all its threads before the writes."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         b, blk = block_of(cu_ptr, tl.program_id(0), B, BLOCK_T, BLOCK_B, True)
         if b >= B:
             return
@@ -372,6 +374,8 @@ if triton is not None:
         (r the inverse norms): from the model's bf16 keys the products are exact and summed in fp32 by one bf16
         MMA, where the normalised fp32 keys needed three tf32 ones (tf32x3) for the same accuracy (the prep
         kernel 743 -> 455 us at 8 x 1024 tokens, 1x H200, 2026-11-25; the output kernel's Q K^T likewise)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         BLK: tl.constexpr = CHUNK // 4
         b, ci = block_of(cu_ptr, tl.program_id(0), B, CHUNK, BLOCK_B, False)
         if b >= B:
@@ -444,6 +448,8 @@ if triton is not None:
         The state is read from the slot at the start (zeros for a fresh sequence), written back at the end (and
         at checkpoints). Chunk c of sequence b has h index (chunks of the sequences before b) + c, the index the
         prep and output kernels' programs have."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = h // REP
         lo = tl.load(cu_ptr + b)
@@ -505,6 +511,8 @@ if triton is not None:
                        BV: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr):
         """One (chunk, value head), all chunks in parallel once the states at the chunk starts (h) and V' are
         known: O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j))_causal V', the value columns BV at a time."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         pid = tl.program_id(0)
         b, ci = block_of(cu_ptr, pid, B, CHUNK, BLOCK_B, False)
         if b >= B:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from layers.backend import round_to, tl, triton
+from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
 from layers.deltanet import (L2_EPS, _dims, conv_column_qkv, decode_launch, delta_rule_step, gates_torch,
                              split_proj)
 from layers.norm import gated_rms_norm_fast, gated_rms_norm_torch
@@ -84,7 +84,7 @@ def _launch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, cou
         proj.stride(0), *conv_state.stride(), conv_weight.stride(0), conv_weight.stride(2), *ssm_state.stride(),
         y.stride(0), Hk * dk, 2 * Hk * dk, b_off, b_off + Hv, dk ** -0.5, L2_EPS,
         KERNEL=conv_weight.shape[-1], REP=Hv // Hk, N_SPLIT=n_split, DK=dk, DV=dv,
-        BK=triton.next_power_of_2(dk), BV=BV, COMMIT=commit, num_warps=warps)
+        BK=triton.next_power_of_2(dk), BV=BV, COMMIT=commit, num_warps=warps, **pdl())
 
 
 def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float, T: int):
@@ -110,7 +110,8 @@ def commit_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     B = proj.shape[0] // T
     _commit_tail_kernel[(B, triton.cdiv(conv_dim, TAIL_BLOCK))](
         proj, conv_state, slots, counts, T, proj.stride(0), *conv_state.stride(), conv_dim,
-        TAIL=conv_weight.shape[-1] - 1, TAIL_P=triton.next_power_of_2(conv_weight.shape[-1] - 1), BLOCK=TAIL_BLOCK)
+        TAIL=conv_weight.shape[-1] - 1, TAIL_P=triton.next_power_of_2(conv_weight.shape[-1] - 1), BLOCK=TAIL_BLOCK,
+        **pdl())
 
 
 TAIL_BLOCK = 256  # conv channels per program of the tail update
@@ -140,6 +141,8 @@ if triton is not None:
                             TAIL: tl.constexpr, TAIL_P: tl.constexpr, BLOCK: tl.constexpr):
         """Sequence b's conv tail at channels [j*BLOCK, (j+1)*BLOCK) after counts[b] tokens: entries n .. n + TAIL
         - 1 of [old tail (TAIL), its T inputs], all read (a barrier) before any is written (in place)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         b = tl.program_id(0)
         ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         i = tl.arange(0, TAIL_P)
@@ -163,6 +166,8 @@ if triton is not None:
         in order (the decode kernel's step per token). Verify (COMMIT False): the slab is read, never written; each
         token's readout o (rounded) goes to row b*T + t of y, unnormalised. Commit: tokens t >= counts[b] leave
         the slab as it was; the slab is written once at the end; nothing else (y unused)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
         h, j = pid // N_SPLIT, pid % N_SPLIT
         hk = h // REP

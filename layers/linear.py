@@ -33,7 +33,7 @@ from torch import nn
 from dist import parallel, push
 from dist.push import Pushed
 from layers import backend
-from layers.backend import rms_norm_row, round_to, tl, triton
+from layers.backend import next_may_start, pdl, prior_done, rms_norm_row, round_to, tl, triton
 
 # linear_fast's GEMV: up to GEMV_MAX_M rows and GEMV_MAX_K features; a program holds BLOCK_N x next_pow2(K) <= tile
 # weight elements ("tile_1" at one row, "tile" at more; BLOCK_N a power of two, halved from the most that fits until
@@ -218,7 +218,7 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
         PLAIN=norm is not None and norm.plain, PULL=pulled, PUSH=box is not None,
-        P=inbox.world if inbox is not None else 1, num_warps=min(warps, 16))
+        P=inbox.world if inbox is not None else 1, num_warps=min(warps, 16), **pdl())
     if norm is not None:
         norm.done = True
     if box is not None:
@@ -279,7 +279,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _skinny_gemm_kernel[(col_blocks, split)](
         x2, weight, y, partials, arrivals, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, STAGES=cfg["stages"],
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["warps"])
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["warps"], **pdl())
     return y.view(*x.shape[:-1], N)
 
 
@@ -358,6 +358,8 @@ if triton is not None:
                     other=0.0).to(tl.float32)
         if HAS_BIAS:
             b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+        prior_done()  # (backend.pdl: the weights stream while the kernel before this one drains)
+        next_may_start()
         dt = y_ptr.dtype.element_ty
         for m in tl.static_range(BLOCK_M):
             # rows past M (the tile is a power of two) read and write nothing: their limits are <= 0
@@ -392,6 +394,8 @@ if triton is not None:
         the block's SPLIT programs to arrive sums the partials in share order (the same bits whatever the order of
         arrival: no float atomics), rounds once to y's dtype, as cuBLAS does, and resets the counter. The results
         differ from F.linear by the order of the fp32 sums only."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         pid_n, share = tl.program_id(0), tl.program_id(1)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)

@@ -19,7 +19,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import round_to, tl, triton
+from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
 from layers.linear import Linear, even_split, fuse_rows, linear_fast
 
 
@@ -47,13 +47,15 @@ def silu_mul_fast(h: torch.Tensor) -> torch.Tensor:
     out = torch.empty(h2.shape[0], inter, dtype=h.dtype, device=h.device)
     if h2.shape[0]:
         block = min(1024, triton.next_power_of_2(inter))
-        _silu_mul_kernel[(h2.shape[0], triton.cdiv(inter, block))](h2, out, inter, h2.stride(0), BLOCK=block)
+        _silu_mul_kernel[(h2.shape[0], triton.cdiv(inter, block))](h2, out, inter, h2.stride(0), BLOCK=block, **pdl())
     return out.view(*h.shape[:-1], inter)
 
 
 if triton is not None:
     @triton.jit
     def _silu_mul_kernel(h_ptr, out_ptr, inter, sh, BLOCK: tl.constexpr):
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter

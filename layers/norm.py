@@ -15,7 +15,7 @@ from torch import nn
 from dist import allreduce, parallel, push
 from dist.push import Pushed
 from layers import backend, linear
-from layers.backend import rms_norm_row, round_to, tl, triton
+from layers.backend import next_may_start, pdl, prior_done, rms_norm_row, round_to, tl, triton
 from layers.linear import PendingNorm, make_param
 
 
@@ -63,7 +63,7 @@ def gated_rms_norm_fast(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, 
         block_h = min(triton.next_power_of_2(H), max(1, 4096 // block_d))
         _gated_rms_norm_kernel[(rows, triton.cdiv(H, block_h))](
             x3, z3, weight, out, H, D, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), eps,
-            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 512)))
+            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 512)), **pdl())
     return out.view(shape)
 
 
@@ -99,7 +99,8 @@ def _launch(x, residual, weight, eps, plain, out=None, res_out=None):
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](x2, res_in, res_out, weight, out, n, x2.stride(0), res_in.stride(0), eps,
                                   HAS_RESIDUAL=residual is not None, PLAIN=plain, BLOCK=block,
-                                  num_warps=max(1, min(NORM_CONFIG["max_warps"], block // NORM_CONFIG["per_warp"])))
+                                  num_warps=max(1, min(NORM_CONFIG["max_warps"], block // NORM_CONFIG["per_warp"])),
+                                  **pdl())
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
 
@@ -109,6 +110,8 @@ if triton is not None:
                          HAS_RESIDUAL: tl.constexpr, PLAIN: tl.constexpr, BLOCK: tl.constexpr):
         """One row: s = x (+ residual, rounded to the model dtype, stored); out = s / rms(s) * (1 + w), or with
         PLAIN round(s / rms(s)) * w rounded (the oracle's two roundings in the model dtype): backend.rms_norm_row."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -121,6 +124,8 @@ if triton is not None:
                                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         """Heads [hb * BLOCK_H, ...) of one row: y = x / rms(x) per head, rounded to the model dtype (as the
         reference casts the normed x), then w * y * silu(z) in fp32, rounded once."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         r = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
@@ -238,7 +243,7 @@ def fused_all_reduce_add_rms_norm(x, residual, weight, eps, ws):
         _all_reduce_add_rms_norm_kernel[(min(rows, allreduce.MAX_BLOCKS),)](
             x2, r2, res_out, weight, out, ws.table, ws.flag_offset, ws.rank, rows, n, x2.stride(0), r2.stride(0),
             eps, P=ws.world, PP=triton.next_power_of_2(ws.world), MAX_BLOCKS=allreduce.MAX_BLOCKS, BLOCK=block,
-            num_warps=max(1, min(8, block // 256)))
+            num_warps=max(1, min(8, block // 256)), **pdl())
     return out.view(x.shape), res_out.view(residual.shape)
 
 
@@ -250,6 +255,8 @@ if triton is not None:
         """Rows pid, pid + grid, ...: s = sum over ranks of x (fp32, rank order, rounded to the model dtype once,
         as the reference's all-reduced tensor is), then the residual add and the norm of _rms_norm_kernel.
         Offsets stay int32: rows x n is at most the one-shot limit."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         dt = x_ptr.dtype.element_ty
         mine = allreduce.peer_buffer(table, rank, dt)
         cols = tl.arange(0, BLOCK)
@@ -280,7 +287,7 @@ def pull_add_rms_norm(p: Pushed, residual: torch.Tensor, weight: torch.Tensor, e
     block = triton.next_power_of_2(H)
     _pull_add_rms_norm_kernel[(p.rows,)](r2, r2.stride(0), res_out, weight, out, H, eps, p.slot,
                                          *push.launch_args(box), P=box.world, PLAIN=plain, BLOCK=block,
-                                         num_warps=max(1, min(8, block // 256)))
+                                         num_warps=max(1, min(8, block // 256)), **pdl())
     return out.view(p.shape), res_out.view(residual.shape)
 
 
@@ -289,6 +296,8 @@ if triton is not None:
     def _pull_add_rms_norm_kernel(res_ptr, sr, res_out_ptr, w_ptr, out_ptr, H, eps, slot, table, rank,
                                   region_stride, P: tl.constexpr, PLAIN: tl.constexpr, BLOCK: tl.constexpr):
         """One row: the inbox's sum rounded to the model dtype once, then rms_norm_row's add and norm."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < H

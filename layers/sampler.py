@@ -46,7 +46,7 @@ import torch
 
 from dist import parallel
 from layers import backend
-from layers.backend import tl, triton
+from layers.backend import next_may_start, pdl, prior_done, tl, triton
 from layers.linear import even_split
 
 NO_LIMIT = 1 << 62          # a top-k / top-p limit that keeps every token
@@ -293,6 +293,8 @@ if triton is not None:
                            SAMPLED: tl.constexpr, WRITE_SCORES: tl.constexpr, BLOCK: tl.constexpr):
         """Program (row, block): the block's masked max logit and its first column, and with SAMPLED the same of
         the Gumbel scores (written out with WRITE_SCORES, for the filters). Same arithmetic as gumbel_scores."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         row = tl.program_id(0)
         blk = tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -343,7 +345,7 @@ def shard_pass_fast(logits: torch.Tensor, n_valid: int, start: int, inv_t: torch
         # no FMA contraction: each add and multiply rounds on its own, as in the torch twin
         _shard_pass_kernel[(B, nb)](logits, logits.stride(0), n_valid, n, start, inv_t, key, counter, vals, idx,
                                     scores, nb, SAMPLED=sampled, WRITE_SCORES=write_scores, BLOCK=BLOCK,
-                                    enable_fp_fusion=False)
+                                    enable_fp_fusion=False, **pdl())
     best = vals.argmax(dim=1, keepdim=True)  # the first best block: the lowest id at ties
     return (vals.gather(1, best)[:, 0], idx.gather(1, best)[:, 0], scores if write_scores else None)
 
@@ -548,6 +550,8 @@ FEED_BLOCK = 128  # rows per program of the feed kernel
 if triton is not None:
     @triton.jit(do_not_specialize=["n"])
     def _feed_tokens_kernel(tok_ptr, slot_ptr, slot_tok_ptr, host_ptr, n, HOST: tl.constexpr, BLOCK: tl.constexpr):
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = rows < n
         tok = tl.load(tok_ptr + rows, mask=mask)
@@ -566,7 +570,7 @@ def feed_tokens_fast(tokens: torch.Tensor, slots: torch.Tensor, slot_tokens: tor
     if not n:
         return
     _feed_tokens_kernel[(triton.cdiv(n, FEED_BLOCK),)](tokens, slots, slot_tokens, tokens if host is None else host,
-                                                       n, HOST=host is not None, BLOCK=FEED_BLOCK)
+                                                       n, HOST=host is not None, BLOCK=FEED_BLOCK, **pdl())
 
 
 def bind_feed_tokens() -> Callable[..., None]:

@@ -34,7 +34,7 @@ import torch
 
 from dist import parallel
 from layers import backend
-from layers.backend import tl, triton
+from layers.backend import next_may_start, pdl, prior_done, tl, triton
 from layers.sampler import BLOCK, MAX_IDS, SampleBatch, gumbel_scores, masses, row_seeds, vocab_shard
 
 if triton is not None:
@@ -237,6 +237,8 @@ if triton is not None:
                       nb, W: tl.constexpr, SAMPLED: tl.constexpr, ACCEPT: tl.constexpr, BLOCK: tl.constexpr):
         """Program (row, block): STATS of x = logit * inv_t over the block's valid columns (Gumbel scores with the
         noise of ids + id_offset at the row's key and counter, with SAMPLED; the acceptance noise with ACCEPT)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         row = tl.program_id(0)
         blk = tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -266,6 +268,8 @@ if triton is not None:
                          key_ptr, ctr_ptr, out_ptr, nb, W: tl.constexpr, BLOCK: tl.constexpr):
         """Program (row, block): RESIDUAL over the block: r = max(0, p - q), p = exp(xp - lse_p), q likewise;
         scores log(r) - log(E) and xp - log(E) with the noise of the token ids at the row's key and counter."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         row = tl.program_id(0)
         blk = tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -344,7 +348,7 @@ def stats_fast(logits: torch.Tensor, n_valid: int, start: int, id_offset: int, i
     if R:
         _stats_kernel[(R, nb)](logits, logits.stride(0), n_valid, start, id_offset, ACCEPT_ID, inv_t, key, counter,
                                out, nb, W=STATS, SAMPLED=sampled, ACCEPT=accept, BLOCK=BLOCK,
-                               enable_fp_fusion=False)
+                               enable_fp_fusion=False, **pdl())
     return merge_stats(out, dim=1)
 
 
@@ -375,7 +379,7 @@ def residual_fast(p_logits: torch.Tensor, q_logits: torch.Tensor, n_valid: int, 
     if R:
         _residual_kernel[(R, nb)](p_logits, q_logits, p_logits.stride(0), q_logits.stride(0), n_valid, start,
                                   inv_t, lse_p, lse_q, key, counter, out, nb, W=RESIDUAL, BLOCK=BLOCK,
-                                  enable_fp_fusion=False)
+                                  enable_fp_fusion=False, **pdl())
     return merge_residual(out, dim=1)
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from dist import push
 from layers import backend
-from layers.backend import round_to, tl, triton
+from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
 from layers.linear import inbox_args
 from layers.mlp import silu_mul_sums, silu_mul_torch
 from layers.moe.experts import ExpertWeights
@@ -112,7 +112,7 @@ def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Expe
             w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0), TOP_K=top_k,
             K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), BLOCK_N=block_n,
             BLOCK_H=block_h, NUM_STAGES=tile.get("num_stages", 1),
-            num_warps=tile.get("num_warps") or (8 if 2 * block_n * block_h >= PERSISTENT_TILE else 4))
+            num_warps=tile.get("num_warps") or (8 if 2 * block_n * block_h >= PERSISTENT_TILE else 4), **pdl())
     elif T:
         tile = cap_tile(tile, triton.next_power_of_2(width), triton.next_power_of_2(H), least=2)
         _gate_up_gemv_kernel[(T, triton.cdiv(width, tile["BLOCK_N"]))](
@@ -120,7 +120,7 @@ def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Expe
             shared_inter, w.start, num_local, x.stride(0), logits.stride(0), w.gate_up.stride(0),
             w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0), TOP_K=top_k,
             K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), BLOCK_N=tile["BLOCK_N"],
-            BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"])
+            BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"], **pdl())
     return GemvAct(act, ids, weights, shared_gate, inverse.view(-1))
 
 
@@ -167,7 +167,7 @@ def down_combine_fast(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor
         ids.stride(0), weights.stride(0), shared_gate.stride(0), slot, *inbox_args(box, act.device), TOP_K=k,
         K_POW2=triton.next_power_of_2(k), BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
         NUM_STAGES=tile["num_stages"], PUSH=box is not None, P=box.world if box is not None else 1,
-        num_warps=tile["num_warps"])
+        num_warps=tile["num_warps"], **pdl())
     return push.Pushed(box, slot, out.shape, out.dtype) if box is not None else out
 
 
@@ -182,6 +182,8 @@ if triton is not None:
         of its local slots as one [K_POW2, BLOCK_N, BLOCK_K] tile per H step (gate and up halves) and of the shared
         expert as another, in one loop that Triton software-pipelines (as _down_combine_kernel). Other ranks'
         slots are masked: they read and write nothing. Rows: shared t, pair p = t * TOP_K + slot at T + p."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         t = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
         ids = route_token(logits_ptr, ids_ptr, rw_ptr, sg_ptr, t, E, sl, pid_n == 0, TOP_K, K_POW2, BLOCK_E)
@@ -232,6 +234,8 @@ if triton is not None:
         keeps the next items' loads in flight. G programs a token, all resident, so none waits for a wave before it
         can route (a grid of a program per slot and N tile, local or not, each routing, was 1.8x slower). Rows as
         _gate_up_gemv_kernel's."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         p = tl.program_id(0)
         G = tl.num_programs(0)
         t = tl.program_id(1).to(tl.int64)
@@ -283,6 +287,8 @@ if triton is not None:
         weight, rounded (_down_kernel's epilogue); the routed ones are summed in a fixed order, then the shared
         one, in fp32: no atomics, the same bits on every run. PUSH: the row goes into every rank's inbox instead of
         out_ptr (dist/push.py), and the programs empty the boundary before it in this rank's inbox."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < H

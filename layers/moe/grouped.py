@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dist import push
-from layers.backend import round_to, tl, triton
+from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
 from layers.linear import inbox_args
 from layers.mlp import mlp_torch, silu_mul_sums, silu_mul_torch
 from layers.moe.experts import ExpertWeights
@@ -155,7 +155,7 @@ def gate_up_fast(x: torch.Tensor, w: ExpertWeights, layout: Layout, tile: dict) 
                           w.gate_up.stride(0), w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0),
                           TOP_K=layout.top_k, BLOCK_M=layout.block_m,
                           BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], PRECISION=dot_precision(x.dtype),
-                          num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+                          num_warps=tile["num_warps"], num_stages=tile["num_stages"], **pdl())
     return act
 
 
@@ -176,7 +176,7 @@ def down_fast(act: torch.Tensor, w: ExpertWeights, layout: Layout, weights: torc
                        w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), y.stride(0), weights.stride(0),
                        shared_gate.stride(0), TOP_K=k, BLOCK_M=layout.block_m, BLOCK_N=tile["BLOCK_N"],
                        BLOCK_K=tile["BLOCK_K"], PRECISION=dot_precision(act.dtype), num_warps=tile["num_warps"],
-                       num_stages=tile["num_stages"])
+                       num_stages=tile["num_stages"], **pdl())
     return y
 
 
@@ -194,7 +194,7 @@ def combine_fast(y: torch.Tensor, inverse: torch.Tensor, T: int, partial: bool =
     _combine_kernel[(T, triton.cdiv(H, block_h))](y, inverse, out, H, y.stride(0), out.stride(0), slot,
                                                   *inbox_args(box, y.device), TOP_K=inverse.numel() // T,
                                                   BLOCK_H=block_h, PUSH=box is not None,
-                                                  P=box.world if box is not None else 1, num_warps=4)
+                                                  P=box.world if box is not None else 1, num_warps=4, **pdl())
     return push.Pushed(box, slot, out.shape, out.dtype) if box is not None else out
 
 
@@ -205,6 +205,8 @@ if triton is not None:
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
         """Columns [n, n + BLOCK_N) of silu(x W_gate^T) * (x W_up^T) for one block of rows of one expert; gate and
         up of those columns are rows n.. and n + inter.. of the expert's [2 inter, H] weight."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         # the layout's three loads side by side, one round trip to memory (the grid covers the buffers' rows; a
@@ -257,6 +259,8 @@ if triton is not None:
                      T, H, I, I_s, num_local, sa, swe, swh, sswh, sy, srw, ssg, TOP_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
         """Columns [n, n + BLOCK_N) of (act W_down^T) * routing weight for one block of rows of one expert."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         e = tl.load(block_expert_ptr + pid_m)  # side by side, as _gate_up_kernel's
@@ -307,6 +311,8 @@ if triton is not None:
         """out[t] = sum of token t's routed rows in top-k order, then its shared row (row t), in fp32: a fixed
         order, so no atomics and the same bits on every run. PUSH: the row goes into every rank's inbox instead of
         out_ptr, and the programs empty the boundary before it in this rank's inbox (as _down_combine_kernel)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = cols < H

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from layers.backend import empty_aligned, tl, triton
+from layers.backend import empty_aligned, next_may_start, pdl, prior_done, tl, triton
 from layers.moe.tiles import DECODE_MAX_T
 
 ALIGN_SERIAL_MAX_T = DECODE_MAX_T  # align_fast: one program (_align_kernel) at or below, whose serial loops over the
@@ -85,7 +85,7 @@ def align_serial(ids: torch.Tensor, start: int, num_local: int, block_m: int) ->
     scratch = torch.empty(2 * bins, dtype=torch.int32, device=ids.device)  # counts, then cursors, per local expert
     _align_kernel[(1,)](ids.contiguous(), layout.sorted_pairs, layout.block_expert, layout.inverse, layout.total,
                         scratch, T, start, num_local, TOP_K=k, BLOCK_M=block_m, BINS=bins,
-                        CHUNK=min(1024, triton.next_power_of_2(T * k)), NB_CHUNK=16, num_warps=8)
+                        CHUNK=min(1024, triton.next_power_of_2(T * k)), NB_CHUNK=16, num_warps=8, **pdl())
     return layout
 
 
@@ -109,12 +109,13 @@ def align_chunked(ids: torch.Tensor, start: int, num_local: int, block_m: int, c
     sizes = [chunks * bins, chunks * bins, bins]
     counts, base, offs = empty_aligned(sizes, torch.int32, ids.device)
     ids = ids.contiguous()
-    _align_count_kernel[(chunks,)](ids, counts, T, start, num_local, TOP_K=k, BINS=bins, CHUNK=chunk, num_warps=4)
+    _align_count_kernel[(chunks,)](ids, counts, T, start, num_local, TOP_K=k, BINS=bins, CHUNK=chunk, num_warps=4,
+    **pdl())
     _align_offsets_kernel[(1,)](counts, base, offs, layout.sorted_pairs, layout.block_expert, layout.total, T,
                                 num_local, TOP_K=k, BLOCK_M=block_m, BINS=bins, CHUNK=chunk,
-                                STEP=max(2, 4096 // bins), NB_CHUNK=16, num_warps=8)
+                                STEP=max(2, 4096 // bins), NB_CHUNK=16, num_warps=8, **pdl())
     _align_scatter_kernel[(chunks,)](ids, layout.sorted_pairs, layout.inverse, base, offs, T, start, num_local,
-                                     TOP_K=k, BINS=bins, CHUNK=chunk, num_warps=4)
+                                     TOP_K=k, BINS=bins, CHUNK=chunk, num_warps=4, **pdl())
     return layout
 
 
@@ -149,6 +150,8 @@ if triton is not None:
         """One program. Counts per local expert (integer atomics), padded group offsets after the shared rows,
         then a row per pair from per-expert cursors; the block table and pad rows; the number of rows in use.
         Scratch is read back with volatile loads (past L1), after a barrier."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         n = T * TOP_K
         bins = tl.arange(0, BINS)
         tl.store(scratch_ptr + bins, tl.zeros([BINS], dtype=tl.int32))
@@ -176,6 +179,8 @@ if triton is not None:
     def _align_count_kernel(ids_ptr, counts_ptr, T, start, num_local, TOP_K: tl.constexpr, BINS: tl.constexpr,
                             CHUNK: tl.constexpr):
         """counts[c, e]: pairs of chunk c on local expert e (a histogram in registers: no atomics, no zeroing)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         c = tl.program_id(0)
         e, mine = _local_expert(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), T * TOP_K, start, num_local)
         tl.store(counts_ptr + c * BINS + tl.arange(0, BINS), tl.histogram(e, BINS, mask=mine))
@@ -187,6 +192,8 @@ if triton is not None:
         """One program, STEP chunks at a time: base[c, e] = (e's pairs in chunks before c) - (chunk c's pairs on
         experts below e), so that the chunk's j-th pair in (expert, pair) order, of expert e, belongs at row
         offs[e] + base[c, e] + j. Then the group offsets (as _align_kernel's) and the rest of the layout."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         chunks = tl.cdiv(T * TOP_K, CHUNK)
         bins = tl.arange(0, BINS)
         seen = tl.zeros([BINS], dtype=tl.int32)  # pairs per expert in the chunks done
@@ -209,6 +216,8 @@ if triton is not None:
                               TOP_K: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr):
         """Chunk c's pairs placed: sorted by the key (expert, place in the chunk), other ranks' pairs last (expert
         BINS), the j-th local one goes to row offs[e] + base[c, e] + j (see _align_offsets_kernel)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         c = tl.program_id(0)
         j = tl.arange(0, CHUNK)
         p = c * CHUNK + j

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from layers.backend import tl, triton
+from layers.backend import next_may_start, pdl, prior_done, tl, triton
 from layers.linear import SKINNY_MAX_M, computed, linear_fast, skinny_gemm
 
 ROUTER_PAD_ROWS = 8      # cuBLAS runs N = E + 1 = 257 on an unaligned kernel, several times slower than N = 264
@@ -40,7 +40,8 @@ def route_fast(logits: torch.Tensor, top_k: int):
     if T:
         block = triton.next_power_of_2(num_experts)
         _route_kernel[(T,)](logits, ids, weights, shared_gate, num_experts, logits.stride(0), TOP_K=top_k,
-                            K_POW2=triton.next_power_of_2(top_k), BLOCK_E=block, num_warps=max(1, min(4, block // 128)))
+                            K_POW2=triton.next_power_of_2(top_k), BLOCK_E=block, num_warps=max(1, min(4, block // 128)),
+                            **pdl())
     return ids, weights, shared_gate
 
 
@@ -83,6 +84,8 @@ if triton is not None:
     def _route_kernel(logits_ptr, ids_ptr, w_ptr, sg_ptr, E, sl, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
                       BLOCK_E: tl.constexpr):
         """One token's routing (route_token)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         route_token(logits_ptr, ids_ptr, w_ptr, sg_ptr, tl.program_id(0).to(tl.int64), E, sl, True, TOP_K, K_POW2,
                     BLOCK_E)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from layers.backend import tl, triton
+from layers.backend import next_may_start, pdl, prior_done, tl, triton
 from layers.moe.experts import ExpertWeights
 from layers.moe.gemv import GemvAct, pair_rows_torch
 from layers.moe.grouped import dot_precision, down_tile, gate_up_tile
@@ -60,7 +60,7 @@ def gate_up_scan_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             x.stride(0), w.gate_up.stride(0), w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0),
             TOP_K=top_k, P_POW2=triton.next_power_of_2(T * top_k), BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
             BLOCK_K=t["BLOCK_K"], PRECISION=dot_precision(x.dtype), num_warps=t["num_warps"],
-            num_stages=t["num_stages"])
+            num_stages=t["num_stages"], **pdl())
     return GemvAct(act, ids, weights, shared_gate, inverse)
 
 
@@ -97,7 +97,7 @@ def down_scan_fast(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor, i
             num_local, act.stride(0), w.down.stride(0), w.down.stride(1), w.shared_down.stride(0), y.stride(0),
             shared_gate.stride(0), TOP_K=top_k, P_POW2=triton.next_power_of_2(T * top_k), BLOCK_M=t["BLOCK_M"],
             BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], PRECISION=dot_precision(act.dtype),
-            num_warps=t["num_warps"], num_stages=t["num_stages"])
+            num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl())
     return y
 
 
@@ -153,6 +153,8 @@ if triton is not None:
         The first BLOCK_M pairs run outside any loop, so that nothing encloses their K loop (84 -> 79 us at T = 64,
         TP=4 shapes, 1x H200, L2 cold); the larger gain was the shared expert's blocks first in the grid (_scan:
         79 -> 62)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         pid_n = tl.program_id(1)
         e, m0, p, local, match, rank, count = _scan(ids_ptr, T, tl.program_id(0), start, num_local, TOP_K, P_POW2,
                                                     BLOCK_M)
@@ -190,6 +192,8 @@ if triton is not None:
         """Program (expert e's rows from m0 (_scan), N tile n): columns [n, n + BLOCK_N) of (act W_down^T) rounded,
         times the routing weight (the shared expert's rows: sigmoid(shared gate)), rounded, BLOCK_M rows at a time
         (the first block outside any loop, as _gate_up_scan_kernel's)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        next_may_start()
         pid_n = tl.program_id(1)
         e, m0, p, _, match, rank, count = _scan(ids_ptr, T, tl.program_id(0), start, num_local, TOP_K, P_POW2,
                                                 BLOCK_M)
