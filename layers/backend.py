@@ -211,16 +211,18 @@ if triton is not None:
         def prior_done():
             """(the interpreter runs launches one after another: nothing to wait for)"""
             pass
-
-        @triton.jit
-        def next_may_start():
-            pass
     else:
         @triton.jit
         def prior_done():
             """Wait until the kernels before this one in the stream have finished, their writes visible (pdl())."""
             gdc_wait()
 
+    if _INTERPRET or gdc_wait is None or os.environ.get("QWEN35_PDL_TRIGGER", "1") == "0":
+        @triton.jit
+        def next_may_start():
+            """(the next kernel launches as this one's programs exit)"""
+            pass
+    else:
         @triton.jit
         def next_may_start():
             """Let the kernel after this one launch now (its programs wait in prior_done until this one ends)."""
