@@ -25,7 +25,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
+from layers.backend import pdl, prior_done, round_to, tl, triton
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows, linear_fast, linear_torch
 from layers.norm import RMSNorm, rms_norm_torch
@@ -180,7 +180,6 @@ if triton is not None:
         oracle does in the model dtype is done here too: the norm's output (and its product with w when PLAIN),
         cos and sin, each product of the rotation and their sum."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         dtype = q_ptr.dtype.element_ty
@@ -332,7 +331,6 @@ if triton is not None:
         """Program (query block, head h), blocks in reverse order so that the long causal blocks start first.
         Query i of sequence b sits at absolute position start_b + i and sees keys 0 .. start_b + i."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         pid = tl.program_id(0)
         h = pid % H
         b, blk = block_of(cu_ptr, tl.num_programs(0) // H - 1 - pid // H, B, BLOCK_M, BLOCK_B, False)
@@ -487,7 +485,6 @@ if triton is not None:
         last of the (b, kv head)'s programs to arrive merges the non-empty parts (_merge_splits) and resets the
         counter. No float atomics: the merge adds the parts in split order whatever the order of arrival."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)

@@ -25,9 +25,9 @@ except ImportError:  # pragma: no cover - environments without triton run the to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 try:  # grid dependency control (Triton >= 3.4), compiled for the GPU only: the interpreter has no such calls
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from triton.language.extra.cuda import gdc_wait
 except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
+    gdc_wait = None
 
 KERNELS = ("torch", "fast")
 ENV = "QWEN35_KERNELS"
@@ -87,14 +87,16 @@ class use_kernels:
 
 ALIGN_BYTES = 16  # Triton specialises a pointer argument on 16-byte alignment
 
-# Programmatic dependent launch (PDL, sm_90+). A kernel launched with **pdl() may start while the kernel before it
-# in the stream still runs: every program of it calls next_may_start() (the kernel after it may launch too), loads
-# what no kernel writes (weights), then prior_done() (griddepcontrol.wait: the kernels before it have finished and
-# their writes are visible) before it reads or writes anything else. So the launch, the programs' start and the
-# weight loads of one kernel overlap the drain of the one before; a chain of 80 batch-1 GEMVs of 4 MB took 2.65 us
-# a kernel against 4.64 without (1x H200, benchmarks/bench_pdl.py, 2026-11-28). Every Triton kernel of layers/
-# follows the rule (dist/'s run in plain stream order); the interpreter runs both calls as no-ops. QWEN35_PDL=0
-# launches without it.
+# Programmatic dependent launch (PDL, sm_90+). A kernel launched with **pdl() may start as the kernel before it in
+# the stream drains: its programs load what no kernel writes (weights: the GEMV's tile), then prior_done()
+# (griddepcontrol.wait: the kernels before it have finished and their writes are visible) before they read or write
+# anything else. So its launch, its programs' start and its weight loads overlap the last one's tail and memory
+# flush. No kernel lets the next launch early (griddepcontrol.launch_dependents): a kernel launched while the one
+# before still ran placed its programs on the SMs free at that moment, and the MoE kernels at 8 tokens ran 2-3x
+# longer (TP=4 batch 8 2.99 -> 3.45 ms); launched as the last programs exit, it costs nothing anywhere. One 2x H200
+# call (2026-11-28): TP=2 2.03 / 2.41 -> 1.94 / 2.32 ms at batch 1 / 2, TP=1 2.60 / 3.29 -> 2.44 / 3.15, batch 4-16
+# unchanged (`results/2026-11-28_record_h200x2_tp{1,2}_pdl*.json`). Every Triton kernel of layers/ follows the rule
+# (dist/'s run in plain stream order); the interpreter runs prior_done as a no-op. QWEN35_PDL=0 launches without it.
 PDL_ENV = "QWEN35_PDL"
 
 
@@ -217,15 +219,5 @@ if triton is not None:
             """Wait until the kernels before this one in the stream have finished, their writes visible (pdl())."""
             gdc_wait()
 
-    if _INTERPRET or gdc_wait is None or os.environ.get("QWEN35_PDL_TRIGGER", "1") == "0":
-        @triton.jit
-        def next_may_start():
-            """(the next kernel launches as this one's programs exit)"""
-            pass
-    else:
-        @triton.jit
-        def next_may_start():
-            """Let the kernel after this one launch now (its programs wait in prior_done until this one ends)."""
-            gdc_launch_dependents()
 else:  # pragma: no cover
-    round_to = rms_norm_row = prior_done = next_may_start = None
+    round_to = rms_norm_row = prior_done = None

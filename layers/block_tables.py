@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from layers import backend
-from layers.backend import next_may_start, pdl, prior_done, tl, triton
+from layers.backend import pdl, prior_done, tl, triton
 
 
 def pack_tables(tables: list[tuple[int, list[int]]]) -> array:
@@ -64,7 +64,6 @@ if triton is not None:
     def _set_tables_kernel(table_ptr, flat_ptr, end_ptr, n, stride, block_size, max_len, SLOT_END: tl.constexpr,
                            BLOCK: tl.constexpr):
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         i = tl.program_id(0)
         slot = tl.load(flat_ptr + i)
         length = tl.load(flat_ptr + n + i)

@@ -27,7 +27,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
+from layers.backend import pdl, prior_done, round_to, tl, triton
 from layers.deltanet_prefill import (CHUNK, L2_EPS, causal_conv1d_varlen_fast, chunk_delta_rule_varlen_fast,
                                      chunked_gated_delta_rule, l2norm)
 from layers.forward_batch import ForwardBatch
@@ -433,7 +433,6 @@ if triton is not None:
         """BLOCK_T tokens: g = -exp(A_log) * softplus(a + dt_bias) in fp32, beta = sigmoid(b) rounded to b's dtype
         (the decode kernel computes the same inline)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         h = tl.arange(0, BLOCK_H)
         hm = h < H
@@ -480,7 +479,6 @@ if triton is not None:
         then, by the last program of the (b, qk-head) group to arrive: the q/k tail shift and, for each of its REP
         heads, y = (o / rms(o), rounded) * w * silu(z) (gated RMSNorm, spec §2.1)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
         h, j = pid // N_SPLIT, pid % N_SPLIT
         hk = h // REP

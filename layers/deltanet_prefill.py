@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
+from layers.backend import pdl, prior_done, round_to, tl, triton
 from layers.varlen import block_of, seq_tile
 
 CHUNK = 64          # tokens per chunk of the delta rule
@@ -265,7 +265,6 @@ if triton is not None:
         its cached tail (BLOCK_T >= K-1), so it alone rewrites the tail, after a barrier that orders the reads of
         all its threads before the writes."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         b, blk = block_of(cu_ptr, tl.program_id(0), B, BLOCK_T, BLOCK_B, True)
         if b >= B:
             return
@@ -375,7 +374,6 @@ if triton is not None:
         MMA, where the normalised fp32 keys needed three tf32 ones (tf32x3) for the same accuracy (the prep
         kernel 743 -> 455 us at 8 x 1024 tokens, 1x H200, 2026-11-25; the output kernel's Q K^T likewise)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         BLK: tl.constexpr = CHUNK // 4
         b, ci = block_of(cu_ptr, tl.program_id(0), B, CHUNK, BLOCK_B, False)
         if b >= B:
@@ -449,7 +447,6 @@ if triton is not None:
         at checkpoints). Chunk c of sequence b has h index (chunks of the sequences before b) + c, the index the
         prep and output kernels' programs have."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = h // REP
         lo = tl.load(cu_ptr + b)
@@ -512,7 +509,6 @@ if triton is not None:
         """One (chunk, value head), all chunks in parallel once the states at the chunk starts (h) and V' are
         known: O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j))_causal V', the value columns BV at a time."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         pid = tl.program_id(0)
         b, ci = block_of(cu_ptr, pid, B, CHUNK, BLOCK_B, False)
         if b >= B:

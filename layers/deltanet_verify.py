@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
+from layers.backend import pdl, prior_done, round_to, tl, triton
 from layers.deltanet import (L2_EPS, _dims, conv_column_qkv, decode_launch, delta_rule_step, gates_torch,
                              split_proj)
 from layers.norm import gated_rms_norm_fast, gated_rms_norm_torch
@@ -142,7 +142,6 @@ if triton is not None:
         """Sequence b's conv tail at channels [j*BLOCK, (j+1)*BLOCK) after counts[b] tokens: entries n .. n + TAIL
         - 1 of [old tail (TAIL), its T inputs], all read (a barrier) before any is written (in place)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         b = tl.program_id(0)
         ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         i = tl.arange(0, TAIL_P)
@@ -167,7 +166,6 @@ if triton is not None:
         token's readout o (rounded) goes to row b*T + t of y, unnormalised. Commit: tokens t >= counts[b] leave
         the slab as it was; the slab is written once at the end; nothing else (y unused)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
         h, j = pid // N_SPLIT, pid % N_SPLIT
         hk = h // REP

@@ -33,7 +33,7 @@ from torch import nn
 from dist import parallel, push
 from dist.push import Pushed
 from layers import backend
-from layers.backend import next_may_start, pdl, prior_done, rms_norm_row, round_to, tl, triton
+from layers.backend import pdl, prior_done, rms_norm_row, round_to, tl, triton
 
 # linear_fast's GEMV: up to GEMV_MAX_M rows and GEMV_MAX_K features; a program holds BLOCK_N x next_pow2(K) <= tile
 # weight elements ("tile_1" at one row, "tile" at more; BLOCK_N a power of two, halved from the most that fits until
@@ -359,7 +359,6 @@ if triton is not None:
         if HAS_BIAS:
             b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
         prior_done()  # (backend.pdl: the weights stream while the kernel before this one drains)
-        next_may_start()
         dt = y_ptr.dtype.element_ty
         for m in tl.static_range(BLOCK_M):
             # rows past M (the tile is a power of two) read and write nothing: their limits are <= 0
@@ -395,7 +394,6 @@ if triton is not None:
         arrival: no float atomics), rounds once to y's dtype, as cuBLAS does, and resets the counter. The results
         differ from F.linear by the order of the fp32 sums only."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         pid_n, share = tl.program_id(0), tl.program_id(1)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)

@@ -19,7 +19,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
+from layers.backend import pdl, prior_done, round_to, tl, triton
 from layers.linear import Linear, even_split, fuse_rows, linear_fast
 
 
@@ -55,7 +55,6 @@ if triton is not None:
     @triton.jit
     def _silu_mul_kernel(h_ptr, out_ptr, inter, sh, BLOCK: tl.constexpr):
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter

@@ -15,7 +15,7 @@ from torch import nn
 from dist import allreduce, parallel, push
 from dist.push import Pushed
 from layers import backend, linear
-from layers.backend import next_may_start, pdl, prior_done, rms_norm_row, round_to, tl, triton
+from layers.backend import pdl, prior_done, rms_norm_row, round_to, tl, triton
 from layers.linear import PendingNorm, make_param
 
 
@@ -111,7 +111,6 @@ if triton is not None:
         """One row: s = x (+ residual, rounded to the model dtype, stored); out = s / rms(s) * (1 + w), or with
         PLAIN round(s / rms(s)) * w rounded (the oracle's two roundings in the model dtype): backend.rms_norm_row."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -125,7 +124,6 @@ if triton is not None:
         """Heads [hb * BLOCK_H, ...) of one row: y = x / rms(x) per head, rounded to the model dtype (as the
         reference casts the normed x), then w * y * silu(z) in fp32, rounded once."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         r = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
@@ -256,7 +254,6 @@ if triton is not None:
         as the reference's all-reduced tensor is), then the residual add and the norm of _rms_norm_kernel.
         Offsets stay int32: rows x n is at most the one-shot limit."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         dt = x_ptr.dtype.element_ty
         mine = allreduce.peer_buffer(table, rank, dt)
         cols = tl.arange(0, BLOCK)
@@ -297,7 +294,6 @@ if triton is not None:
                                   region_stride, P: tl.constexpr, PLAIN: tl.constexpr, BLOCK: tl.constexpr):
         """One row: the inbox's sum rounded to the model dtype once, then rms_norm_row's add and norm."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < H

@@ -46,7 +46,7 @@ import torch
 
 from dist import parallel
 from layers import backend
-from layers.backend import next_may_start, pdl, prior_done, tl, triton
+from layers.backend import pdl, prior_done, tl, triton
 from layers.linear import even_split
 
 NO_LIMIT = 1 << 62          # a top-k / top-p limit that keeps every token
@@ -294,7 +294,6 @@ if triton is not None:
         """Program (row, block): the block's masked max logit and its first column, and with SAMPLED the same of
         the Gumbel scores (written out with WRITE_SCORES, for the filters). Same arithmetic as gumbel_scores."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         row = tl.program_id(0)
         blk = tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -551,7 +550,6 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n"])
     def _feed_tokens_kernel(tok_ptr, slot_ptr, slot_tok_ptr, host_ptr, n, HOST: tl.constexpr, BLOCK: tl.constexpr):
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = rows < n
         tok = tl.load(tok_ptr + rows, mask=mask)

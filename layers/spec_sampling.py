@@ -34,7 +34,7 @@ import torch
 
 from dist import parallel
 from layers import backend
-from layers.backend import next_may_start, pdl, prior_done, tl, triton
+from layers.backend import pdl, prior_done, tl, triton
 from layers.sampler import BLOCK, MAX_IDS, SampleBatch, gumbel_scores, masses, row_seeds, vocab_shard
 
 if triton is not None:
@@ -238,7 +238,6 @@ if triton is not None:
         """Program (row, block): STATS of x = logit * inv_t over the block's valid columns (Gumbel scores with the
         noise of ids + id_offset at the row's key and counter, with SAMPLED; the acceptance noise with ACCEPT)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         row = tl.program_id(0)
         blk = tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -269,7 +268,6 @@ if triton is not None:
         """Program (row, block): RESIDUAL over the block: r = max(0, p - q), p = exp(xp - lse_p), q likewise;
         scores log(r) - log(E) and xp - log(E) with the noise of the token ids at the row's key and counter."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         row = tl.program_id(0)
         blk = tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from dist import push
 from layers import backend
-from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
+from layers.backend import pdl, prior_done, round_to, tl, triton
 from layers.linear import inbox_args
 from layers.mlp import silu_mul_sums, silu_mul_torch
 from layers.moe.experts import ExpertWeights
@@ -183,7 +183,6 @@ if triton is not None:
         expert as another, in one loop that Triton software-pipelines (as _down_combine_kernel). Other ranks'
         slots are masked: they read and write nothing. Rows: shared t, pair p = t * TOP_K + slot at T + p."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         t = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
         ids = route_token(logits_ptr, ids_ptr, rw_ptr, sg_ptr, t, E, sl, pid_n == 0, TOP_K, K_POW2, BLOCK_E)
@@ -235,7 +234,6 @@ if triton is not None:
         can route (a grid of a program per slot and N tile, local or not, each routing, was 1.8x slower). Rows as
         _gate_up_gemv_kernel's."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         p = tl.program_id(0)
         G = tl.num_programs(0)
         t = tl.program_id(1).to(tl.int64)
@@ -288,7 +286,6 @@ if triton is not None:
         one, in fp32: no atomics, the same bits on every run. PUSH: the row goes into every rank's inbox instead of
         out_ptr (dist/push.py), and the programs empty the boundary before it in this rank's inbox."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < H

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dist import push
-from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
+from layers.backend import pdl, prior_done, round_to, tl, triton
 from layers.linear import inbox_args
 from layers.mlp import mlp_torch, silu_mul_sums, silu_mul_torch
 from layers.moe.experts import ExpertWeights
@@ -206,7 +206,6 @@ if triton is not None:
         """Columns [n, n + BLOCK_N) of silu(x W_gate^T) * (x W_up^T) for one block of rows of one expert; gate and
         up of those columns are rows n.. and n + inter.. of the expert's [2 inter, H] weight."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         # the layout's three loads side by side, one round trip to memory (the grid covers the buffers' rows; a
@@ -260,7 +259,6 @@ if triton is not None:
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
         """Columns [n, n + BLOCK_N) of (act W_down^T) * routing weight for one block of rows of one expert."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         e = tl.load(block_expert_ptr + pid_m)  # side by side, as _gate_up_kernel's
@@ -312,7 +310,6 @@ if triton is not None:
         order, so no atomics and the same bits on every run. PUSH: the row goes into every rank's inbox instead of
         out_ptr, and the programs empty the boundary before it in this rank's inbox (as _down_combine_kernel)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = cols < H

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from layers.backend import empty_aligned, next_may_start, pdl, prior_done, tl, triton
+from layers.backend import empty_aligned, pdl, prior_done, tl, triton
 from layers.moe.tiles import DECODE_MAX_T
 
 ALIGN_SERIAL_MAX_T = DECODE_MAX_T  # align_fast: one program (_align_kernel) at or below, whose serial loops over the
@@ -151,7 +151,6 @@ if triton is not None:
         then a row per pair from per-expert cursors; the block table and pad rows; the number of rows in use.
         Scratch is read back with volatile loads (past L1), after a barrier."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         n = T * TOP_K
         bins = tl.arange(0, BINS)
         tl.store(scratch_ptr + bins, tl.zeros([BINS], dtype=tl.int32))
@@ -180,7 +179,6 @@ if triton is not None:
                             CHUNK: tl.constexpr):
         """counts[c, e]: pairs of chunk c on local expert e (a histogram in registers: no atomics, no zeroing)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         c = tl.program_id(0)
         e, mine = _local_expert(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), T * TOP_K, start, num_local)
         tl.store(counts_ptr + c * BINS + tl.arange(0, BINS), tl.histogram(e, BINS, mask=mine))
@@ -193,7 +191,6 @@ if triton is not None:
         experts below e), so that the chunk's j-th pair in (expert, pair) order, of expert e, belongs at row
         offs[e] + base[c, e] + j. Then the group offsets (as _align_kernel's) and the rest of the layout."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         chunks = tl.cdiv(T * TOP_K, CHUNK)
         bins = tl.arange(0, BINS)
         seen = tl.zeros([BINS], dtype=tl.int32)  # pairs per expert in the chunks done
@@ -217,7 +214,6 @@ if triton is not None:
         """Chunk c's pairs placed: sorted by the key (expert, place in the chunk), other ranks' pairs last (expert
         BINS), the j-th local one goes to row offs[e] + base[c, e] + j (see _align_offsets_kernel)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         c = tl.program_id(0)
         j = tl.arange(0, CHUNK)
         p = c * CHUNK + j

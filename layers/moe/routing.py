@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from layers.backend import next_may_start, pdl, prior_done, tl, triton
+from layers.backend import pdl, prior_done, tl, triton
 from layers.linear import SKINNY_MAX_M, computed, linear_fast, skinny_gemm
 
 ROUTER_PAD_ROWS = 8      # cuBLAS runs N = E + 1 = 257 on an unaligned kernel, several times slower than N = 264
@@ -85,7 +85,6 @@ if triton is not None:
                       BLOCK_E: tl.constexpr):
         """One token's routing (route_token)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         route_token(logits_ptr, ids_ptr, w_ptr, sg_ptr, tl.program_id(0).to(tl.int64), E, sl, True, TOP_K, K_POW2,
                     BLOCK_E)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from layers.backend import next_may_start, pdl, prior_done, tl, triton
+from layers.backend import pdl, prior_done, tl, triton
 from layers.moe.experts import ExpertWeights
 from layers.moe.gemv import GemvAct, pair_rows_torch
 from layers.moe.grouped import dot_precision, down_tile, gate_up_tile
@@ -154,7 +154,6 @@ if triton is not None:
         TP=4 shapes, 1x H200, L2 cold); the larger gain was the shared expert's blocks first in the grid (_scan:
         79 -> 62)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         pid_n = tl.program_id(1)
         e, m0, p, local, match, rank, count = _scan(ids_ptr, T, tl.program_id(0), start, num_local, TOP_K, P_POW2,
                                                     BLOCK_M)
@@ -193,7 +192,6 @@ if triton is not None:
         times the routing weight (the shared expert's rows: sigmoid(shared gate)), rounded, BLOCK_M rows at a time
         (the first block outside any loop, as _gate_up_scan_kernel's)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
-        next_may_start()
         pid_n = tl.program_id(1)
         e, m0, p, _, match, rank, count = _scan(ids_ptr, T, tl.program_id(0), start, num_local, TOP_K, P_POW2,
                                                 BLOCK_M)
