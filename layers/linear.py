@@ -57,6 +57,8 @@ GEMV_CONFIG = {"tile_1": 2048, "tile": 8192, "warps": 4, "norm_tile_1": 16384, "
 # 3.5; DeltaNet input 17.3 / 22.5), so there it is folded only into grids of at most FOLD_MAX_PROGRAMS_PER_SM
 # programs per SM.
 FOLD_MAX_PROGRAMS_PER_SM = 2
+FOLD_MAX_M = 16  # rows up to which a layer boundary leaves its norm to the GEMV that reads it (RMSNorm.boundary): the
+                 # MoE router's row grid folds it up to 16 (moe.router_logits_fast); other readers compute it first
 
 # skinny_gemm's threshold (rows of the input) and launch settings, likewise. block_n: output columns per program (the
 # weight rows it streams, whole K each); block_k: the reduction step, loads pipelined `stages` deep.
@@ -177,13 +179,16 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                gemv_rows: int | None = None, partial: bool = False) -> torch.Tensor | Pushed:
+                gemv_rows: int | None = None, rows_in_grid: bool = False,
+                partial: bool = False) -> torch.Tensor | Pushed:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype: the GEMV kernel for 1..gemv_rows rows
     (GEMV_MAX_M by default), F.linear otherwise (and for K > GEMV_MAX_K, a weight whose rows are not contiguous,
     mixed dtypes). A PendingNorm not yet computed is computed inside the GEMV (see the module's docstring), its sum
     pulled from the inbox where it is a Pushed. With `partial` (the output is a boundary's partial sums) where the
     inbox takes them (TP > 1, decode sizes), they are pushed to every rank (from the GEMV's epilogue, else by
-    push_ after the GEMM) and a Pushed is returned."""
+    push_ after the GEMM) and a Pushed is returned. rows_in_grid: a program per (column block, row), each tiled as
+    at one row, so a folded norm costs a program one row, not every row (for a small weight, read again per row
+    from L2: the MoE router's at 5-16 rows)."""
     norm = x if isinstance(x, PendingNorm) and not x.done else None
     pulled = norm is not None and isinstance(norm.x, Pushed)
     x = (norm.out if pulled else norm.x) if norm is not None else computed(x)  # (pulled: its shape and dtype)
@@ -195,13 +200,14 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
         y = F.linear(x if norm is None else norm.tensor(), weight, bias)
         return push.push_(y, box) if box is not None else y
     block_k = triton.next_power_of_2(K)
-    if norm is not None and M == 1:
+    one = M == 1 or rows_in_grid  # each program's rows
+    if norm is not None and one:
         tile, warps = GEMV_CONFIG["norm_tile_1"], GEMV_CONFIG["norm_warps_1"]
     else:
-        tile, warps = GEMV_CONFIG["tile_1" if M == 1 else "tile"], GEMV_CONFIG["warps"]
-    block_n = gemv_block_n(N, block_k, tile, x.device)
+        tile, warps = GEMV_CONFIG["tile_1" if one else "tile"], GEMV_CONFIG["warps"]
+    block_n = gemv_block_n(N, block_k, tile, x.device, M if rows_in_grid else 1)
     warps *= max(1, block_n * block_k // tile)  # (K > tile: one row a program, more warps)
-    if norm is not None and M > 1 and triton.cdiv(N, block_n) > FOLD_MAX_PROGRAMS_PER_SM * backend.sm_count(x.device):
+    if norm is not None and not one and triton.cdiv(N, block_n) > FOLD_MAX_PROGRAMS_PER_SM * backend.sm_count(x.device):
         x, norm, pulled = norm.tensor(), None, False  # too many programs to each pay the norm: the norm kernel first
     x2, y = _rows_and_output(x, M, N, K)
     if norm is None:
@@ -212,10 +218,10 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
         nw, h, sr, eps = norm.weight, norm.out, r.stride(0), norm.eps
     inbox = box if box is not None else (norm.x.inbox if pulled else None)
     slot = box.claim(M) if box is not None else 0
-    _gemv_kernel[(triton.cdiv(N, block_n),)](
+    _gemv_kernel[(triton.cdiv(N, block_n), M if rows_in_grid else 1)](
         x2, weight, weight if bias is None else bias, y, r, r_out, nw, h, M, N, K, x2.stride(0), weight.stride(0),
         y.stride(0), sr, eps, norm.x.slot if pulled else 0, slot, *inbox_args(inbox, x.device),
-        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=1 if rows_in_grid else triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
         PLAIN=norm is not None and norm.plain, PULL=pulled, PUSH=box is not None,
         P=inbox.world if inbox is not None else 1, num_warps=min(warps, 16), **pdl())
@@ -253,11 +259,11 @@ def _rows_and_output(x: torch.Tensor, M: int, N: int, K: int) -> tuple[torch.Ten
     return x2, torch.empty(M, N, dtype=x.dtype, device=x.device)
 
 
-def gemv_block_n(N: int, block_k: int, tile: int, device: torch.device) -> int:
-    """Output columns per GEMV program: the most whose weights fit `tile` elements, halved while the grid has fewer
-    than two programs per SM (the router's 257 columns: one each)."""
+def gemv_block_n(N: int, block_k: int, tile: int, device: torch.device, rows: int = 1) -> int:
+    """Output columns per GEMV program: the most whose weights fit `tile` elements, halved while the grid (`rows`
+    programs a column block) has fewer than two programs per SM (the router's 257 columns at one row: one each)."""
     block_n = triton.next_power_of_2(tile // block_k) if tile >= block_k else 1
-    while block_n > 1 and triton.cdiv(N, block_n) < 2 * backend.sm_count(device):
+    while block_n > 1 and triton.cdiv(N, block_n) * rows < 2 * backend.sm_count(device):
         block_n //= 2
     return block_n
 
@@ -348,7 +354,9 @@ if triton is not None:
         the residual r added, the norm weight nw) and uses it as x; program 0 stores the sums (ro) and the normed
         rows (h). The weight loads are issued first: the norm's arithmetic runs while they are in flight.
         PULL (with NORM): the rows are a boundary's sum, polled for and summed from the inbox (dist/push.py) after
-        the weight loads are issued. PUSH: y is this rank's partial sums of a boundary, stored into every rank's
+        the weight loads are issued. A grid of [column blocks, M] (linear_fast's rows_in_grid) gives each program
+        one row, program_id(1), with BLOCK_M 1: the weight is read once per row (from L2 but the first), the norm
+        computed once per row and program. PUSH: y is this rank's partial sums of a boundary, stored into every rank's
         inbox instead of y_ptr; the programs empty the boundary before it in this rank's inbox."""
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -360,7 +368,8 @@ if triton is not None:
             b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
         prior_done()  # (backend.pdl: the weights stream while the kernel before this one drains)
         dt = y_ptr.dtype.element_ty
-        for m in tl.static_range(BLOCK_M):
+        for i in tl.static_range(BLOCK_M):
+            m = tl.program_id(1) + i  # (a grid with rows on axis 1 gives each program one row: BLOCK_M 1)
             # rows past M (the tile is a power of two) read and write nothing: their limits are <= 0
             limit = tl.minimum(K, (M - m) * K)
             xm = k < limit

@@ -176,12 +176,12 @@ class RMSNorm(nn.Module):
     def boundary(self, x: torch.Tensor, residual: torch.Tensor | None):
         """all_reduce_add(x, residual), or (self(x), x) for the first layer's input (residual None: the embeddings,
         whole on every rank); where the sublayer's first GEMV can compute the norm itself (the fast kernels at one
-        rank, at most GEMV_MAX_M rows: one launch less per layer boundary) the normed rows are a PendingNorm, its
-        sum allocated and written by that GEMV. Every reader of a PendingNorm goes through linear_fast or
-        linear.computed()."""
+        rank, at most linear.FOLD_MAX_M rows: one launch less per layer boundary) the normed rows are a PendingNorm,
+        its sum allocated and written by that GEMV (a reader that cannot fold it computes it with the norm kernel,
+        as here). Every reader of a PendingNorm goes through linear_fast or linear.computed()."""
         pushed = isinstance(x, Pushed)
         rows = x.rows if pushed else x.numel() // x.shape[-1]
-        if not (self._fast and (pushed or parallel.tp_size() == 1) and 0 < rows <= linear.GEMV_MAX_M
+        if not (self._fast and (pushed or parallel.tp_size() == 1) and 0 < rows <= linear.FOLD_MAX_M
                 and x.dtype == self.weight.dtype and (pushed or x.is_contiguous())):
             return (self(x), x) if residual is None else self.all_reduce_add(x, residual)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

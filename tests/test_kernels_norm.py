@@ -82,9 +82,9 @@ def test_norm_folded_into_the_gemv(rows, N, residual, plain, bias):
 
 
 def test_pending_norm_read_by_other_paths():
-    """Past the GEMV's limits (a weight too wide for it here) or read by anything but linear_fast, the PendingNorm
-    is computed by the norm kernel, once; with more rows than the GEMV takes, with the torch kernels or at TP > 1
-    boundary() is all_reduce_add itself."""
+    """Past the GEMV's limits (a weight too wide for it here, more rows than it takes) or read by anything but
+    linear_fast, the PendingNorm is computed by the norm kernel, once; past FOLD_MAX_M rows, with the torch kernels
+    or at TP > 1 without an inbox, boundary() is all_reduce_add itself."""
     from layers import linear as lin
 
     x, r, w = case(2, 64, torch.float32, "cpu", seed=3)
@@ -97,9 +97,14 @@ def test_pending_norm_read_by_other_paths():
     y = lin.linear_fast(pending, weight, gemv_rows=1)  # 2 rows > gemv_rows: F.linear over the computed norm
     assert pending.done and torch.equal(pending.out, want_h) and torch.equal(total, want_sum)
     assert torch.equal(y, F.linear(want_h, weight))
-    x4, r4, _ = case(4, 64, torch.float32, "cpu", seed=4)
+    x4, r4, _ = case(lin.FOLD_MAX_M + 1, 64, torch.float32, "cpu", seed=4)
     h4, s4 = m.boundary(x4, r4)
     assert isinstance(h4, torch.Tensor) and torch.equal(h4, m(x4, r4)[0]) and torch.equal(s4, x4 + r4)
+    x8, r8, _ = case(8, 64, torch.float32, "cpu", seed=5)  # up to FOLD_MAX_M rows a PendingNorm, computed by the
+    pending8, s8 = m.boundary(x8, r8)                       # norm kernel for a GEMV that cannot fold it
+    assert isinstance(pending8, lin.PendingNorm)
+    assert torch.equal(lin.linear_fast(pending8, weight), F.linear(m(x8, r8)[0], weight))
+    assert torch.equal(pending8.out, m(x8, r8)[0]) and torch.equal(s8, x8 + r8)
     with backend.use_kernels("torch"):
         t = RMSNorm(64, 1e-6)
     t.weight.data.copy_(w)

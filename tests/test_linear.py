@@ -86,6 +86,18 @@ def test_gemv_equals_f_linear(M, N, K):
     assert scaled_err(lin.linear_fast(x, w, b, gemv_rows=4), F.linear(x, w, b)) <= 1e-5
 
 
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize("N,K", [(37, 300), (257, 64)])
+def test_gemv_row_grid_equals_f_linear(M, N, K):
+    """The GEMV's row grid (a program per column block and row: the MoE router's from 5 tokens), with and without a
+    bias: within 1e-5 of F.linear, and the same bits as the GEMV over each row alone (the same sums per row)."""
+    gen = torch.Generator().manual_seed(M * 7 + N)
+    x, w, b = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    y = lin.linear_fast(x, w, b, gemv_rows=16, rows_in_grid=True)
+    assert y.shape == (M, N) and scaled_err(y, F.linear(x, w, b)) <= 1e-5
+    assert torch.equal(y, torch.cat([lin.linear_fast(x[i:i + 1], w, b) for i in range(M)]))
+
+
 @pytest.mark.parametrize("tile,warps", [(2048, 1), (4096, 2), (16384, 4)])
 def test_gemv_tile_settings(tile, warps, monkeypatch):
     monkeypatch.setitem(lin.GEMV_CONFIG, "tile_1", tile)
@@ -106,6 +118,8 @@ def test_gemv_block_n_from_shape(monkeypatch):
     assert lin.gemv_block_n(2048, 4096, 8192, cpu) == 2    # an out projection: 1,024
     assert lin.gemv_block_n(257, 2048, 8192, cpu) == 1     # the router: 257
     assert lin.gemv_block_n(2048, 16384, 8192, cpu) == 1   # K past the tile: one row a program
+    assert lin.gemv_block_n(257, 2048, 16384, cpu, rows=8) == 8  # the router's row grid at 8 rows: 264 programs
+    assert lin.gemv_block_n(257, 2048, 16384, cpu, rows=2) == 1  # at 2 rows: 514 (2 columns: 258, too few)
 
 
 def test_gemv_3d_strided_and_past_its_limits():

@@ -84,19 +84,21 @@ def test_push_then_pull_add_norm(world, rows):
         assert all(all_empty(buf) for buf in bufs)
 
 
-@pytest.mark.parametrize("world,rows", [(2, 1), (3, 2)])
+@pytest.mark.parametrize("world,rows", [(2, 1), (3, 2), (2, 8), (3, 5)])
 def test_gemv_pushes_and_pulls(world, rows):
     """A boundary as the model runs it at decode sizes: every rank's out projection (GEMV) pushes its partial sums,
-    every rank's next input projection (GEMV) pulls them in its prologue with the norm folded in."""
+    every rank's next input projection (GEMV) pulls them in its prologue with the norm folded in (past two rows
+    the row grid, a program per column block and row, as the MoE router's)."""
     K, H, N = 24, 40, 16
-    bufs, boxes = inboxes(world, 4, 2, H)
+    bufs, boxes = inboxes(world, 4, max(rows, 2), H)
     gen = torch.Generator().manual_seed(world)
     ys = [torch.randn(rows, K, generator=gen) for _ in range(world)]
     w_out = [torch.randn(H, K, generator=gen) * 0.3 for _ in range(world)]   # row-parallel shards
     w_in = torch.randn(N, H, generator=gen) * 0.3                            # the next projection (replicated)
     residual, norm_w = torch.randn(rows, H, generator=gen), torch.randn(H, generator=gen) * 0.2
-    pushed = push_from_every_rank(boxes, lambda r: linear_fast(ys[r], w_out[r], partial=True))
-    unpushed = [linear_fast(y, w, partial=True) for y, w in zip(ys, w_out)]  # no inbox: the GEMV's own output
+    gemv = dict(gemv_rows=16, rows_in_grid=rows > 2)
+    pushed = push_from_every_rank(boxes, lambda r: linear_fast(ys[r], w_out[r], partial=True, **gemv))
+    unpushed = [linear_fast(y, w, partial=True, **gemv) for y, w in zip(ys, w_out)]  # no inbox: the GEMV's output
     assert max_diff(unpushed[0], torch.nn.functional.linear(ys[0], w_out[0])) <= 1e-5
     total = rank_order_sum(unpushed)
     for r in range(world):
@@ -110,8 +112,8 @@ def test_gemv_pushes_and_pulls(world, rows):
     for r in range(world):
         pending, res = norm.boundary(pushed[r], residual)
         assert not isinstance(pending, torch.Tensor)  # folded into the GEMV below
-        y = linear_fast(pending, w_in)
-        assert torch.equal(res, s0)
+        y = linear_fast(pending, w_in, **gemv)
+        assert pending.done and torch.equal(res, s0)
         assert max_diff(pending.out, h0) <= 1e-5
         assert max_diff(y, torch.nn.functional.linear(h0, w_in)) <= 1e-4
     assert not any(all_empty(buf) for buf in bufs)
@@ -221,7 +223,8 @@ def test_gpu_push_pull_simulated_inboxes_bf16(world, rows):
     w_out = [torch.randn(H, K, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(world)]
     residual = torch.randn(rows, H, generator=gen, device="cuda", dtype=torch.bfloat16)
     norm_w = torch.randn(H, generator=gen, device="cuda") .to(torch.bfloat16) * 0.2
-    pushed = push_from_every_rank(boxes, lambda r: linear_fast(ys[r], w_out[r], partial=True))
+    pushed = push_from_every_rank(boxes, lambda r: linear_fast(ys[r], w_out[r], partial=True, gemv_rows=16,
+                                                               rows_in_grid=rows > 2))
     partials = [linear_fast(y, w) for y, w in zip(ys, w_out)]  # the same GEMV, not pushed
     total = rank_order_sum([p.float() for p in partials]).to(torch.bfloat16)
     y0, s0 = add_rms_norm_torch(total, residual, norm_w, EPS)

@@ -15,7 +15,8 @@ from layers.backend import pdl, prior_done, tl, triton
 from layers.linear import SKINNY_MAX_M, computed, linear_fast, skinny_gemm
 
 ROUTER_PAD_ROWS = 8      # cuBLAS runs N = E + 1 = 257 on an unaligned kernel, several times slower than N = 264
-ROUTER_GEMV_MAX_T = 4    # router_logits_fast: the GEMV kernel up to this many tokens
+ROUTER_GEMV_MAX_T = 4    # router_logits_fast: the GEMV kernel up to this many tokens,
+ROUTER_ROWS_MAX_T = 16   # then up to this many its row grid (a program per column block and token)
 
 
 def route_torch(logits: torch.Tensor, top_k: int):
@@ -51,14 +52,17 @@ def router_logits_torch(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
 
 
 def router_logits_fast(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """router_logits_torch by T: the GEMV kernel (layers/linear.py) up to ROUTER_GEMV_MAX_T tokens, the skinny GEMM
-    up to SKINNY_MAX_M, where cuBLAS has one poor tile for the 257-wide output (1x H200, 2026-11-25, CUDA graphs,
+    """router_logits_torch by T: the GEMV kernel (layers/linear.py) up to ROUTER_GEMV_MAX_T tokens, its row grid up
+    to ROUTER_ROWS_MAX_T (a layer boundary's pull and norm folded in, as at fewer tokens: one launch less than the
+    norm kernel + the skinny GEMM), the skinny GEMM up to SKINNY_MAX_M, where cuBLAS has one poor tile for the 257-wide output (1x H200, 2026-11-25, CUDA graphs,
     weights from HBM: 8.2-8.4 us at 4-8 tokens against GEMV 3.7 at 4 and skinny 4.3 at 8), padded_router_gemm above.
     The logits differ from cuBLAS's by the order of the fp32 sums only; a choice by T alone, so a padded graph batch
     takes the same path as the batch run eagerly."""
     T = x.shape[0]
     if T <= ROUTER_GEMV_MAX_T:
         return linear_fast(x, router, gemv_rows=ROUTER_GEMV_MAX_T)  # (computes a PendingNorm x in its prologue)
+    if T <= ROUTER_ROWS_MAX_T:  # (likewise, a row a program: the pull and the norm in the router's launch)
+        return linear_fast(x, router, gemv_rows=ROUTER_ROWS_MAX_T, rows_in_grid=True)
     x = computed(x)
     if T <= SKINNY_MAX_M:
         return skinny_gemm(x, router)
