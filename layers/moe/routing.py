@@ -15,7 +15,7 @@ from layers.backend import pdl, prior_done, tl, triton
 from layers.linear import SKINNY_MAX_M, computed, linear_fast, skinny_gemm
 
 ROUTER_PAD_ROWS = 8      # cuBLAS runs N = E + 1 = 257 on an unaligned kernel, several times slower than N = 264
-ROUTER_GEMV_MAX_T = 4    # router_logits_fast: the GEMV kernel up to this many tokens,
+ROUTER_GEMV_MAX_T = 2    # router_logits_fast: the GEMV kernel up to this many tokens,
 ROUTER_ROWS_MAX_T = 16   # then up to this many its row grid (a program per column block and token)
 
 
@@ -52,10 +52,13 @@ def router_logits_torch(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
 
 
 def router_logits_fast(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """router_logits_torch by T: the GEMV kernel (layers/linear.py) up to ROUTER_GEMV_MAX_T tokens, its row grid up
-    to ROUTER_ROWS_MAX_T (a layer boundary's pull and norm folded in, as at fewer tokens: one launch less than the
-    norm kernel + the skinny GEMM), the skinny GEMM up to SKINNY_MAX_M, where cuBLAS has one poor tile for the 257-wide output (1x H200, 2026-11-25, CUDA graphs,
-    weights from HBM: 8.2-8.4 us at 4-8 tokens against GEMV 3.7 at 4 and skinny 4.3 at 8), padded_router_gemm above.
+    """router_logits_torch by T: the GEMV kernel (layers/linear.py) up to ROUTER_GEMV_MAX_T tokens, its row grid (a
+    program per column block and token) up to ROUTER_ROWS_MAX_T, the skinny GEMM up to SKINNY_MAX_M, where cuBLAS has
+    one poor tile for the 257-wide output (padded_router_gemm above). Up to ROUTER_ROWS_MAX_T a layer boundary's pull
+    and norm fold into the router's launch (one launch less than the norm kernel + the skinny GEMM); the row grid
+    pays the norm once per row and program where the tiled GEMV pays every row: full model, 1x H200, 2026-11-28,
+    against the tiled GEMV to 4 tokens and the skinny GEMM after, a step 3.15 / 4.31 / 6.19 ms at batch 2 / 4 / 8
+    against 3.16 / 4.38 / 6.31 (benchmarks/results/2026-11-28_record_h200_tp1_router_grid.json).
     The logits differ from cuBLAS's by the order of the fp32 sums only; a choice by T alone, so a padded graph batch
     takes the same path as the batch run eagerly."""
     T = x.shape[0]
