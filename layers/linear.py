@@ -14,8 +14,9 @@ those ranges through a lazy checkpoint slice, so a rank never touches bytes it d
                   may be a PendingNorm (a layer norm not yet computed, RMSNorm.boundary): the GEMV then computes the
                   norm itself, in every program, before its sums (backend.rms_norm_row), and saves the norm's own
                   launch (at one row always, with wider programs; at two only into small grids: the router); any
-                  other path computes the norm first.
-    skinny_gemm   the MoE router's GEMM from GEMV_MAX_M + 1 to SKINNY_MAX_M rows (moe.router_logits_fast): each
+                  other path computes the norm first. With rows_in_grid (the MoE router at 3-16 rows) the grid has a
+                  program per column block and row, so each program pays the norm for its one row.
+    skinny_gemm   the MoE router's GEMM past the row grid's rows, up to SKINNY_MAX_M (moe.router_logits_fast): each
                   program owns a slice of the output columns and a share of the reduction dimension (split K, no
                   float atomics), tl.dot over the rows; it pays where cuBLAS has no good tile for a narrow output
                   (the router's 257 columns).
