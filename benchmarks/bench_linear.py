@@ -7,10 +7,14 @@ decode step.
 Shapes: the DeltaNet and attention input projections (fused), the out projections, the router, the LM head's slice.
 Each shape is timed over enough copies of its weight (at least 256 MB, one call per copy in one CUDA graph) that
 they do not stay in L2, as in a decode step, which streams ~6 GB: a single weight timed over and over sits in L2
-(50 MB) and flatters whichever kernel reads it. Prints microseconds per call and the weight-read rate (TB/s); --sweep
+(50 MB) and flatters whichever kernel reads it. Prints microseconds per call and the weight-read rate (TB/s) of
+cuBLAS, the GEMV (its rows tiled in each program), the GEMV's row grid (linear_fast's rows_in_grid: a program per
+column block and row, the weight re-read per row, from L2 but the first; the MoE router's path at 3-16 rows) and,
+for the router and gdn_out, the skinny kernel; --sweep
 times GEMV_CONFIG's tile and warps per shape at each row count and prints the best three. --norm times, for the
 shapes that read a layer norm (the mixers' input projections, the router) at every row count, the norm kernel
-then the GEMV against the GEMV that computes the norm itself (a PendingNorm, layers/norm.py RMSNorm.boundary).
+then the GEMV against the GEMV that computes the norm itself (a PendingNorm, layers/norm.py RMSNorm.boundary), tiled
+and as a row grid past 2 rows.
 """
 from __future__ import annotations
 
@@ -64,6 +68,10 @@ def norm_then_gemv(weights: list[torch.Tensor], M: int, K: int, sweep: bool) -> 
     separate = lambda x, w: linear.linear_fast(norm(x, res)[0], w, gemv_rows=gemv_rows)  # noqa: E731
     folded = lambda x, w: linear.linear_fast(norm.boundary(x, res)[0], w, gemv_rows=gemv_rows)  # noqa: E731
     out = {"norm_then_gemv_us": us_per_call(separate, weights, x), "folded_us": us_per_call(folded, weights, x)}
+    if linear.GEMV_MAX_M < M <= linear.FOLD_MAX_M:  # (boundary leaves the norm pending up to FOLD_MAX_M rows)
+        grid = lambda x, w: linear.linear_fast(norm.boundary(x, res)[0], w, gemv_rows=M,  # noqa: E731
+                                               rows_in_grid=True)
+        out["folded_row_grid_us"] = us_per_call(grid, weights, x)
     if sweep:
         saved_norm, saved_gemv = dict(norm_mod.NORM_CONFIG), dict(linear.GEMV_CONFIG)
         for warps in (1, 2, 4, 8):
@@ -92,8 +100,8 @@ def main():
     dev = torch.cuda.get_device_name()
     print(f"{dev}, TP={args.tp}, GEMV up to {linear.GEMV_MAX_M} rows {linear.GEMV_CONFIG}, skinny "
           f"{linear.SKINNY_CONFIG}")
-    print(f"{'shape':<10}{'N x K':>14}{'M':>4}{'cuBLAS us':>11}{'TB/s':>6}{'GEMV us':>9}{'TB/s':>6}{'skinny us':>11}"
-          f"{'TB/s':>6}")
+    print(f"{'shape':<10}{'N x K':>14}{'M':>4}{'cuBLAS us':>11}{'TB/s':>6}{'GEMV us':>9}{'TB/s':>6}{'grid us':>9}"
+          f"{'TB/s':>6}{'skinny us':>11}{'TB/s':>6}")
     saved = dict(linear.GEMV_CONFIG)
     records = []
     for name, (N, K) in shapes(args.tp).items():
@@ -105,11 +113,14 @@ def main():
             t_cublas = us_per_call(F.linear, weights, x)
             gemv = lambda x, w: linear.linear_fast(x, w, gemv_rows=M)  # noqa: E731 (the GEMV at any row count)
             t_gemv = us_per_call(gemv, weights, x)
+            grid = lambda x, w: linear.linear_fast(x, w, gemv_rows=M, rows_in_grid=True)  # noqa: E731
+            t_grid = us_per_call(grid, weights, x) if M > 1 else float("nan")
             t_skinny = us_per_call(linear.skinny_gemm, weights, x) if name in ("router", "gdn_out") else float("nan")
             print(f"{name:<10}{f'{N} x {K}':>14}{M:>4}{t_cublas:>11.1f}{rate(t_cublas):>6.2f}{t_gemv:>9.1f}"
-                  f"{rate(t_gemv):>6.2f}{t_skinny:>11.1f}{rate(t_skinny):>6.2f}", flush=True)
+                  f"{rate(t_gemv):>6.2f}{t_grid:>9.1f}{rate(t_grid):>6.2f}{t_skinny:>11.1f}{rate(t_skinny):>6.2f}", flush=True)
             rec = {"shape": name, "N": N, "K": K, "rows": M, "cublas_us": round(t_cublas, 2),
-                   "gemv_us": round(t_gemv, 2), "skinny_us": None if t_skinny != t_skinny else round(t_skinny, 2)}
+                   "gemv_us": round(t_gemv, 2), "row_grid_us": None if t_grid != t_grid else round(t_grid, 2),
+                   "skinny_us": None if t_skinny != t_skinny else round(t_skinny, 2)}
             if args.sweep and not args.norm and name != "lm_head":
                 results = []
                 for tile, warps in itertools.product((2048, 4096, 8192, 16384), (1, 2, 4, 8)):
@@ -127,7 +138,8 @@ def main():
                 t = norm_then_gemv(weights, M, K, args.sweep)
                 rec.update(t)
                 print(f"    norm + GEMV {t.pop('norm_then_gemv_us'):.1f} us, GEMV with the norm folded in "
-                      f"{t.pop('folded_us'):.1f} us", flush=True)
+                      f"{t.pop('folded_us'):.1f} us" + (f", as a row grid {t.pop('folded_row_grid_us'):.1f} us"
+                                                        if "folded_row_grid_us" in t else ""), flush=True)
                 if t:
                     print("    " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(t.items(), key=lambda kv: kv[1])[:8]),
                           flush=True)
