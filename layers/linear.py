@@ -189,7 +189,7 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
     inbox takes them (TP > 1, decode sizes), they are pushed to every rank (from the GEMV's epilogue, else by
     push_ after the GEMM) and a Pushed is returned. rows_in_grid: a program per (column block, row), each tiled as
     at one row, so a folded norm costs a program one row, not every row (for a small weight, read again per row
-    from L2: the MoE router's at 5-16 rows)."""
+    from L2: the MoE router's at 3-16 rows)."""
     norm = x if isinstance(x, PendingNorm) and not x.done else None
     pulled = norm is not None and isinstance(norm.x, Pushed)
     x = (norm.out if pulled else norm.x) if norm is not None else computed(x)  # (pulled: its shape and dtype)
