@@ -33,8 +33,14 @@ from qwen35.synth import PRESETS
 L2_SPAN = 256 << 20  # bytes of weight copies per shape
 
 
-def shapes(tp: int) -> dict[str, tuple[int, int]]:
+def shapes(tp: int, model: str = "qwen3.5-35b-a3b") -> dict[str, tuple[int, int]]:
     """name -> (N, K) of one rank's weight."""
+    if model != "qwen3.5-35b-a3b":  # a dense LLaMA-like (issue #29's runtime)
+        c = ModelConfig.from_dict(dict(PRESETS[model]))
+        q, kv = c.num_attention_heads * c.head_dim, 2 * c.num_key_value_heads * c.head_dim
+        return {"qkv": ((q + kv) // tp, c.hidden_size), "o": (c.hidden_size, q // tp),
+                "gate_up": (2 * c.intermediate_size // tp, c.hidden_size),
+                "down": (c.hidden_size, c.intermediate_size // tp)}
     c = ModelConfig.from_dict({"text_config": dict(PRESETS["qwen3.5-35b-a3b"]["text_config"])})
     kd, vd = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
     q = c.num_attention_heads * c.head_dim * 2  # query and output gate
@@ -88,12 +94,31 @@ def norm_then_gemv(weights: list[torch.Tensor], M: int, K: int, sweep: bool) -> 
     return {k: round(v, 2) for k, v in out.items()}
 
 
+def rows_sweep(weights: list[torch.Tensor], x: torch.Tensor) -> list:
+    """The best three of rows_gemm's settings (block_n, block_k, warps, stages) at these rows: the weight slice
+    loaded whole along K (where it stays within 128 KB a program) or streamed in 256 / 512 steps."""
+    K = x.shape[-1]
+    saved, results = dict(linear.ROWS_CONFIG), []
+    whole = [(bn, K, w, 1) for bn in (16, 32, 64) for w in (4, 8) if bn * K <= 65536]
+    steps = [(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (256, 512) for st in (3, 4)]
+    for bn, bk, w, st in whole + steps:
+        linear.ROWS_CONFIG.update(block_n=bn, block_k=bk, warps=w, stages=st)
+        try:
+            results.append((round(us_per_call(linear.rows_gemm, weights, x), 2), (bn, bk, w, st)))
+        except Exception as e:  # out of shared memory and the like
+            print(f"    {(bn, bk, w, st)}: {type(e).__name__}")
+    linear.ROWS_CONFIG.update(saved)
+    return sorted(results)[:3]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--norm", action="store_true", help="also the norm kernel + GEMV against the folded norm")
+    ap.add_argument("--model", default="qwen3.5-35b-a3b", help="or a dense preset: llama-1b, llama-3b")
+    ap.add_argument("--rows-sweep", action="store_true", help="ROWS_CONFIG's settings at each row count past 2")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
@@ -101,10 +126,10 @@ def main():
     print(f"{dev}, TP={args.tp}, GEMV up to {linear.GEMV_MAX_M} rows {linear.GEMV_CONFIG}, skinny "
           f"{linear.SKINNY_CONFIG}")
     print(f"{'shape':<10}{'N x K':>14}{'M':>4}{'cuBLAS us':>11}{'TB/s':>6}{'GEMV us':>9}{'TB/s':>6}{'grid us':>9}"
-          f"{'TB/s':>6}{'skinny us':>11}{'TB/s':>6}")
+          f"{'TB/s':>6}{'skinny us':>11}{'TB/s':>6}{'rows us':>9}{'TB/s':>6}")
     saved = dict(linear.GEMV_CONFIG)
     records = []
-    for name, (N, K) in shapes(args.tp).items():
+    for name, (N, K) in shapes(args.tp, args.model).items():
         copies = max(2, -(-L2_SPAN // (N * K * 2)))
         weights = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         rate = lambda t: N * K * 2 / t / 1e6  # noqa: E731
@@ -116,11 +141,17 @@ def main():
             grid = lambda x, w: linear.linear_fast(x, w, gemv_rows=M, rows_in_grid=True)  # noqa: E731
             t_grid = us_per_call(grid, weights, x) if M > 1 else float("nan")
             t_skinny = us_per_call(linear.skinny_gemm, weights, x) if name in ("router", "gdn_out") else float("nan")
+            t_rows = us_per_call(linear.rows_gemm, weights, x) if M > 1 else float("nan")
             print(f"{name:<10}{f'{N} x {K}':>14}{M:>4}{t_cublas:>11.1f}{rate(t_cublas):>6.2f}{t_gemv:>9.1f}"
-                  f"{rate(t_gemv):>6.2f}{t_grid:>9.1f}{rate(t_grid):>6.2f}{t_skinny:>11.1f}{rate(t_skinny):>6.2f}", flush=True)
+                  f"{rate(t_gemv):>6.2f}{t_grid:>9.1f}{rate(t_grid):>6.2f}{t_skinny:>11.1f}{rate(t_skinny):>6.2f}{t_rows:>9.1f}{rate(t_rows):>6.2f}", flush=True)
             rec = {"shape": name, "N": N, "K": K, "rows": M, "cublas_us": round(t_cublas, 2),
                    "gemv_us": round(t_gemv, 2), "row_grid_us": None if t_grid != t_grid else round(t_grid, 2),
-                   "skinny_us": None if t_skinny != t_skinny else round(t_skinny, 2)}
+                   "skinny_us": None if t_skinny != t_skinny else round(t_skinny, 2),
+                   "rows_us": None if t_rows != t_rows else round(t_rows, 2)}
+            if args.rows_sweep and M > 2 and name not in ("router", "lm_head"):
+                rec["rows_sweep_best"] = rows_sweep(weights, x)
+                print("    rows kernel (block_n, block_k, warps, stages): " + ", ".join(
+                    f"{t:.1f} us {cfg}" for t, cfg in rec["rows_sweep_best"]), flush=True)
             if args.sweep and not args.norm and name != "lm_head":
                 results = []
                 for tile, warps in itertools.product((2048, 4096, 8192, 16384), (1, 2, 4, 8)):
@@ -147,7 +178,8 @@ def main():
         del weights
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": dev, "tp": args.tp, "gemv_config": saved, "rows": records}, f, indent=1)
+            json.dump({"device": dev, "tp": args.tp, "model": args.model, "gemv_config": saved,
+                       "rows_config": linear.ROWS_CONFIG, "rows": records}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -290,6 +290,33 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], N)
 
 
+# rows_gemm: x [M <= ROWS_MAX_M rows] @ w^T on the tensor cores (tl.dot over the rows padded to 16), each program a
+# BLOCK_N-column slice of the weight, loaded whole along K (K <= block_k) before it waits on the kernel before it
+# (PDL), as the GEMV does, else streamed in block_k steps `stages` deep. For the 3-16 row projections, where the
+# GEMV's per-row sums cost (benchmarks/bench_linear.py).
+ROWS_MAX_M = 16
+ROWS_CONFIG = {"block_n": 32, "block_k": 2048, "warps": 4, "stages": 2}
+
+
+def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype with the rows kernel for 1..ROWS_MAX_M rows,
+    F.linear otherwise (and for a weight whose rows are not contiguous, mixed dtypes)."""
+    M, N, K = _gemm_shape(x, weight)
+    if not 0 < M <= ROWS_MAX_M or weight.stride(1) != 1 or x.dtype != weight.dtype \
+            or (bias is not None and (bias.dtype != weight.dtype or bias.stride(0) != 1)):
+        return F.linear(x, weight, bias)
+    x2, y = _rows_and_output(x, M, N, K)
+    cfg = ROWS_CONFIG
+    block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(K)))
+    block_n = max(16, min(cfg["block_n"], triton.next_power_of_2(N)))
+    _rows_kernel[(triton.cdiv(N, block_n),)](
+        x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, ONE_STEP=block_k >= K,
+        HAS_BIAS=bias is not None, STAGES=cfg["stages"], PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg["warps"], **pdl())
+    return y.view(*x.shape[:-1], N)
+
+
 def _split_k(col_blocks: int, K: int, block_k: int, device: torch.device) -> int:
     """Programs per column block: SKINNY_CONFIG["split"], else the largest power of two that keeps the grid within
     two programs per SM; never more than K has block_k steps. A function of shapes only (CUDA graphs hold it)."""
@@ -394,6 +421,38 @@ if triton is not None:
         if PUSH:
             if push_slot > 0:
                 push.clear_slot(push_slot - 1, M * N, table, rank, region_stride, P, dt, 1024)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr,
+                     PREC: tl.constexpr):
+        """Columns [n0, n0 + BLOCK_N) of y = x @ w^T (+ b) for M <= BLOCK_M rows (tl.dot, fp32 sums rounded once to
+        y's dtype, the bias added in fp32 before). ONE_STEP (K <= BLOCK_K): the program's weight slice is loaded
+        whole before prior_done, so it streams while the kernel before drains; otherwise BLOCK_K steps."""
+        pid = tl.program_id(0)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        nm, mm = n < N, m < M
+        if ONE_STEP:
+            k = tl.arange(0, BLOCK_K)
+            km = k < K
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            prior_done()
+            x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), input_precision=PREC)
+        else:
+            prior_done()
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+                k = k0 + tl.arange(0, BLOCK_K)
+                km = k < K
+                x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+                w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :],
+                            other=0.0)
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + m[:, None] * sy + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr,
