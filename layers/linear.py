@@ -16,6 +16,9 @@ those ranges through a lazy checkpoint slice, so a rank never touches bytes it d
                   launch (at one row always, with wider programs; at two only into small grids: the router); any
                   other path computes the norm first. With rows_in_grid (the MoE router at 3-16 rows) the grid has a
                   program per column block and row, so each program pays the norm for its one row.
+                  Past GEMV_MAX_M rows, up to ROWS_MAX_M (3-16: small decode batches, verify steps), weights up to
+                  ROWS_MAX_BYTES go to the rows kernel (rows_gemm: tl.dot over the rows, K in pipelined steps), which
+                  runs level with cuBLAS or ahead and pushes a boundary's partial sums from its epilogue.
     skinny_gemm   the MoE router's GEMM past the row grid's rows, up to SKINNY_MAX_M (moe.router_logits_fast): each
                   program owns a slice of the output columns and a share of the reduction dimension (split K, no
                   float atomics), tl.dot over the rows; it pays where cuBLAS has no good tile for a narrow output
@@ -60,6 +63,17 @@ GEMV_CONFIG = {"tile_1": 2048, "tile": 8192, "warps": 4, "norm_tile_1": 16384, "
 FOLD_MAX_PROGRAMS_PER_SM = 2
 FOLD_MAX_M = 16  # rows up to which a layer boundary leaves its norm to the GEMV that reads it (RMSNorm.boundary): the
                  # MoE router's row grid folds it up to 16 (moe.router_logits_fast); other readers compute it first
+
+# rows_gemm (the rows kernel): from GEMV_MAX_M + 1 to ROWS_MAX_M rows, weights up to ROWS_MAX_BYTES (the LM head's
+# slice goes to cuBLAS, which streams it at ~4.1 TB/s). `python -m benchmarks.bench_linear --rows 3,4,8,16
+# --rows-sweep` (1x H200, 2026-11-28, L2-cold weights; `--tp 4` and `--model llama-1b` shapes): with 512-wide K steps
+# 4 deep it runs level with cuBLAS on the input projections and the dense MLP (e.g. DeltaNet input at TP=4 5.9-6.1
+# against 6.1-6.3 us) and ahead on the out projections (3.8-3.9 against 4.4-4.7 us at TP=4), and it pushes a
+# boundary's partial sums from its epilogue, where cuBLAS needs push_'s launch after it. Whole-K programs (the
+# GEMV's way) spilled: 10.2 us. block_n 0: by N (rows_block_n).
+ROWS_MAX_M = 16
+ROWS_MAX_BYTES = 128 << 20
+ROWS_CONFIG = {"block_n": 0, "block_k": 512, "warps": 4, "stages": 4}
 
 # skinny_gemm's threshold (rows of the input) and launch settings, likewise. block_n: output columns per program (the
 # weight rows it streams, whole K each); block_k: the reduction step, loads pipelined `stages` deep.
@@ -183,11 +197,12 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
                 gemv_rows: int | None = None, rows_in_grid: bool = False,
                 partial: bool = False) -> torch.Tensor | Pushed:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype: the GEMV kernel for 1..gemv_rows rows
-    (GEMV_MAX_M by default), F.linear otherwise (and for K > GEMV_MAX_K, a weight whose rows are not contiguous,
+    (GEMV_MAX_M by default), the rows kernel (rows_gemm) past them up to ROWS_MAX_M for a weight of at most
+    ROWS_MAX_BYTES, F.linear otherwise (and for K > GEMV_MAX_K at GEMV rows, a weight whose rows are not contiguous,
     mixed dtypes). A PendingNorm not yet computed is computed inside the GEMV (see the module's docstring), its sum
     pulled from the inbox where it is a Pushed. With `partial` (the output is a boundary's partial sums) where the
     inbox takes them (TP > 1, decode sizes), they are pushed to every rank (from the GEMV's epilogue, else by
-    push_ after the GEMM) and a Pushed is returned. rows_in_grid: a program per (column block, row), each tiled as
+    push_ after a cuBLAS GEMM) and a Pushed is returned. rows_in_grid: a program per (column block, row), each tiled as
     at one row, so a folded norm costs a program one row, not every row (for a small weight, read again per row
     from L2: the MoE router's at 3-16 rows)."""
     norm = x if isinstance(x, PendingNorm) and not x.done else None
@@ -196,9 +211,13 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
     M, N, K = _gemm_shape(x, weight)
     box = push.pushes((*x.shape[:-1], N), x.dtype) if partial else None
     max_rows = GEMV_MAX_M if gemv_rows is None else gemv_rows
-    if not 0 < M <= max_rows or K > GEMV_MAX_K or weight.stride(1) != 1 or x.dtype != weight.dtype \
-            or (bias is not None and (bias.dtype != weight.dtype or bias.stride(0) != 1)):
-        y = F.linear(x if norm is None else norm.tensor(), weight, bias)
+    kernels_take = weight.stride(1) == 1 and x.dtype == weight.dtype \
+        and (bias is None or (bias.dtype == weight.dtype and bias.stride(0) == 1))
+    if not (0 < M <= max_rows and K <= GEMV_MAX_K and kernels_take):
+        x = x if norm is None else norm.tensor()
+        if kernels_take and max_rows < M <= ROWS_MAX_M and N * K * weight.element_size() <= ROWS_MAX_BYTES:
+            return rows_gemm(x, weight, bias, box)
+        y = F.linear(x, weight, bias)
         return push.push_(y, box) if box is not None else y
     block_k = triton.next_power_of_2(K)
     one = M == 1 or rows_in_grid  # each program's rows
@@ -290,32 +309,36 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], N)
 
 
-# rows_gemm: x [M <= ROWS_MAX_M rows] @ w^T on the tensor cores (tl.dot over the rows padded to 16), each program a
-# BLOCK_N-column slice of the weight, loaded whole along K (K <= block_k) before it waits on the kernel before it
-# (PDL), as the GEMV does, else streamed in block_k steps `stages` deep. For the 3-16 row projections, where the
-# GEMV's per-row sums cost (benchmarks/bench_linear.py).
-ROWS_MAX_M = 16
-ROWS_CONFIG = {"block_n": 32, "block_k": 2048, "warps": 4, "stages": 2}
+def rows_block_n(N: int) -> int:
+    """rows_gemm's output columns per program: ROWS_CONFIG["block_n"], else by N (`python -m benchmarks.bench_linear
+    --rows 3,4,8,16 --rows-sweep`, 1x H200, 2026-11-28: 16 at 2,048 columns, 32 at 2,304-3,088, 64 at 16,384)."""
+    if ROWS_CONFIG["block_n"]:
+        return ROWS_CONFIG["block_n"]
+    return 16 if N <= 2048 else 32 if N <= 8192 else 64
 
 
-def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype with the rows kernel for 1..ROWS_MAX_M rows,
-    F.linear otherwise (and for a weight whose rows are not contiguous, mixed dtypes)."""
+def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              box: push.Inbox | None = None) -> torch.Tensor | Pushed:
+    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype by the rows kernel, for 1..ROWS_MAX_M rows of a
+    weight with contiguous rows (linear_fast takes it from GEMV_MAX_M + 1 rows up to ROWS_MAX_M where the weight is
+    at most ROWS_MAX_BYTES); with `box`, this rank's partial sums of a boundary, pushed from the epilogue (a Pushed
+    returned)."""
     M, N, K = _gemm_shape(x, weight)
-    if not 0 < M <= ROWS_MAX_M or weight.stride(1) != 1 or x.dtype != weight.dtype \
-            or (bias is not None and (bias.dtype != weight.dtype or bias.stride(0) != 1)):
-        return F.linear(x, weight, bias)
+    if not 0 < M <= ROWS_MAX_M or weight.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError(f"rows_gemm: {M} rows of {x.dtype} against {tuple(weight.shape)} {weight.dtype} "
+                         f"(stride {weight.stride()}); it takes 1..{ROWS_MAX_M} rows, one dtype, contiguous rows")
     x2, y = _rows_and_output(x, M, N, K)
     cfg = ROWS_CONFIG
     block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(K)))
-    block_n = max(16, min(cfg["block_n"], triton.next_power_of_2(N)))
-    _rows_kernel[(triton.cdiv(N, block_n),)](
-        x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, ONE_STEP=block_k >= K,
-        HAS_BIAS=bias is not None, STAGES=cfg["stages"], PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg["warps"], **pdl())
+    slot = box.claim(M) if box is not None else 0
+    _rows_kernel[(triton.cdiv(N, rows_block_n(N)),)](
+        x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), slot,
+        *inbox_args(box, x.device), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=rows_block_n(N),
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, PUSH=box is not None, P=box.world if box is not None else 1,
+        STAGES=cfg["stages"], PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["warps"], **pdl())
+    if box is not None:
+        return push.Pushed(box, slot, torch.Size((*x.shape[:-1], N)), x.dtype)
     return y.view(*x.shape[:-1], N)
-
 
 def _split_k(col_blocks: int, K: int, block_k: int, device: torch.device) -> int:
     """Programs per column block: SKINNY_CONFIG["split"], else the largest power of two that keeps the grid within
@@ -422,37 +445,36 @@ if triton is not None:
             if push_slot > 0:
                 push.clear_slot(push_slot - 1, M * N, table, rank, region_stride, P, dt, 1024)
 
-    @triton.jit(do_not_specialize=["M"])
-    def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr,
-                     PREC: tl.constexpr):
-        """Columns [n0, n0 + BLOCK_N) of y = x @ w^T (+ b) for M <= BLOCK_M rows (tl.dot, fp32 sums rounded once to
-        y's dtype, the bias added in fp32 before). ONE_STEP (K <= BLOCK_K): the program's weight slice is loaded
-        whole before prior_done, so it streams while the kernel before drains; otherwise BLOCK_K steps."""
-        pid = tl.program_id(0)
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    @triton.jit(do_not_specialize=["M", "push_slot"])
+    def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, push_slot, table, rank, region_stride,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     PUSH: tl.constexpr, P: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr):
+        """Columns [n0, n0 + BLOCK_N) of y = x @ w^T (+ b) for M <= BLOCK_M rows: the program streams its BLOCK_N
+        weight rows in BLOCK_K steps, STAGES deep, and sums over the rows on the tensor cores (tl.dot, fp32; fp32
+        inputs at IEEE precision), the bias added in fp32, rounded once to y's dtype. PUSH: y is this rank's partial
+        sums of a boundary, stored into every rank's inbox instead of y_ptr; the programs empty the boundary before
+        it in this rank's inbox (as _gemv_kernel's)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         nm, mm = n < N, m < M
-        if ONE_STEP:
-            k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            prior_done()
             x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), input_precision=PREC)
-        else:
-            prior_done()
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-                k = k0 + tl.arange(0, BLOCK_K)
-                km = k < K
-                x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-                w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :],
-                            other=0.0)
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + m[:, None] * sy + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+        dt = y_ptr.dtype.element_ty
+        ym = mm[:, None] & nm[None, :]
+        if PUSH:
+            push.push_rows(acc.to(dt), m[:, None], n[None, :], ym, push_slot, table, rank, region_stride, N, P)
+            if push_slot > 0:
+                push.clear_slot(push_slot - 1, M * N, table, rank, region_stride, P, dt, 1024)
+        else:
+            tl.store(y_ptr + m[:, None] * sy + n[None, :], acc.to(dt), mask=ym)
 
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr,

@@ -1,12 +1,14 @@
 """The decode GEMMs of layers/linear.py against F.linear (linear_torch): the GEMV kernel (linear_fast, every projection
-at up to GEMV_MAX_M rows) and the skinny split-K GEMM (skinny_gemm, the MoE router's up to SKINNY_MAX_M).
+at up to GEMV_MAX_M rows), the rows kernel (rows_gemm, linear_fast's from there up to ROWS_MAX_M) and the skinny
+split-K GEMM (skinny_gemm, the MoE router's up to SKINNY_MAX_M).
 
 CPU (fp32, Triton through the interpreter): the GEMV at M = 1..4 rows (a row tile with rows past M), N
 that no column block divides, K not a power of two, a bias, 3-D and strided inputs; the skinny GEMM at M = 1..5,
 16, 17, 40 and 64 rows, partial output and reduction tiles, several K steps, split K: equal to F.linear within 1e-5
-relative to the output's scale (fp32, only the order of the sums differs); past their row limits, the bits of
-F.linear itself.
-GPU (`-m gpu`, bf16, the real Qwen3.5-35B-A3B router, input and out projections at the TP=1 and TP=8 shards): both
+relative to the output's scale (fp32, only the order of the sums differs); the rows kernel at 3-16 rows likewise
+(several and partial K steps, partial column blocks, a bias, each block_n), and linear_fast taking it there but not
+past ROWS_MAX_M rows or ROWS_MAX_BYTES; past their row limits, the bits of F.linear itself.
+GPU (`-m gpu`, bf16, the real Qwen3.5-35B-A3B router, input and out projections at the TP=1 and TP=8 shards): the
 kernels accumulate in fp32 and round once to bf16, so every element is within half a bf16 ulp of the exact product of
 the bf16 inputs (fp64) and 99% are that product rounded to bf16; 99% are bit-identical to F.linear's where F.linear
 rounds correctly too.
@@ -131,11 +133,52 @@ def test_gemv_3d_strided_and_past_its_limits():
     assert scaled_err(lin.linear_fast(x_t, w), F.linear(x_t, w)) <= 1e-5
     rows = torch.randn(60, 40, generator=gen)[10:34]  # a row block of a bigger weight (fuse_rows views)
     assert scaled_err(lin.linear_fast(x3, rows), F.linear(x3, rows)) <= 1e-5
-    many = torch.randn(lin.GEMV_MAX_M + 1, 40, generator=gen)
+    many = torch.randn(lin.ROWS_MAX_M + 1, 40, generator=gen)
     assert torch.equal(lin.linear_fast(many, w), F.linear(many, w))
     assert lin.linear_fast(torch.zeros(0, 40), w).shape == (0, 24)
     with pytest.raises(ValueError, match="features"):
         lin.linear_fast(torch.zeros(2, 31), w)
+
+
+@pytest.mark.parametrize("M", [3, 5, 8, 16])
+@pytest.mark.parametrize("N,K,bias", [(37, 300, False), (70, 64, True), (16, 1000, True)])
+def test_rows_kernel_equals_f_linear(M, N, K, bias, monkeypatch):
+    """K in 128-wide steps (300: two and a partial one; 64: one partial), column blocks of 16 with a partial one,
+    a bias; linear_fast takes the rows kernel from GEMV_MAX_M + 1 rows (the same bits as rows_gemm)."""
+    monkeypatch.setitem(lin.ROWS_CONFIG, "block_k", 128)
+    gen = torch.Generator().manual_seed(M * N)
+    x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
+    b = torch.randn(N, generator=gen) if bias else None
+    y = lin.rows_gemm(x, w, b)
+    assert y.shape == (M, N) and scaled_err(y, F.linear(x, w, b)) <= 1e-5
+    assert torch.equal(lin.linear_fast(x, w, b), y)
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+def test_rows_kernel_block_settings(block_n, monkeypatch):
+    monkeypatch.setitem(lin.ROWS_CONFIG, "block_n", block_n)
+    gen = torch.Generator().manual_seed(block_n)
+    x, w = torch.randn(2, 3, 200, generator=gen), torch.randn(70, 200, generator=gen)  # (3-D: 6 rows)
+    assert scaled_err(lin.rows_gemm(x, w), F.linear(x, w)) <= 1e-5
+    assert lin.rows_block_n(70) == block_n
+
+
+def test_rows_kernel_block_n_from_shape():
+    assert [lin.rows_block_n(n) for n in (257, 2048, 2304, 3088, 8192, 16384)] == [16, 16, 32, 32, 32, 64]
+
+
+def test_rows_kernel_limits(monkeypatch):
+    """linear_fast: F.linear's bits past ROWS_MAX_M rows and for a weight over ROWS_MAX_BYTES; rows_gemm itself
+    refuses what it cannot take, by name."""
+    gen = torch.Generator().manual_seed(4)
+    w, x = torch.randn(24, 40, generator=gen), torch.randn(5, 40, generator=gen)
+    assert not torch.equal(lin.linear_fast(x, w), F.linear(x, w))  # (the rows kernel: another order of the sums)
+    monkeypatch.setattr(lin, "ROWS_MAX_BYTES", 24 * 40 * 4 - 1)
+    assert torch.equal(lin.linear_fast(x, w), F.linear(x, w))
+    with pytest.raises(ValueError, match="rows_gemm"):
+        lin.rows_gemm(torch.randn(lin.ROWS_MAX_M + 1, 40), w)
+    with pytest.raises(ValueError, match="rows_gemm"):
+        lin.rows_gemm(x.double(), w)
 
 
 def test_skinny_3d_and_strided_inputs():
@@ -166,13 +209,13 @@ def test_feature_mismatch_is_a_clear_error():
 
 
 def test_linear_binds_its_kernel_set():
-    """Linear runs F.linear with the torch kernels (its bits) and linear_fast with the fast ones (the GEMV up to
-    GEMV_MAX_M rows: within the tolerance; F.linear's bits above)."""
+    """Linear runs F.linear with the torch kernels (its bits) and linear_fast with the fast ones (the GEMV and the
+    rows kernel up to ROWS_MAX_M rows: within the tolerance; F.linear's bits above)."""
     for name in ("torch", "fast"):
         with backend.use_kernels(name):
             layer = lin.Linear(32, 8, cols=[(0, 32)])
         layer.weight.data.normal_()
-        x, many = torch.randn(3, 32), torch.randn(lin.GEMV_MAX_M + 1, 32)
+        x, many = torch.randn(3, 32), torch.randn(lin.ROWS_MAX_M + 1, 32)
         assert torch.equal(layer(many), F.linear(many, layer.weight))
         if name == "torch":
             assert torch.equal(layer(x), F.linear(x, layer.weight))
@@ -203,7 +246,7 @@ def skinny_shapes(inputs: bool = False):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel,M", [("skinny", m) for m in (1, 2, 4, 8, 13, 16, 24, 64)]
-                         + [("gemv", m) for m in range(1, 5)])
+                         + [("gemv", m) for m in range(1, 5)] + [("rows", m) for m in (3, 4, 8, 13, 16)])
 def test_gpu_bits_near_f_linear_bf16(kernel, M):
     """Each output is one rounding of an fp32 sum of the bf16 products: within 2^-8 |v| (half a bf16 ulp, and the
     fp32 sums' own error, 1e-5 of the RMS) of the exact product v (fp64), and at least 99% of the outputs equal to v
@@ -212,8 +255,9 @@ def test_gpu_bits_near_f_linear_bf16(kernel, M):
     within one bf16 ulp of F.linear's failed for the router at M = 4 on 1x H200, 2026-11-25, with many outputs one
     ulp apart; the exact product says which side rounds off.)"""
     gen = torch.Generator(device="cuda").manual_seed(M)
-    op = lin.skinny_gemm if kernel == "skinny" else (lambda x, w: lin.linear_fast(x, w, gemv_rows=4))
-    for name, N, K in skinny_shapes(inputs=kernel == "gemv"):
+    op = {"skinny": lin.skinny_gemm, "rows": lin.rows_gemm,
+          "gemv": lambda x, w: lin.linear_fast(x, w, gemv_rows=4)}[kernel]
+    for name, N, K in skinny_shapes(inputs=kernel != "skinny"):
         w = (torch.randn(N, K, generator=gen, device="cuda") * K ** -0.5).bfloat16()
         x = torch.randn(M, K, generator=gen, device="cuda").bfloat16()
         y, ref = op(x, w), F.linear(x, w)

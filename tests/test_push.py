@@ -119,6 +119,41 @@ def test_gemv_pushes_and_pulls(world, rows):
     assert not any(all_empty(buf) for buf in bufs)
 
 
+@pytest.mark.parametrize("world,rows", [(2, 3), (3, 8), (2, 16)])
+def test_rows_kernel_pushes(world, rows):
+    """Past the GEMV's rows the out projection runs the rows kernel (layers/linear.py rows_gemm), which pushes from
+    its epilogue: every rank's consume is the rank-order sum of the same kernel's unpushed outputs, exactly; as the
+    first boundary of a forward its slot is emptied by the next producer (push_), as the second it empties the
+    first's, and end_step its own."""
+    K, H = 24, 40
+    bufs, boxes = inboxes(world, 4, rows, H)
+    gen = torch.Generator().manual_seed(rows)
+    ys = [torch.randn(rows, K, generator=gen) for _ in range(world)]
+    w_out = [torch.randn(H, K, generator=gen) * 0.3 for _ in range(world)]
+    unpushed = [linear_fast(y, w, partial=True) for y, w in zip(ys, w_out)]
+    assert max_diff(unpushed[0], torch.nn.functional.linear(ys[0], w_out[0])) <= 1e-5
+    total = rank_order_sum(unpushed)
+    for first in (True, False):
+        before = [] if first else push_from_every_rank(boxes, lambda r: push.push_(torch.ones(rows, H)))
+        assert all(torch.equal(push.consume(p), torch.full((rows, H), float(world))) for p in before)
+        for r in range(world):
+            push.install(boxes[r])
+            try:
+                pushed = linear_fast(ys[r], w_out[r], partial=True)
+            finally:
+                push.install(None)
+            assert isinstance(pushed, push.Pushed) and pushed.slot == (0 if first else 1)
+            assert pushed.shape == (rows, H)
+        for r in range(world):
+            assert torch.equal(push.consume(push.Pushed(boxes[r], pushed.slot, pushed.shape, pushed.dtype)), total)
+        if first:
+            nxt = [push.push_(torch.zeros(rows, H), boxes[r]) for r in range(world)]  # (empties slot 0)
+            assert all(torch.equal(push.consume(p), torch.zeros(rows, H)) for p in nxt)
+        for b in boxes:
+            push.end_step(b)
+        assert all(all_empty(buf) for buf in bufs)
+
+
 @pytest.mark.parametrize("world,T", [(2, 1), (3, 5)])
 def test_moe_combine_pushes(world, T):
     """The MoE's combine (layers/moe/grouped.py) pushing from its epilogue: every rank's combined rows go to every
@@ -449,4 +484,27 @@ def test_push_pull_kernels_compile_for_hopper():
     assert {"_gemv_kernel", "_down_combine_kernel", "_push_kernel", "_pull_add_rms_norm_kernel",
             "_consume_kernel", "_clear_kernel", "_gate_up_scan_kernel", "_down_scan_kernel", "_combine_kernel"} <= names, \
         names
+    assert compile_all(launches) == []
+
+
+def test_rows_kernel_compiles_for_hopper():
+    """The rows kernel (layers/linear.py rows_gemm) as linear_fast launches it at 3-16 rows, plain with a bias and
+    pushing a boundary's partial sums (and emptying the slot before), compiles for sm_90 in bf16."""
+    from layers.backend import use_kernels
+    from tests.hopper_compile import compile_all, hopper_backend_available, recorded
+    if not hopper_backend_available():
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    H, K, world, dt = 64, 1024, 2, torch.bfloat16
+    _, boxes = inboxes(world, 4, 8, H, dt)
+    with recorded() as launches, use_kernels("fast"):
+        linear_fast(torch.randn(5, K, dtype=dt), torch.randn(H, K, dtype=dt), torch.randn(H, dtype=dt))
+        push.install(boxes[0])
+        try:
+            push.begin_step()
+            push.push_(torch.randn(8, H, dtype=dt))
+            linear_fast(torch.randn(8, K, dtype=dt), torch.randn(H, K, dtype=dt), partial=True)  # (slot 1)
+        finally:
+            push.install(None)
+            boxes[0].next_slot = 0
+    assert sum(e["name"] == "_rows_kernel" for e in launches) == 2
     assert compile_all(launches) == []
