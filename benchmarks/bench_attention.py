@@ -15,7 +15,8 @@ Decode rows:
 - decode_attn: paged decode attention with the output gate, at context 1024 for batches 1..64, and long contexts at
   small batches; "1 split ms" is the fast kernel forced to one program per (sequence, KV head), i.e. without
   flash-decoding; GB/s counts the K/V bytes read (the floor of this op);
-- layer: the whole attention mixer's decode step (fused q|gate|k|v GEMM, the two ops above, o_proj);
+- norm_rope_decode: the two ops above in the decode launch (what a decode step runs);
+- layer: the whole attention mixer's decode step (fused q|gate|k|v GEMM, norm_rope_decode, o_proj);
   "x layers" is that times the model's full-attention layers.
 """
 from __future__ import annotations
@@ -161,7 +162,8 @@ def main():
     H, KV, D = m.num_heads, m.num_kv_heads, m.head_dim
     n_layers = len(cfg.full_attention_layers)
     print(f"{torch.cuda.get_device_name()}, TP={args.tp}: {H} q heads, {KV} KV heads, head_dim {D}, rotary "
-          f"{cfg.rotary_dim}, block {BLOCK}; {n_layers} attention layers; decode {A.decode_config(D)}, min tiles/split "
+          f"{cfg.rotary_dim}, block {BLOCK}; {n_layers} attention layers; decode {A.decode_config(D, 1)} (1 row) .. "
+          f"{A.decode_config(D, 64)} (64 rows), min tiles/split "
           f"{A.MIN_TILES_PER_SPLIT}, max splits {A.MAX_SPLITS}; prefill tiles {A.prefill_config(D)}")
     rows = []
 
@@ -187,7 +189,7 @@ def main():
                          rotary.sin, m.k_cache, m.v_cache, m.eps)
             q = A.qk_norm_rope_cache_fast(*norm_args)
             attn_args = (q, m.k_cache, m.v_cache, fb.block_tables, fb.context_lens, m.scale, gate)
-            dc = A.decode_config(D)
+            dc = A.decode_config(D, batch)
             splits = A.decode_splits(batch, KV, fb.block_tables.shape[1] * BLOCK, q.device, dc["tile"], dc["per_sm"])
             kv_bytes = 2 * batch * ctx * KV * D * 2
             if ctx == CONTEXT:
@@ -197,13 +199,17 @@ def main():
             row("decode_attn", batch, ctx, splits, bench(lambda: A.paged_decode_attention_torch(*attn_args)),
                 bench(lambda: A.paged_decode_attention_fast(*attn_args)),
                 bench(lambda: A.paged_decode_launch(*attn_args, 1)), nbytes=kv_bytes)
+            fused_args = (*norm_args[:7], m.k_cache, m.v_cache, fb.block_tables, fb.context_lens, m.eps, m.scale)
+            row("norm_rope_decode", batch, ctx, splits, bench(lambda: A.norm_rope_decode_torch(*fused_args)),
+                bench(lambda: A.norm_rope_decode_fast(*fused_args)), nbytes=kv_bytes)
             if ctx == CONTEXT:
                 row("layer", batch, ctx, splits, bench(lambda: layers["torch"](x, fb)),
                     bench(lambda: layers["fast"](x, fb)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp, "rows": rows, "prefill": prefill_rows,
-                       "config": dict(decode=A.decode_config(D), min_tiles=A.MIN_TILES_PER_SPLIT,
+                       "config": dict(decode=[A.decode_config(D, b) for b in BATCHES],
+                                      min_tiles=A.MIN_TILES_PER_SPLIT,
                                       max_splits=A.MAX_SPLITS, prefill=A.PREFILL_CONFIG)}, f, indent=1)
 
 

@@ -95,13 +95,11 @@ def norm_then_gemv(weights: list[torch.Tensor], M: int, K: int, sweep: bool) -> 
 
 
 def rows_sweep(weights: list[torch.Tensor], x: torch.Tensor) -> list:
-    """The best three of rows_gemm's settings (block_n, block_k, warps, stages) at these rows: the weight slice
-    loaded whole along K (where it stays within 128 KB a program) or streamed in 256 / 512 steps."""
+    """The best three of rows_gemm's settings (block_n, block_k, warps, stages) at these rows (ROWS_CONFIG over
+    ROWS_TILES)."""
     K = x.shape[-1]
     saved, results = dict(linear.ROWS_CONFIG), []
-    whole = [(bn, K, w, 1) for bn in (16, 32, 64) for w in (4, 8) if bn * K <= 65536]
-    steps = [(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (256, 512) for st in (3, 4)]
-    for bn, bk, w, st in whole + steps:
+    for bn, bk, w, st in [(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (256, 512) for st in (3, 4)]:
         linear.ROWS_CONFIG.update(block_n=bn, block_k=bk, warps=w, stages=st)
         try:
             results.append((round(us_per_call(linear.rows_gemm, weights, x), 2), (bn, bk, w, st)))

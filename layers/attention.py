@@ -36,17 +36,22 @@ from layers.rotary import RotaryEmbedding, apply_rope
 from layers.varlen import block_of, seq_tile
 
 # decode split-K: least tiles a split takes before another split gets work, and the most splits per (sequence, KV
-# head); per head_dim (the entry of the smallest listed dim >= it): tokens per inner iteration, warps, pipeline
-# stages, and how many programs per SM the split count aims for. `python -m benchmarks.sweep_decode_attention`
-# (1x H100, 2026-11-27, L2 cold, context 1024, batches 1/8/32/64 summed): Llama-1B's 32/8 heads x 64 123.7 ->
-# 105.6 us with 128-token tiles, Llama-3B's 24/8 x 128 186.1 -> 180.0 us with 64; head_dim 256 (Qwen3.5) as tuned
-# before (2026-11-23).
+# head); per head_dim (the entry of the smallest listed dim >= it) and rows (up to `most` rows, None: any): tokens
+# per inner iteration, warps, pipeline stages, and how many programs per SM the split count aims for.
+# `python -m benchmarks.sweep_decode_attention --shapes 32/8x64,16/2x256,8/1x256 --batches 1,8,32,64` (1x H200,
+# 2026-11-28, L2 cold, context 1024): Llama-1B's 32/8 heads x 64 10.9 -> 8.3 us at batch 1 with 64-token tiles,
+# 128 above as tuned before (1x H100, 2026-11-27); Qwen3.5's head_dim 256, TP=1 / TP=2 heads, 64-token tiles and 4
+# programs per SM to 8 rows (13.3 / 18.1 -> 12.3 / 15.7 us at batch 1 / 8 at TP=1; at the TP=4 shape 14.9 -> 11.6 at
+# batch 1, 2026-11-27), 32 with 3 stages above (28.8 / 42.4 -> 26.8 / 41.2 at batch 32 / 64); Llama-3B's 24/8 x 128
+# as tuned on the H100.
 MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 128
-DECODE_CONFIG = {64: dict(tile=128, warps=4, stages=3, per_sm=2),
-                 128: dict(tile=64, warps=4, stages=3, per_sm=2),
-                 256: dict(tile=32, warps=4, stages=2, per_sm=2)}
-DECODE_TILE = DECODE_CONFIG[256]["tile"]  # (the tests' and the launch's default tile)
+DECODE_CONFIG = {64: ((1, dict(tile=64, warps=4, stages=2, per_sm=2)),
+                      (None, dict(tile=128, warps=4, stages=3, per_sm=2))),
+                 128: ((None, dict(tile=64, warps=4, stages=3, per_sm=2)),),
+                 256: ((8, dict(tile=64, warps=4, stages=2, per_sm=4)),
+                       (None, dict(tile=32, warps=4, stages=3, per_sm=2)))}
+DECODE_TILE = 32  # (the tests' and the launch's default tile)
 # prefill kernel tiles by head_dim (the entry for the smallest listed dim >= head_dim; module level so that
 # benchmarks/bench_attention.py can sweep them). At head_dim 256 a bf16 [64, 256] Q tile plus double-buffered K and V
 # tiles of 32 keys take 96 KB of shared memory, and the fp32 [64, 256] accumulator 64 registers a thread over 8 warps.
@@ -189,7 +194,7 @@ def norm_rope_decode_fast(qkv, positions, slot_mapping, q_norm_weight, k_norm_we
     no ordering). The same roundings as qk_norm_rope_cache_fast's, so the same q and K bits up to the order of the
     norm's sum."""
     n_kv, D = k_cache.shape[2], k_cache.shape[3]
-    cfg = decode_config(D)
+    cfg = decode_config(D, qkv.shape[0])
     splits = decode_splits(qkv.shape[0], n_kv, block_tables.shape[1] * k_cache.shape[1], qkv.device, cfg["tile"],
                            cfg["per_sm"])
     rope = RopeInputs(qkv, positions, slot_mapping, q_norm_weight, k_norm_weight, cos, sin, eps, gated, plain_norm)
@@ -446,7 +451,7 @@ def paged_decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens,
     only on shapes), each part one program; the last program of a (sequence, KV head) to finish merges the parts of
     its query heads and applies the gate (if any), in the same launch. With one split each program applies the gate
     itself."""
-    cfg = decode_config(q.shape[2])
+    cfg = decode_config(q.shape[2], q.shape[0])
     splits = decode_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device,
                            cfg["tile"], cfg["per_sm"])
     return paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale, gate, splits, tile=cfg["tile"],
@@ -458,17 +463,21 @@ def decode_variant_rows(max_rows: int, kv_heads: int, max_tokens: int, head_dim:
     """Row counts whose paged_decode_attention_fast launches meet every kernel variant a launch of 1..max_rows rows
     can (the split count picks the variant: its power-of-two bound, and whether it is 1 or a multiple of 16), the
     smallest of each: what a warm-up runs so that no variant compiles mid-serving (a verify step decodes
-    batch x (k + 1) rows, any count up to max_num_seqs x (K + 1))."""
-    cfg, seen = decode_config(head_dim), {}
+    batch x (k + 1) rows, any count up to max_num_seqs x (K + 1)); the settings by rows (decode_config) are part of
+    the variant."""
+    seen = {}
     for rows in range(1, max_rows + 1):
+        cfg = decode_config(head_dim, rows)
         s = decode_splits(rows, kv_heads, max_tokens, device, cfg["tile"], cfg["per_sm"])
-        seen.setdefault((triton.next_power_of_2(s), s == 1, s % 16 == 0), rows)
+        seen.setdefault((tuple(sorted(cfg.items())), triton.next_power_of_2(s), s == 1, s % 16 == 0), rows)
     return sorted(seen.values())
 
 
-def decode_config(head_dim: int) -> dict:
-    """The decode kernel's settings for this head_dim: DECODE_CONFIG's entry for the smallest listed dim >= it."""
-    return next((c for d, c in sorted(DECODE_CONFIG.items()) if d >= head_dim), DECODE_CONFIG[max(DECODE_CONFIG)])
+def decode_config(head_dim: int, rows: int) -> dict:
+    """The decode kernel's settings for this head_dim and row count: DECODE_CONFIG's entry for the smallest listed
+    dim >= head_dim (else the largest), its first setting whose row bound takes `rows`."""
+    table = next((c for d, c in sorted(DECODE_CONFIG.items()) if d >= head_dim), DECODE_CONFIG[max(DECODE_CONFIG)])
+    return next(cfg for most, cfg in table if most is None or rows <= most)
 
 
 def decode_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device, tile: int = DECODE_TILE,

@@ -70,10 +70,13 @@ FOLD_MAX_M = 16  # rows up to which a layer boundary leaves its norm to the GEMV
 # 4 deep it runs level with cuBLAS on the input projections and the dense MLP (e.g. DeltaNet input at TP=4 5.9-6.1
 # against 6.1-6.3 us) and ahead on the out projections (3.8-3.9 against 4.4-4.7 us at TP=4), and it pushes a
 # boundary's partial sums from its epilogue, where cuBLAS needs push_'s launch after it. Whole-K programs (the
-# GEMV's way) spilled: 10.2 us. block_n 0: by N (rows_block_n).
+# GEMV's way) spilled: 10.2 us. ROWS_TILES: by the output's columns, up to N: (block_n, block_k, stages), the best of
+# the sweep (16 at 2,048 columns, 32 at 2,304-3,088, 64 with 256-wide steps 3 deep at 16,384; 64 x 512 x 4 stages
+# needs 240 KB of shared memory, over Hopper's 227). ROWS_CONFIG overrides them where set (the sweep's knobs).
 ROWS_MAX_M = 16
 ROWS_MAX_BYTES = 128 << 20
-ROWS_CONFIG = {"block_n": 0, "block_k": 512, "warps": 4, "stages": 4}
+ROWS_TILES = ((2048, 16, 512, 4), (8192, 32, 512, 4), (None, 64, 256, 3))
+ROWS_CONFIG = {"block_n": 0, "block_k": 0, "stages": 0, "warps": 4}
 
 # skinny_gemm's threshold (rows of the input) and launch settings, likewise. block_n: output columns per program (the
 # weight rows it streams, whole K each); block_k: the reduction step, loads pipelined `stages` deep.
@@ -309,12 +312,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], N)
 
 
-def rows_block_n(N: int) -> int:
-    """rows_gemm's output columns per program: ROWS_CONFIG["block_n"], else by N (`python -m benchmarks.bench_linear
-    --rows 3,4,8,16 --rows-sweep`, 1x H200, 2026-11-28: 16 at 2,048 columns, 32 at 2,304-3,088, 64 at 16,384)."""
-    if ROWS_CONFIG["block_n"]:
-        return ROWS_CONFIG["block_n"]
-    return 16 if N <= 2048 else 32 if N <= 8192 else 64
+def rows_tile(N: int) -> tuple[int, int, int]:
+    """rows_gemm's (block_n, block_k, stages) for N output columns: ROWS_TILES's row, ROWS_CONFIG's where set."""
+    block_n, block_k, stages = next(t[1:] for t in ROWS_TILES if t[0] is None or N <= t[0])
+    cfg = ROWS_CONFIG
+    return cfg["block_n"] or block_n, cfg["block_k"] or block_k, cfg["stages"] or stages
 
 
 def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -328,14 +330,14 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         raise ValueError(f"rows_gemm: {M} rows of {x.dtype} against {tuple(weight.shape)} {weight.dtype} "
                          f"(stride {weight.stride()}); it takes 1..{ROWS_MAX_M} rows, one dtype, contiguous rows")
     x2, y = _rows_and_output(x, M, N, K)
-    cfg = ROWS_CONFIG
-    block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(K)))
+    block_n, block_k, stages = rows_tile(N)
+    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     slot = box.claim(M) if box is not None else 0
-    _rows_kernel[(triton.cdiv(N, rows_block_n(N)),)](
+    _rows_kernel[(triton.cdiv(N, block_n),)](
         x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), slot,
-        *inbox_args(box, x.device), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=rows_block_n(N),
-        BLOCK_K=block_k, HAS_BIAS=bias is not None, PUSH=box is not None, P=box.world if box is not None else 1,
-        STAGES=cfg["stages"], PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["warps"], **pdl())
+        *inbox_args(box, x.device), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, PUSH=box is not None, P=box.world if box is not None else 1, STAGES=stages,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=ROWS_CONFIG["warps"], **pdl())
     if box is not None:
         return push.Pushed(box, slot, torch.Size((*x.shape[:-1], N)), x.dtype)
     return y.view(*x.shape[:-1], N)

@@ -273,10 +273,15 @@ def test_decode_splits_depend_on_shapes_only(monkeypatch):
     assert A.decode_splits(64, 8, 32768, "cpu", per_sm=4) == math.ceil(4 * 132 / 512)
 
 
-def test_decode_config_by_head_dim():
-    """The smallest listed head_dim >= the model's, else the largest listed."""
-    assert A.decode_config(64) == A.DECODE_CONFIG[64] and A.decode_config(80) == A.DECODE_CONFIG[128]
-    assert A.decode_config(256) == A.DECODE_CONFIG[256] and A.decode_config(512) == A.DECODE_CONFIG[256]
+def test_decode_config_by_head_dim_and_rows():
+    """The smallest listed head_dim >= the model's, else the largest listed; within it the first setting whose row
+    bound takes the rows."""
+    assert A.decode_config(64, 1) == A.DECODE_CONFIG[64][0][1] and A.decode_config(64, 2) == A.DECODE_CONFIG[64][1][1]
+    assert A.decode_config(80, 1) == A.decode_config(128, 64) == A.DECODE_CONFIG[128][0][1]
+    assert A.decode_config(256, 8) == A.DECODE_CONFIG[256][0][1] == A.decode_config(512, 1)
+    assert A.decode_config(256, 9) == A.DECODE_CONFIG[256][1][1] == A.decode_config(512, 64)
+    for table in A.DECODE_CONFIG.values():
+        assert table[-1][0] is None and {"tile", "warps", "stages", "per_sm"} == set(table[0][1])
 
 
 # ----------------------------------------------------------------------------------------- prefill attention

@@ -154,17 +154,20 @@ def test_rows_kernel_equals_f_linear(M, N, K, bias, monkeypatch):
     assert torch.equal(lin.linear_fast(x, w, b), y)
 
 
-@pytest.mark.parametrize("block_n", [16, 32, 64])
-def test_rows_kernel_block_settings(block_n, monkeypatch):
+@pytest.mark.parametrize("block_n,block_k,stages", [(16, 512, 4), (32, 64, 2), (64, 256, 3)])
+def test_rows_kernel_block_settings(block_n, block_k, stages, monkeypatch):
     monkeypatch.setitem(lin.ROWS_CONFIG, "block_n", block_n)
+    monkeypatch.setitem(lin.ROWS_CONFIG, "block_k", block_k)
+    monkeypatch.setitem(lin.ROWS_CONFIG, "stages", stages)
     gen = torch.Generator().manual_seed(block_n)
     x, w = torch.randn(2, 3, 200, generator=gen), torch.randn(70, 200, generator=gen)  # (3-D: 6 rows)
     assert scaled_err(lin.rows_gemm(x, w), F.linear(x, w)) <= 1e-5
-    assert lin.rows_block_n(70) == block_n
+    assert lin.rows_tile(70) == (block_n, block_k, stages)
 
 
-def test_rows_kernel_block_n_from_shape():
-    assert [lin.rows_block_n(n) for n in (257, 2048, 2304, 3088, 8192, 16384)] == [16, 16, 32, 32, 32, 64]
+def test_rows_kernel_tiles_from_shape():
+    assert [lin.rows_tile(n)[0] for n in (257, 2048, 2304, 3088, 8192, 16384)] == [16, 16, 32, 32, 32, 64]
+    assert lin.rows_tile(16384) == (64, 256, 3)
 
 
 def test_rows_kernel_limits(monkeypatch):

@@ -260,7 +260,7 @@ def test_gpu_push_pull_simulated_inboxes_bf16(world, rows):
     norm_w = torch.randn(H, generator=gen, device="cuda") .to(torch.bfloat16) * 0.2
     pushed = push_from_every_rank(boxes, lambda r: linear_fast(ys[r], w_out[r], partial=True, gemv_rows=16,
                                                                rows_in_grid=rows > 2))
-    partials = [linear_fast(y, w) for y, w in zip(ys, w_out)]  # the same GEMV, not pushed
+    partials = [linear_fast(y, w, gemv_rows=16, rows_in_grid=rows > 2) for y, w in zip(ys, w_out)]  # (not pushed)
     total = rank_order_sum([p.float() for p in partials]).to(torch.bfloat16)
     y0, s0 = add_rms_norm_torch(total, residual, norm_w, EPS)
     for r in range(world):
@@ -489,7 +489,11 @@ def test_push_pull_kernels_compile_for_hopper():
 
 def test_rows_kernel_compiles_for_hopper():
     """The rows kernel (layers/linear.py rows_gemm) as linear_fast launches it at 3-16 rows, plain with a bias and
-    pushing a boundary's partial sums (and emptying the slot before), compiles for sm_90 in bf16."""
+    pushing a boundary's partial sums (and emptying the slot before), compiles for sm_90 in bf16, and so does every
+    tile of ROWS_TILES, each within Hopper's 227 KB of shared memory."""
+    import json
+
+    from layers import linear as lin
     from layers.backend import use_kernels
     from tests.hopper_compile import compile_all, hopper_backend_available, recorded
     if not hopper_backend_available():
@@ -506,5 +510,14 @@ def test_rows_kernel_compiles_for_hopper():
         finally:
             push.install(None)
             boxes[0].next_slot = 0
-    assert sum(e["name"] == "_rows_kernel" for e in launches) == 2
+    rows = [e for e in launches if e["name"] == "_rows_kernel"]
+    assert len(rows) == 2
+    for _, block_n, block_k, stages in lin.ROWS_TILES:  # every tile of the table
+        entry = json.loads(json.dumps(rows[1]))
+        entry["constexprs"].update(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages)
+        launches.append(entry)
+        # and within an sm_90 block's shared memory as the GPU's compiler lays it out (stages - 1 buffers of the 16
+        # rows' and the weight's K step: 64 x 512 x 4 stages asked 245,760 bytes on an H200, 2026-11-28; the CPU's
+        # compile does not pipeline the same way, so the sum is checked here)
+        assert (stages - 1) * (16 + block_n) * block_k * 2 <= 232448
     assert compile_all(launches) == []

@@ -1,0 +1,205 @@
+"""How many drafts a step verifies (speculative decoding with the MTP head, qwen35/mtp.py): the engine setting
+`speculative_tokens` (K >= 1: K drafts on every pure-decode step; 0: off; "auto": chosen per step), the running
+acceptance, and the cost table `auto` chooses by.
+
+The drafts a step verifies were proposed at the end of the step before, so k is chosen one step ahead: the
+scheduler asks `next_k(batch)` when it plans a step (the drafts that step proposes), and the step after verifies at
+most that many (none while a row's stop ids are suppressed: Scheduler).
+
+`auto`: with acceptance a per draft (the probability that a draft is accepted given the ones before it were: an
+exponential average of the a that explains each verify step's accepted / drafted; ACCEPTANCE_PRIOR before any), a
+step of k drafts per row emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per row on average; auto takes the k in
+0..AUTO_MAX_K with the least step_ms(batch, k) / E(k) (k = 0: a plain step; ties go to the smaller k), keeping the
+k it chose last unless another is expected to cost SWITCH_MARGIN less: a verify step replays a CUDA graph only when
+it proposes as many drafts as it verifies (qwen35/cuda_graphs.py VerifyGraphs), so a k that flips between two
+near-equal choices as the running acceptance moves would make every step eager. While auto stays at 0 the average
+relaxes back towards the prior, so that speculation is tried again once in a while rather than never.
+
+The cost table: wall ms per step by k and batch, as `qwen35.bench --mode spec` measures them (its results JSON is a
+table: --spec-cost-table; CostTable.from_rows says how a row becomes a cost), linear between the batches measured.
+The tables measured so far ship in scheduler/spec_costs.json, each for one GPU kind and TP (CostTable.shipped picks
+by device name and TP). Where none matches, auto falls back to PLACEHOLDER, which is NOT a measurement: a step of n
+tokens costing what the points below say relative to a batch-1 plain step (the points at 2 and 4 tokens are the
+ratios issue #28 quotes for steps of 2 and 4 sequences on one H200, the rest a guess), plus DRAFT_COST of a plain
+step per draft.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+log = logging.getLogger("qwen35.speculation")
+
+AUTO_MAX_K = 3            # the most drafts `auto` chooses
+MAX_K = 8                 # the most drafts a fixed --speculative-tokens may ask for
+ACCEPTANCE_PRIOR = 0.6    # the acceptance `auto` assumes before it has measured any
+ACCEPTANCE_DECAY = 0.9    # weight of the past in the running acceptance (per verify step)
+# the placeholder (module docstring): (tokens in the step, cost relative to a batch-1 plain step)
+# (1024: the 256-512 segment continued, so that steps of up to 256 rows x (AUTO_MAX_K + 1) tokens grow as before)
+PLACEHOLDER = [(1, 1.0), (2, 1.32), (4, 1.82), (8, 2.4), (16, 3.0), (32, 3.6), (64, 4.3), (128, 5.6), (256, 8.4),
+               (512, 14.0), (1024, 25.2)]
+DRAFT_COST = 0.15
+SWITCH_MARGIN = 0.03      # auto leaves the k it chose last only for one expected to cost this much less per token
+SHIPPED = os.path.join(os.path.dirname(__file__), "spec_costs.json")
+
+
+def parse_speculative_tokens(value) -> int | str:
+    """The setting as given (CLI string, int): K (0..MAX_K) or "auto"; ValueError naming the flag otherwise."""
+    if isinstance(value, str):
+        if value == "auto":
+            return value
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f"--speculative-tokens must be an integer 0..{MAX_K} or 'auto'; got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_K:
+        raise ValueError(f"--speculative-tokens must be an integer 0..{MAX_K} or 'auto'; got {value!r}")
+    return value
+
+
+def max_drafts(setting) -> int:
+    """The most drafts a step may verify under the setting (the runner's draft buffer width)."""
+    setting = parse_speculative_tokens(setting)
+    return AUTO_MAX_K if setting == "auto" else setting
+
+
+def _interpolate(points: list[tuple[int, float]], x: int) -> float:
+    """Linear between the points (sorted by x), flat outside them (past the last batch measured, auto chooses as
+    there: every k's cost is held at its last value)."""
+    xs = [p for p, _ in points]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return points[i][1]
+    if i == 0 or i == len(xs):
+        return points[0 if i == 0 else -1][1]
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class CostTable:
+    """Wall ms per step by k: steps[k] = [(batch, ms), ...] sorted by batch; `source` says where it came from."""
+    steps: dict[int, list[tuple[int, float]]]
+    source: str
+
+    @classmethod
+    def from_rows(cls, rows: list[dict], source: str) -> "CostTable":
+        """From `qwen35.bench --mode spec` rows ({"batch", "k", "step_ms"}, and where measured "tokens_per_step"
+        and "acceptance"; rows of k "auto" are skipped). A row's cost is its step time as if its steps had emitted
+        E(k) tokens per row at the acceptance it measured: step_ms / tokens_per_step x E(k), so that the table
+        gives back the ms per token the row measured at that acceptance (the run's end, where rows finish at
+        different steps and a verify step of few rows costs nearly a full one, included). Needs the k = 0 rows
+        (speculation off) and at least one k > 0."""
+        steps: dict[int, list[tuple[int, float]]] = {}
+        for r in rows:
+            k = r["k"]
+            if not isinstance(k, int) or r["step_ms"] <= 0:
+                continue
+            cost = float(r["step_ms"])
+            if r.get("tokens_per_step"):
+                a = per_draft_acceptance(r["acceptance"], k) if k and r.get("acceptance") is not None else 0.0
+                cost = cost / r["tokens_per_step"] * expected_tokens(k, a)
+            steps.setdefault(k, []).append((int(r["batch"]), cost))
+        if 0 not in steps or len(steps) < 2:
+            raise ValueError(f"{source}: a cost table needs spec rows of k = 0 and of some k > 0 "
+                             "(qwen35.bench --mode spec --spec-ks 0,1,2,3)")
+        return cls({k: sorted(v) for k, v in steps.items()}, source)
+
+    @classmethod
+    def from_json(cls, path: str) -> "CostTable":
+        """A `qwen35.bench --mode spec` results file (its "spec" rows)."""
+        with open(path) as f:
+            raw = json.load(f)
+        if "spec" not in raw:
+            raise ValueError(f"{path}: not a cost table: expected the results JSON of qwen35.bench --mode spec "
+                             "(a \"spec\" list of rows)")
+        return cls.from_rows(raw["spec"], path)
+
+    @classmethod
+    def placeholder(cls) -> "CostTable":
+        batches = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+        steps = {k: [(b, _interpolate(PLACEHOLDER, b * (k + 1)) + k * DRAFT_COST * _interpolate(PLACEHOLDER, b))
+                     for b in batches] for k in range(AUTO_MAX_K + 1)}
+        return cls(steps, "placeholder (not a measurement)")
+
+    @classmethod
+    def shipped(cls, device: str, tp: int, path: str = SHIPPED) -> "CostTable":
+        """The table measured on this GPU kind at this TP (scheduler/spec_costs.json), else the placeholder."""
+        with open(path) as f:
+            tables = json.load(f)["tables"]
+        for t in tables:
+            if t["device"] == device and t["tp"] == tp:
+                return cls.from_rows(t["spec"], f"{os.path.basename(path)}: {device}, tp={tp}, {t['date']}")
+        log.warning("no measured speculation cost table for %s at tp=%d: --speculative-tokens auto uses the "
+                    "placeholder; measure one with qwen35.bench --mode spec and pass --spec-cost-table", device, tp)
+        return cls.placeholder()
+
+    def step_ms(self, batch: int, k: int) -> float:
+        return _interpolate(self.steps[k], batch)
+
+    def ms_per_token(self, batch: int, k: int, acceptance: float) -> float:
+        """Expected cost per emitted token of a step of `batch` rows with k drafts each at this acceptance (k not in
+        the table: never chosen)."""
+        if k not in self.steps:
+            return float("inf")
+        return self.step_ms(batch, k) / expected_tokens(k, acceptance)
+
+
+class SpecPolicy:
+    """The setting, the running acceptance and the counters /metrics reports (drafted, accepted)."""
+
+    def __init__(self, setting, table: CostTable | None = None):
+        self.setting = parse_speculative_tokens(setting)
+        self.table = table or CostTable.placeholder()
+        self.acceptance = ACCEPTANCE_PRIOR
+        self.k: int | None = None  # what auto chose last
+        self.drafted = 0
+        self.accepted = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.setting != 0
+
+    def next_k(self, batch: int) -> int:
+        """Drafts to propose for the next step of about `batch` rows."""
+        if self.setting != "auto":
+            return self.setting
+        costs = [self.table.ms_per_token(batch, k, self.acceptance) for k in range(AUTO_MAX_K + 1)]
+        best = min(range(AUTO_MAX_K + 1), key=costs.__getitem__)  # (ties: the smaller k)
+        if self.k is not None and costs[self.k] * (1 - SWITCH_MARGIN) <= costs[best]:
+            best = self.k  # (module docstring: k stays put unless another is clearly cheaper)
+        self.k = best
+        if best == 0:  # relax towards the prior: try again once in a while
+            self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * ACCEPTANCE_PRIOR
+        return best
+
+    def record(self, drafted: int, accepted: int, k: int) -> None:
+        """A verify step of k drafts per row: `drafted` drafts that could have been accepted (a row near its end
+        has fewer), `accepted` of them accepted."""
+        if drafted <= 0 or k <= 0:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        a = per_draft_acceptance(accepted / drafted, k)
+        self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * a
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """E(k): tokens a row emits per step of k drafts at this per-draft acceptance (1 + a + ... + a^k)."""
+    a = min(max(acceptance, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def per_draft_acceptance(ratio: float, k: int) -> float:
+    """The a with (a + a^2 + ... + a^k) / k = ratio (accepted / drafted of steps of k drafts), by bisection."""
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        a = (lo + hi) / 2
+        if sum(a ** j for j in range(1, k + 1)) / k < ratio:
+            lo = a
+        else:
+            hi = a
+    return (lo + hi) / 2

@@ -1,0 +1,227 @@
+"""The decode GEMMs of layers/linear.py against F.linear (linear_torch): the GEMV kernel (linear_fast, every projection
+at up to GEMV_MAX_M rows) and the skinny split-K GEMM (skinny_gemm, the MoE router's up to SKINNY_MAX_M).
+
+CPU (fp32, Triton through the interpreter): the GEMV at M = 1..4 rows (a row tile with rows past M), N
+that no column block divides, K not a power of two, a bias, 3-D and strided inputs; the skinny GEMM at M = 1..5,
+16, 17, 40 and 64 rows, partial output and reduction tiles, several K steps, split K: equal to F.linear within 1e-5
+relative to the output's scale (fp32, only the order of the sums differs); past their row limits, the bits of
+F.linear itself.
+GPU (`-m gpu`, bf16, the real Qwen3.5-35B-A3B router, input and out projections at the TP=1 and TP=8 shards): both
+kernels accumulate in fp32 and round once to bf16, so every element is within half a bf16 ulp of the exact product of
+the bf16 inputs (fp64) and 99% are that product rounded to bf16; 99% are bit-identical to F.linear's where F.linear
+rounds correctly too.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layers import backend
+from layers import linear as lin
+from layers.backend import triton
+
+pytestmark = pytest.mark.skipif(triton is None, reason="needs triton")
+
+
+def scaled_err(y, ref) -> float:
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 16, 17, 40, 64])  # row tiles of 16, 32 and 64
+def test_skinny_equals_f_linear(M, monkeypatch):
+    monkeypatch.setitem(lin.SKINNY_CONFIG, "block_k", 32)  # 300 = 9 full steps + a partial one
+    gen = torch.Generator().manual_seed(M)
+    x, w = torch.randn(M, 300, generator=gen), torch.randn(37, 300, generator=gen)
+    y, ref = lin.skinny_gemm(x, w), F.linear(x, w)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert scaled_err(y, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("block_n,block_k", [(16, 16), (32, 64), (64, 512)])
+def test_skinny_block_settings(block_n, block_k, monkeypatch):
+    monkeypatch.setitem(lin.SKINNY_CONFIG, "block_n", block_n)
+    monkeypatch.setitem(lin.SKINNY_CONFIG, "block_k", block_k)
+    gen = torch.Generator().manual_seed(block_n)
+    x, w = torch.randn(3, 200, generator=gen), torch.randn(70, 200, generator=gen)
+    assert scaled_err(lin.skinny_gemm(x, w), F.linear(x, w)) <= 1e-5
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 4, 16])
+def test_skinny_split_k(split, monkeypatch):
+    """K summed in `split` shares (the last program to arrive adds the partials in share order): equal to F.linear
+    within the tolerance, the same bits from run to run, and the arrival counters back at zero after each call (a
+    CUDA graph replays the kernel with no reset in between). A split of 3 leaves the last share short, 16 is more
+    than the 10 K steps (clamped)."""
+    monkeypatch.setitem(lin.SKINNY_CONFIG, "block_k", 32)  # 300 = 9 full steps + a partial one
+    monkeypatch.setitem(lin.SKINNY_CONFIG, "split", split)
+    gen = torch.Generator().manual_seed(split)
+    x, w = torch.randn(5, 300, generator=gen), torch.randn(37, 300, generator=gen)
+    y = lin.skinny_gemm(x, w)
+    assert scaled_err(y, F.linear(x, w)) <= 1e-5
+    assert torch.equal(lin.skinny_gemm(x, w), y)
+    used = min(split, 10)
+    assert lin._split_k(3, 300, 32, x.device) == used
+    if used > 1:
+        assert not lin._split_scratch(x.device, used, lin.SKINNY_MAX_M, 48)[1].any()
+
+
+def test_split_k_from_shape(monkeypatch):
+    """split 0: the largest power of two with at most two programs per SM, within K's steps."""
+    monkeypatch.setattr(lin.backend, "sm_count", lambda device: 132)
+    assert lin._split_k(128, 4096, 256, torch.device("cpu")) == 2    # an out projection's 2,048 columns
+    assert lin._split_k(17, 2048, 256, torch.device("cpu")) == 8     # the router's 257
+    assert lin._split_k(17, 512, 256, torch.device("cpu")) == 2      # no more shares than K steps
+    assert lin._split_k(800, 2048, 256, torch.device("cpu")) == 1
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("N,K", [(37, 300), (8, 32), (5, 1000), (70, 64)])
+def test_gemv_equals_f_linear(M, N, K):
+    """Row tiles of 1, 2 and 4 (3 rows: one past M), column blocks of 1..16 (37 and 5 columns: a partial block), K
+    padded to a power of two, with and without a bias."""
+    gen = torch.Generator().manual_seed(M * 1000 + N)
+    x, w, b = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    y, ref = lin.linear_fast(x, w, gemv_rows=4), F.linear(x, w)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert scaled_err(y, ref) <= 1e-5
+    assert scaled_err(lin.linear_fast(x, w, b, gemv_rows=4), F.linear(x, w, b)) <= 1e-5
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize("N,K", [(37, 300), (257, 64)])
+def test_gemv_row_grid_equals_f_linear(M, N, K):
+    """The GEMV's row grid (a program per column block and row: the MoE router's from 3 tokens), with and without a
+    bias: within 1e-5 of F.linear, and the same bits as the GEMV over each row alone (the same sums per row)."""
+    gen = torch.Generator().manual_seed(M * 7 + N)
+    x, w, b = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    y = lin.linear_fast(x, w, b, gemv_rows=16, rows_in_grid=True)
+    assert y.shape == (M, N) and scaled_err(y, F.linear(x, w, b)) <= 1e-5
+    assert torch.equal(y, torch.cat([lin.linear_fast(x[i:i + 1], w, b) for i in range(M)]))
+
+
+@pytest.mark.parametrize("tile,warps", [(2048, 1), (4096, 2), (16384, 4)])
+def test_gemv_tile_settings(tile, warps, monkeypatch):
+    monkeypatch.setitem(lin.GEMV_CONFIG, "tile_1", tile)
+    monkeypatch.setitem(lin.GEMV_CONFIG, "tile", tile)
+    monkeypatch.setitem(lin.GEMV_CONFIG, "warps", warps)
+    gen = torch.Generator().manual_seed(tile)
+    w = torch.randn(70, 1000, generator=gen)
+    for x in (torch.randn(1, 1000, generator=gen), torch.randn(2, 1000, generator=gen)):
+        assert scaled_err(lin.linear_fast(x, w), F.linear(x, w)) <= 1e-5
+
+
+def test_gemv_block_n_from_shape(monkeypatch):
+    """The most columns whose weights fit the tile, halved until the grid has two programs per SM."""
+    monkeypatch.setattr(lin.backend, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert lin.gemv_block_n(12352, 2048, 8192, cpu) == 4   # the DeltaNet in-projection: 3,088 programs
+    assert lin.gemv_block_n(12352, 2048, 2048, cpu) == 1   # at one row's tile: 12,352
+    assert lin.gemv_block_n(2048, 4096, 8192, cpu) == 2    # an out projection: 1,024
+    assert lin.gemv_block_n(257, 2048, 8192, cpu) == 1     # the router: 257
+    assert lin.gemv_block_n(2048, 16384, 8192, cpu) == 1   # K past the tile: one row a program
+    assert lin.gemv_block_n(257, 2048, 16384, cpu, rows=8) == 8  # the router's row grid at 8 rows: 264 programs
+    assert lin.gemv_block_n(257, 2048, 16384, cpu, rows=2) == 1  # at 2 rows: 514 (2 columns: 258, too few)
+
+
+def test_gemv_3d_strided_and_past_its_limits():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 40, generator=gen)
+    x3 = torch.randn(1, 3, 40, generator=gen)
+    assert scaled_err(lin.linear_fast(x3, w), F.linear(x3, w)) <= 1e-5
+    x_t = torch.randn(40, 2, generator=gen).t()      # features strided: copied once
+    assert scaled_err(lin.linear_fast(x_t, w), F.linear(x_t, w)) <= 1e-5
+    rows = torch.randn(60, 40, generator=gen)[10:34]  # a row block of a bigger weight (fuse_rows views)
+    assert scaled_err(lin.linear_fast(x3, rows), F.linear(x3, rows)) <= 1e-5
+    many = torch.randn(lin.GEMV_MAX_M + 1, 40, generator=gen)
+    assert torch.equal(lin.linear_fast(many, w), F.linear(many, w))
+    assert lin.linear_fast(torch.zeros(0, 40), w).shape == (0, 24)
+    with pytest.raises(ValueError, match="features"):
+        lin.linear_fast(torch.zeros(2, 31), w)
+
+
+def test_skinny_3d_and_strided_inputs():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 40, generator=gen)
+    x3 = torch.randn(2, 3, 40, generator=gen)
+    assert scaled_err(lin.skinny_gemm(x3, w), F.linear(x3, w)) <= 1e-5
+    wide = torch.randn(4, 100, generator=gen)
+    x_cols = wide[:, 10:50]                          # rows strided, features contiguous
+    x_t = torch.randn(40, 4, generator=gen).t()      # features strided: copied once
+    for x in (x_cols, x_t):
+        assert scaled_err(lin.skinny_gemm(x, w), F.linear(x, w)) <= 1e-5
+    rows = torch.randn(60, 40, generator=gen)[10:34]  # a row block of a bigger weight (fuse_rows views)
+    assert scaled_err(lin.skinny_gemm(x3, rows), F.linear(x3, rows)) <= 1e-5
+
+
+def test_large_m_and_empty_take_f_linear():
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(8, 32, generator=gen)
+    x = torch.randn(lin.SKINNY_MAX_M + 1, 32, generator=gen)
+    assert torch.equal(lin.skinny_gemm(x, w), F.linear(x, w))
+    assert lin.skinny_gemm(torch.zeros(0, 32), w).shape == (0, 8)
+
+
+def test_feature_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match="features"):
+        lin.skinny_gemm(torch.zeros(2, 31), torch.zeros(8, 32))
+
+
+def test_linear_binds_its_kernel_set():
+    """Linear runs F.linear with the torch kernels (its bits) and linear_fast with the fast ones (the GEMV up to
+    GEMV_MAX_M rows: within the tolerance; F.linear's bits above)."""
+    for name in ("torch", "fast"):
+        with backend.use_kernels(name):
+            layer = lin.Linear(32, 8, cols=[(0, 32)])
+        layer.weight.data.normal_()
+        x, many = torch.randn(3, 32), torch.randn(lin.GEMV_MAX_M + 1, 32)
+        assert torch.equal(layer(many), F.linear(many, layer.weight))
+        if name == "torch":
+            assert torch.equal(layer(x), F.linear(x, layer.weight))
+        else:
+            assert scaled_err(layer(x), F.linear(x, layer.weight)) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+def skinny_shapes(inputs: bool = False):
+    """(name, N, K): the real model's router (replicated) and out projections at the TP=1 and TP=8 shards (with
+    `inputs`, the fused input projections too)."""
+    from qwen35.config import ModelConfig
+    from qwen35.synth import PRESETS
+    cfg = ModelConfig.from_dict({"text_config": dict(PRESETS["qwen3.5-35b-a3b"]["text_config"])})
+    vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    od = cfg.num_attention_heads * cfg.head_dim
+    found = [("router", cfg.num_experts + 1, cfg.hidden_size)] + [
+        (f"{name} tp{tp}", cfg.hidden_size, k // tp) for name, k in (("out_proj", vd), ("o_proj", od))
+        for tp in (1, 8)]
+    if inputs:
+        kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        gdn = 2 * kd + 2 * vd + 2 * cfg.linear_num_value_heads
+        qkv = 2 * od + 2 * cfg.num_key_value_heads * cfg.head_dim
+        found += [(f"{name} tp{tp}", n // tp, cfg.hidden_size) for name, n in (("gdn_in", gdn), ("qkv", qkv))
+                  for tp in (1, 8)]
+    return found
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel,M", [("skinny", m) for m in (1, 2, 4, 8, 13, 16, 24, 64)]
+                         + [("gemv", m) for m in range(1, 5)])
+def test_gpu_bits_near_f_linear_bf16(kernel, M):
+    """Each output is one rounding of an fp32 sum of the bf16 products: within 2^-8 |v| (half a bf16 ulp, and the
+    fp32 sums' own error, 1e-5 of the RMS) of the exact product v (fp64), and at least 99% of the outputs equal to v
+    rounded to bf16 (an fp32 sum's error, ~sqrt(K) 2^-24 relative, moves a few across a rounding boundary). Against
+    F.linear: equal bits for 99% of the outputs that F.linear itself rounds correctly. (Asking every output to be
+    within one bf16 ulp of F.linear's failed for the router at M = 4 on 1x H200, 2026-11-25, with many outputs one
+    ulp apart; the exact product says which side rounds off.)"""
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    op = lin.skinny_gemm if kernel == "skinny" else (lambda x, w: lin.linear_fast(x, w, gemv_rows=4))
+    for name, N, K in skinny_shapes(inputs=kernel == "gemv"):
+        w = (torch.randn(N, K, generator=gen, device="cuda") * K ** -0.5).bfloat16()
+        x = torch.randn(M, K, generator=gen, device="cuda").bfloat16()
+        y, ref = op(x, w), F.linear(x, w)
+        exact = x.double() @ w.double().t()
+        diff = (y.double() - exact).abs()
+        bound = 2 ** -8 * exact.abs() + 1e-5 * exact.pow(2).mean().sqrt()
+        assert (diff <= bound).all(), f"{name} M={M}: {(diff - bound).max().item()}"
+        rounded = exact.to(torch.bfloat16)
+        assert (y == rounded).float().mean().item() >= 0.99, name
+        once = ref == rounded
+        assert (y[once] == ref[once]).float().mean().item() >= 0.99, name

@@ -1,0 +1,66 @@
+"""benchmarks/profile_step.py's trace reading on made-up events: kernels placed by the range that launched them,
+graph kernels matched to the eager ones by name, per-kind layer tables and the parts outside the layers."""
+from benchmarks import profile_step as ps
+
+
+def _k(name, ts, dur, corr=None):
+    e = {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    if corr is not None:
+        e["args"] = {"correlation": corr}
+    return e
+
+
+def test_eager_kernels_take_the_innermost_range_of_their_launch():
+    events = [
+        {"cat": "user_annotation", "name": "model:embedding", "ts": 0, "dur": 5},
+        {"cat": "user_annotation", "name": "L0:deltanet", "ts": 10, "dur": 20},
+        {"cat": "user_annotation", "name": "L1:attention", "ts": 40, "dur": 20},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "args": {"correlation": 1}},
+        {"cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 12, "args": {"correlation": 2}},
+        {"cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 45, "args": {"correlation": 3}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 70, "args": {"correlation": 4}},
+        _k("embed", 100, 2, 1), _k("gemv", 110, 3, 2), _k("attn", 120, 4, 3), _k("lm_head", 130, 5, 4),
+    ]
+    assert ps.label_eager(events) == [("embed", "model:embedding"), ("gemv", "L0:deltanet"),
+                                      ("attn", "L1:attention"), ("lm_head", "other")]
+
+
+def test_graph_steps_are_placed_by_name_and_summarised_per_kind():
+    eager = [("embed", "model:embedding"), ("ar_norm_boundary", "L0:deltanet"), ("gemv", "L0:deltanet"),
+             ("ar_norm_boundary", "L1:deltanet"), ("gemv", "L1:deltanet"), ("ar_norm_boundary", "L2:attention"),
+             ("attn", "L2:attention"), ("lm_head", "model:lm_head")]
+    # one replayed step: an extra input kernel first (the graph computes its inputs), then the eager sequence
+    names = ["rows"] + [n for n, _ in eager]
+    step, t = [_k("_step_marker", -5.0, 1.0)], 0.0
+    for n in names:
+        step.append(_k(n, t, 2.0))
+        t += 3.0  # a 1 us gap after every kernel
+    steps = ps.split_at_markers(step + [_k("_step_marker", t + 1000, 1.0), _k("rows", t + 1002, 2.0)])
+    assert len(steps) == 2 and len(steps[0]) == len(names) and len(steps[1]) == 1
+    step = step[1:]
+    placed = ps.place_graph_kernels(steps[0], eager)
+    assert [p for _, p, _, _ in placed] == ["other"] + [p for _, p in eager]
+    assert placed[0][3] == 0.0 and all(abs(g - 1.0) < 1e-9 for _, _, _, g in placed[1:])
+    s = ps.summarize([placed], {0: "deltanet", 1: "deltanet", 2: "attention"})
+    d = s["kinds"]["deltanet"]
+    assert d["layers_per_step"] == 2 and d["kernels_per_layer"] == 2
+    assert [r["kernel"] for r in d["kernels"]] == ["ar_norm_boundary", "gemv"]
+    assert d["comm_us"] == 2.0 and d["layer_us"] == 6.0 and d["gaps_us"] == 2.0
+    assert s["kinds"]["attention"]["kernels_per_layer"] == 2
+    assert s["kernels_per_step"] == len(names)
+    assert abs(s["step_span_us"] - (len(names) * 3.0 - 1.0)) < 1e-9
+    assert set(s["outside"]) == {"other rows", "model:embedding embed", "model:lm_head lm_head"}
+
+
+def test_profile_mixed_host_plans():
+    """benchmarks.profile_mixed_host's step specs and plans: prefill rows from position 0 with their tokens, decode
+    rows one token at CONTEXT, every row with a table that holds its context."""
+    from types import SimpleNamespace
+
+    from benchmarks.profile_mixed_host import CONTEXT, make_plan, parse_step
+    assert parse_step("prefill:2x64") == (0, 2, 64) and parse_step("mixed:8+1x64") == (8, 1, 64)
+    plan = make_plan(SimpleNamespace(block_size=16), *parse_step("mixed:3+2x100"))
+    assert plan.start_pos == [CONTEXT] * 3 + [0, 0]
+    assert [len(t) for t in plan.token_ids] == [1, 1, 1, 100, 100]
+    assert all(len(b) * 16 >= s + len(t) for b, s, t in zip(plan.block_tables, plan.start_pos, plan.token_ids))
+    assert len({b for t in plan.block_tables for b in t}) == sum(map(len, plan.block_tables))  # no block shared

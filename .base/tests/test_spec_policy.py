@@ -1,0 +1,93 @@
+"""`--speculative-tokens auto` (scheduler/speculation.py): k from the batch size, the running acceptance and the
+cost table. Host-only arithmetic, no model.
+
+- a table where a step of n tokens costs what a step of one does (the fixed cost dominates): auto speculates (k > 0)
+  at batch 1 with acceptance 0.6, and picks the most drafts it may (AUTO_MAX_K) at acceptance 0.95;
+- a table where cost grows linearly with the tokens (nothing is shared): auto picks 0 at every batch and acceptance
+  (a verify step of k + 1 tokens costs k + 1 plain steps and emits fewer tokens);
+- the placeholder: k > 0 at batch 1, acceptance 0.6; 0 at acceptance 0.05; the measured tables that ship load, by
+  GPU name and TP;
+- the running acceptance follows what verify steps report (record), and relaxes back towards the prior while auto
+  keeps choosing 0; a fixed K is returned as it is; bad settings are clear errors; a bench results JSON is a table.
+"""
+import json
+
+import pytest
+
+from scheduler.speculation import (ACCEPTANCE_PRIOR, AUTO_MAX_K, CostTable, SpecPolicy, parse_speculative_tokens,
+                                   per_draft_acceptance)
+
+# a step costs the same whatever its k (the fixed cost dominates), or k + 1 plain steps (nothing is shared)
+FLAT = CostTable({k: [(1, 1.0), (1024, 1.0)] for k in range(AUTO_MAX_K + 1)}, "flat")
+LINEAR = CostTable({k: [(1, k + 1.0), (1024, 1024.0 * (k + 1))] for k in range(AUTO_MAX_K + 1)}, "linear")
+
+
+def policy(table, acceptance):
+    p = SpecPolicy("auto", table)
+    p.acceptance = acceptance
+    return p
+
+
+def test_auto_speculates_where_it_pays_and_not_where_it_loses():
+    assert policy(FLAT, 0.6).next_k(1) > 0
+    assert policy(FLAT, 0.95).next_k(1) == AUTO_MAX_K
+    for batch in (1, 8, 64):
+        for a in (0.3, 0.6, 0.9):
+            assert policy(LINEAR, a).next_k(batch) == 0, (batch, a)
+    assert policy(CostTable.placeholder(), 0.6).next_k(1) > 0
+    assert policy(CostTable.placeholder(), 0.05).next_k(1) == 0
+
+
+def test_running_acceptance():
+    p = SpecPolicy("auto", FLAT)
+    for _ in range(200):
+        p.record(drafted=8, accepted=8, k=2)  # every draft accepted
+    assert p.acceptance > 0.99 and p.drafted == 1600 and p.accepted == 1600
+    for _ in range(200):
+        p.record(drafted=8, accepted=0, k=2)
+    assert p.acceptance < 0.01
+    assert abs(per_draft_acceptance((0.5 + 0.25) / 2, 2) - 0.5) < 1e-6  # k = 2 at a = 0.5: 0.75 of 2 accepted
+    lin = policy(LINEAR, 0.0)
+    for _ in range(100):
+        assert lin.next_k(1) == 0
+    assert abs(lin.acceptance - ACCEPTANCE_PRIOR) < 1e-3  # relaxed back: speculation gets tried again
+
+
+def test_fixed_k_and_settings(tmp_path):
+    assert SpecPolicy(2).next_k(64) == 2 and not SpecPolicy(0).enabled
+    assert parse_speculative_tokens("3") == 3 and parse_speculative_tokens("auto") == "auto"
+    for bad in ("-1", "two", 99, True):
+        with pytest.raises(ValueError, match="--speculative-tokens"):
+            parse_speculative_tokens(bad)
+    path = tmp_path / "table.json"
+    rows = [{"batch": b, "k": k, "step_ms": 5.0 * b} for b in (1, 64) for k in (0, 2)] + [{"batch": 1, "k": "auto",
+                                                                                            "step_ms": 1.0}]
+    path.write_text(json.dumps({"device": "x", "spec": rows}))
+    table = CostTable.from_json(str(path))
+    assert table.step_ms(32, 2) == 5.0 * 32 and table.step_ms(128, 0) == 5.0 * 64  # linear, flat past the last
+    assert table.ms_per_token(1, 1, 0.6) == float("inf")  # a k not measured is never chosen
+    assert policy(table, 0.6).next_k(1) == 2
+    # a row's cost: as if it had emitted E(k) tokens a step at the acceptance it measured (its ms per token back)
+    measured = {"batch": 1, "k": 2, "step_ms": 6.0, "tokens_per_step": 1.5, "acceptance": 0.5}
+    t2 = CostTable.from_rows([{"batch": 1, "k": 0, "step_ms": 2.0, "tokens_per_step": 1.0}, measured], "m")
+    a = per_draft_acceptance(0.5, 2)
+    assert abs(t2.ms_per_token(1, 2, a) - 4.0) < 1e-6 and t2.ms_per_token(1, 0, a) == 2.0
+    path.write_text(json.dumps({"points": [[1, 5.0]]}))
+    with pytest.raises(ValueError, match="qwen35.bench --mode spec"):
+        CostTable.from_json(str(path))
+    path.write_text(json.dumps({"spec": [r for r in rows if r["k"] != 0]}))
+    with pytest.raises(ValueError, match="k = 0"):
+        CostTable.from_json(str(path))
+
+
+def test_shipped_tables(caplog):
+    """The measured tables ship per GPU kind and TP; another device gets the placeholder, with a warning."""
+    import json as _json
+    from scheduler.speculation import SHIPPED
+    for t in _json.load(open(SHIPPED))["tables"]:
+        table = CostTable.shipped(t["device"], t["tp"])
+        assert t["device"] in table.source and table.steps[0][0][0] == 1
+        assert {r["k"] for r in t["spec"]} >= {0, 1}
+    with caplog.at_level("WARNING"):
+        assert CostTable.shipped("a GPU never measured", 8).source.startswith("placeholder")
+    assert "no measured speculation cost table" in caplog.text

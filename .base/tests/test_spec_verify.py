@@ -1,0 +1,265 @@
+"""Speculative verify steps (layers/deltanet_verify.py, ForwardBatch.verify_tokens): a verify step of T tokens per
+sequence computes what T single decode steps compute, and rollback leaves nothing of the rejected tokens behind.
+
+- ops: verify_torch's outputs == T decode_torch steps and the caches untouched; commit_torch(counts) leaves the
+  state and the conv tail of counts[b] decode steps; both exact (torch.equal) in fp32: the same ops token by token.
+  Odd dims (dk 5, dv 6, 3 value heads on 1 key head), conv kernels 2 and 4, T = 1..4, counts 1..T, slots out of
+  order.
+- fast == torch through Triton's interpreter (the same shapes, T = 1..4, fp32): outputs and states
+  within TOL_FAST (fp32: the kernel's sums run in another order), conv tails bit-exact (data movement), slots outside
+  the batch untouched; with the value columns of a head split over programs (dv 10 in slabs of 4) and unsplit.
+- GPU (real Qwen3.5-35B-A3B shapes at TP=1 and TP=8 local, bf16 proj and tails, fp32 states): verify_fast == T
+  decode_fast steps within the decode kernel's bf16 tolerances (rtol = atol = 2e-2, relative L2 <= 5e-3; the two
+  kernels compute the same function with different launch shapes), commit_fast(counts) == counts decode_fast steps:
+  states within 1e-2, conv tails bit-exact.
+- model (the tiny preset with its MTP head, fp32, CPU, torch kernels): a verify batch's hidden states == T single
+  decode steps' (TOL: the mixed-step attention against the decode attention, same fp32 function); after commit(n)
+  and one more decode step from the accepted tokens, the hidden state == a sequence that only ever saw the accepted
+  tokens (KV and conv tail rollback, TOL), DeltaNet states within TOL; the MTP head's catch-up over the verify
+  batch == over the accepted tokens at the last accepted row (its own KV left consistent).
+"""
+import pytest
+import torch
+
+from layers import deltanet as dn
+from layers.deltanet_verify import commit_fast, commit_torch, verify_fast, verify_torch
+from tests.test_kernels_deltanet import tiny_cfg
+
+TOL = 1e-5
+TOL_FAST = 1e-5
+EPS = 1e-6
+
+
+def make_layer(hk, hv, dk, dv, kernel, slots=8, seed=0):
+    from layers import backend
+    torch.manual_seed(seed)
+    with backend.use_kernels("torch"):
+        layer = dn.GatedDeltaNet(tiny_cfg(hk, hv, dk, dv, kernel))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    layer.conv_state = torch.randn(slots, layer.conv_dim, kernel - 1)
+    layer.ssm_state = torch.randn(slots, hv, dk, dv)
+    return layer
+
+
+def proj_rows(layer, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    width = layer.conv_dim + layer.num_v_heads * layer.dv + 2 * layer.num_v_heads
+    p = torch.randn(n, width, generator=g)
+    p[:, -layer.num_v_heads:] *= 8  # a: softplus inputs on both sides of its threshold now and then
+    return p
+
+
+def args(layer):
+    return (layer.conv1d.weight, layer.A_log, layer.dt_bias)
+
+
+def decode_steps(layer, proj, slots, T, conv, ssm):
+    """T decode_torch steps on copies of the caches: per step the outputs, and the caches after each step."""
+    B = slots.shape[0]
+    rows = proj.view(B, T, -1)
+    outs, after = [], []
+    for t in range(T):
+        outs.append(dn.decode_torch(rows[:, t].contiguous(), conv, ssm, slots, *args(layer), layer.norm.weight, EPS))
+        after.append((conv.clone(), ssm.clone()))
+    return torch.stack(outs, 1).flatten(0, 1), after
+
+
+@pytest.mark.parametrize("dims", [(1, 3, 5, 6, 4), (2, 2, 4, 3, 2)])
+@pytest.mark.parametrize("T", [1, 2, 3, 4])
+def test_verify_and_commit_equal_single_decode_steps(dims, T):
+    layer = make_layer(*dims)
+    slots = torch.tensor([5, 1, 6])
+    proj = proj_rows(layer, 3 * T, seed=T)
+    conv0, ssm0 = layer.conv_state.clone(), layer.ssm_state.clone()
+    expected, after = decode_steps(layer, proj, slots, T, conv0.clone(), ssm0.clone())
+    y = verify_torch(proj, layer.conv_state, layer.ssm_state, slots, *args(layer), layer.norm.weight, EPS, T)
+    assert torch.equal(y, expected)
+    assert torch.equal(layer.conv_state, conv0) and torch.equal(layer.ssm_state, ssm0)  # nothing written
+    for counts in ([1, T, 1], [T, (T + 1) // 2, max(1, T - 1)]):
+        conv, ssm = conv0.clone(), ssm0.clone()
+        commit_torch(proj, conv, ssm, slots, *args(layer), torch.tensor(counts), T)
+        for b, (slot, n) in enumerate(zip(slots.tolist(), counts)):
+            assert torch.equal(conv[slot], after[n - 1][0][slot]), (b, n)
+            assert torch.equal(ssm[slot], after[n - 1][1][slot]), (b, n)
+        others = [s for s in range(8) if s not in slots.tolist()]
+        assert torch.equal(conv[others], conv0[others]) and torch.equal(ssm[others], ssm0[others])
+
+
+@pytest.mark.parametrize("dims", [(1, 3, 5, 6, 4), (2, 2, 4, 10, 2)])
+@pytest.mark.parametrize("T", [1, 2, 3, 4])
+@pytest.mark.parametrize("block_v", [4, 64])
+def test_fast_equals_torch(dims, T, block_v, monkeypatch):
+    monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", block_v)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "batched_block_v", block_v)
+    layer = make_layer(*dims)
+    slots = torch.tensor([5, 1, 6])
+    proj = proj_rows(layer, 3 * T, seed=10 + T)
+    conv0, ssm0 = layer.conv_state.clone(), layer.ssm_state.clone()
+    want = verify_torch(proj, conv0, ssm0, slots, *args(layer), layer.norm.weight, EPS, T)
+    got = verify_fast(proj, layer.conv_state, layer.ssm_state, slots, *args(layer), layer.norm.weight, EPS, T)
+    assert (got - want).abs().max().item() <= TOL_FAST
+    assert torch.equal(layer.conv_state, conv0) and torch.equal(layer.ssm_state, ssm0)
+    for counts in ([1, T, 1], [T, (T + 1) // 2, max(1, T - 1)]):
+        conv_t, ssm_t, conv_f, ssm_f = conv0.clone(), ssm0.clone(), conv0.clone(), ssm0.clone()
+        n = torch.tensor(counts)
+        commit_torch(proj, conv_t, ssm_t, slots, *args(layer), n, T)
+        commit_fast(proj, conv_f, ssm_f, slots, *args(layer), n, T)
+        assert torch.equal(conv_f, conv_t)
+        assert (ssm_f - ssm_t).abs().max().item() <= TOL_FAST
+        others = [s for s in range(8) if s not in slots.tolist()]
+        assert torch.equal(ssm_f[others], ssm0[others])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+def test_gpu_verify_fast_equals_decode_steps_bf16(tp, monkeypatch):
+    from tests.compare import max_diff, rel
+    from tests.test_kernels_deltanet import decode_args, random_proj, real_layer
+    m = real_layer("fast", tp, monkeypatch, 40)
+    gen = torch.Generator().manual_seed(tp)
+    for B, T in ((1, 2), (7, 4), (32, 3)):
+        slots = torch.randperm(39, generator=gen)[:B].cuda()
+        proj = random_proj(m, B * T, gen, "cuda", torch.bfloat16)
+        start = m.conv_state.clone(), m.ssm_state.clone()
+        steps, after = [], []
+        for t in range(T):
+            steps.append(dn.decode_fast(*decode_args(m, proj.view(B, T, -1)[:, t].contiguous(), slots)))
+            after.append((m.conv_state.clone(), m.ssm_state.clone()))
+        want = torch.stack(steps, 1).flatten(0, 1)
+        m.conv_state.copy_(start[0])
+        m.ssm_state.copy_(start[1])
+        got = verify_fast(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight,
+                          m.norm.eps, T)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        assert rel(got, want) <= 5e-3
+        counts = torch.randint(1, T + 1, (B,), generator=gen).cuda()
+        commit_fast(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias, counts, T)
+        for b, (slot, n) in enumerate(zip(slots.tolist(), counts.tolist())):
+            assert torch.equal(m.conv_state[slot], after[n - 1][0][slot])
+            assert max_diff(m.ssm_state[slot], after[n - 1][1][slot]) <= 1e-2
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def caches(model):
+    from layers.attention import GatedAttention
+    out = []
+    for m in model.modules():
+        if isinstance(m, GatedAttention):
+            out += [m.k_cache, m.v_cache]
+        if isinstance(m, dn.GatedDeltaNet):
+            out += [m.conv_state, m.ssm_state]
+    return out
+
+
+def save(model):
+    return [t.clone() for t in caches(model)]
+
+
+def restore(model, saved):
+    for t, s in zip(caches(model), saved):
+        t.copy_(s)
+
+
+def verify_batch(rows, T):
+    """rows (slot, T tokens, start) as the runner builds a verify step: every row its own query (its sequence's
+    block table, its length)."""
+    import dataclasses
+    from tests.test_mtp import batch_of
+    b = batch_of(rows)
+    return dataclasses.replace(b, is_decode=False, verify_tokens=T, block_tables=b.block_tables.repeat_interleave(
+        T, dim=0), context_lens=(b.positions + 1).to(torch.int32))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from qwen35.config import ModelConfig
+    from qwen35.runner import init_dummy_weights
+    from tests.test_mtp import build, small_vocab
+    model = build(ModelConfig.from_dict(small_vocab(512)))
+    init_dummy_weights(model, seed=3)
+    return model
+
+
+@pytest.mark.parametrize("T", [1, 3, 4])
+def test_model_verify_step_equals_single_steps_and_rolls_back(tiny, T):
+    from qwen35.mtp import catch_up
+    from tests.test_mtp import batch_of
+    model = tiny
+    gen = torch.Generator().manual_seed(T)
+    prompts = [torch.randint(0, 400, (n,), generator=gen).tolist() for n in (5, 9, 17)]
+    slots = [3, 0, 7]
+    drafts = [torch.randint(0, 400, (T,), generator=gen).tolist() for _ in prompts]
+    nxt = torch.randint(0, 400, (3,), generator=gen)
+    counts = [1, T, max(1, T - 1)]
+    with torch.inference_mode():
+        b = batch_of([(s, p, 0) for s, p in zip(slots, prompts)])
+        h = model(b)
+        catch_up(model, b, h, nxt, b.logits_indices)  # the head's KV over the prompts
+        prefilled = save(model)
+        starts = [len(p) for p in prompts]
+        # the reference: T single decode steps, the caches after each
+        ref, after = [], []
+        for j in range(T):
+            ref.append(model(batch_of([(s, [d[j]], st + j) for s, d, st in zip(slots, drafts, starts)])))
+            after.append(save(model))
+        ref = torch.stack(ref, 1).flatten(0, 1)
+        # the verify step from the prefilled caches
+        restore(model, prefilled)
+        vb = verify_batch([(s, d, st) for s, d, st in zip(slots, drafts, starts)], T)
+        hv = model(vb)
+        assert (hv - ref).abs().max().item() <= TOL
+        n = torch.tensor(counts)
+        last = torch.arange(3) * T + n - 1
+        newest = nxt + 1
+        h_mtp = catch_up(model, vb, hv, newest, last)
+        for m in model.modules():
+            if isinstance(m, dn.GatedDeltaNet):
+                m.commit(n)
+        spec_caches = save(model)
+        # reference caches: DeltaNet states after counts[b] steps per sequence; KV of the full run (positions past
+        # a sequence's accepted ones are rewritten before they are read)
+        restore(model, after[-1])
+        mods = [m for m in model.modules() if isinstance(m, dn.GatedDeltaNet)]
+        for li, m in enumerate(mods):
+            for s, c in zip(slots, counts):
+                step = after[c - 1]
+                idx = [i for i, t in enumerate(caches(model)) if t is m.conv_state][0]
+                m.conv_state[s] = step[idx][s]
+                m.ssm_state[s] = step[idx + 1][s]
+                spec = spec_caches[idx], spec_caches[idx + 1]
+                assert (spec[0][s] - m.conv_state[s]).abs().max().item() <= TOL
+                assert (spec[1][s] - m.ssm_state[s]).abs().max().item() <= TOL
+        # one more step from the accepted tokens: the same as a sequence that never saw the rejected ones
+        step = [(s, [int(x)], st + c) for s, x, st, c in zip(slots, nxt, starts, counts)]
+        h_ref = model(batch_of(step))
+        restore(model, spec_caches)
+        h_spec = model(batch_of(step))
+        assert (h_spec - h_ref).abs().max().item() <= TOL
+        # the head's catch-up over the accepted tokens alone (a chunk of them per sequence) at the last accepted row
+        restore(model, prefilled)
+        acc = batch_of([(s, d[:c], st) for s, d, st, c in zip(slots, drafts, starts, counts)])
+        rows = torch.cat([torch.arange(c) + i * T for i, c in enumerate(counts)])
+        h_acc = catch_up(model, acc, ref[rows], newest, acc.cu_seqlens[1:].long() - 1)
+        assert (h_mtp - h_acc).abs().max().item() <= TOL
+
+
+@pytest.mark.timeout(900)
+def test_fast_kernels_compile_for_hopper():
+    """verify_fast's and commit_fast's launches (bf16 storage, the tiny preset's head dims: dk = dv = 16, 2 value
+    heads per key head) compile for sm_90 through Triton's compiler and ptxas (tests/hopper_compile.py)."""
+    from tests.hopper_compile import compile_all, hopper_backend_available, recorded
+    if not hopper_backend_available():
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    layer = make_layer(2, 4, 16, 16, 4)
+    conv, ssm = layer.conv_state.bfloat16(), layer.ssm_state
+    w = [t.bfloat16() if t is not layer.A_log else t for t in args(layer)]
+    T, slots = 3, torch.tensor([5, 1])
+    proj = proj_rows(layer, 2 * T, seed=1).bfloat16()
+    with recorded() as launches:
+        verify_fast(proj, conv, ssm, slots, *w, layer.norm.weight, EPS, T)
+        commit_fast(proj, conv, ssm, slots, *w, torch.tensor([1, 3]), T)
+    names = {e["name"] for e in launches}
+    assert "_verify_kernel" in names, names
+    assert compile_all(launches) == []
