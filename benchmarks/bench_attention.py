@@ -15,8 +15,7 @@ Decode rows:
 - decode_attn: paged decode attention with the output gate, at context 1024 for batches 1..64, and long contexts at
   small batches; "1 split ms" is the fast kernel forced to one program per (sequence, KV head), i.e. without
   flash-decoding; GB/s counts the K/V bytes read (the floor of this op);
-- norm_rope_decode: the two ops above in the decode launch (what a decode step runs);
-- layer: the whole attention mixer's decode step (fused q|gate|k|v GEMM, norm_rope_decode, o_proj);
+- layer: the whole attention mixer's decode step (fused q|gate|k|v GEMM, the two ops above, o_proj);
   "x layers" is that times the model's full-attention layers.
 """
 from __future__ import annotations
@@ -199,9 +198,6 @@ def main():
             row("decode_attn", batch, ctx, splits, bench(lambda: A.paged_decode_attention_torch(*attn_args)),
                 bench(lambda: A.paged_decode_attention_fast(*attn_args)),
                 bench(lambda: A.paged_decode_launch(*attn_args, 1)), nbytes=kv_bytes)
-            fused_args = (*norm_args[:7], m.k_cache, m.v_cache, fb.block_tables, fb.context_lens, m.eps, m.scale)
-            row("norm_rope_decode", batch, ctx, splits, bench(lambda: A.norm_rope_decode_torch(*fused_args)),
-                bench(lambda: A.norm_rope_decode_fast(*fused_args)), nbytes=kv_bytes)
             if ctx == CONTEXT:
                 row("layer", batch, ctx, splits, bench(lambda: layers["torch"](x, fb)),
                     bench(lambda: layers["fast"](x, fb)))

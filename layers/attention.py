@@ -10,8 +10,7 @@ many as ranks, else each rank keeps (a replica of) the one KV head its query hea
 
 A step runs, per layer: one GEMM for q (+gate) | k | v (the three weights fused by rows), one op for the q/k
 RMSNorm + partial RoPE + paged K/V write, the attention with the sigmoid output gate applied to its output, and
-o_proj; in a pure-decode step the norm, RoPE and cache write run inside the decode attention's launch
-(norm_rope_decode: one launch less per layer). Each op has a torch oracle `<op>_torch` and a Triton version `<op>_fast` with the same signature; the layer
+o_proj. Each op has a torch oracle `<op>_torch` and a Triton version `<op>_fast` with the same signature; the layer
 binds one set at construction (layers/backend.py). Decode attention splits each sequence's context across
 programs (flash-decoding) so that a few long sequences still fill the GPU; the split count depends only on shapes,
 so a CUDA graph can hold it. Prefill and mixed steps (any step that is not all decodes) run one varlen causal flash
@@ -19,8 +18,6 @@ attention over the packed batch that reads every key from the paged cache, decod
 per-sequence SDPA loop.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -99,21 +96,16 @@ class GatedAttention(nn.Module):
         fast = backend.use_fast()
         self._in_linear = linear_fast if fast else linear_torch
         self._norm_rope_cache = qk_norm_rope_cache_fast if fast else qk_norm_rope_cache_torch
-        self._norm_rope_decode = norm_rope_decode_fast if fast else norm_rope_decode_torch
         self._decode = paged_decode_attention_fast if fast else paged_decode_attention_torch
         self._prefill = paged_prefill_attention_fast if fast else paged_prefill_attention_torch
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self._in_linear(x, self.qkv_weight, self.qkv_bias)
         qw, kw = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-        rope = (batch.positions, batch.slot_mapping, qw, kw, self.rotary.cos, self.rotary.sin)
-        if batch.is_decode:  # (one new token a row: the norm, RoPE and cache write inside the decode's launch)
-            o = self._norm_rope_decode(qkv, *rope, self.k_cache, self.v_cache, batch.block_tables,
-                                       batch.context_lens, self.eps, self.scale, self.gated, self.plain_norm)
-            return self.o_proj(o)
-        q = self._norm_rope_cache(qkv, *rope, self.k_cache, self.v_cache, self.eps, self.gated, self.plain_norm)
+        q = self._norm_rope_cache(qkv, batch.positions, batch.slot_mapping, qw, kw, self.rotary.cos, self.rotary.sin,
+                                  self.k_cache, self.v_cache, self.eps, self.gated, self.plain_norm)
         gate = split_qkv(qkv, self.num_kv_heads, self.head_dim, self.gated)[1]  # None without the output gate
-        if batch.verify_tokens:  # (a verify step's rows carry their own tables and lengths)
+        if batch.is_decode or batch.verify_tokens:  # (a verify step's rows carry their own tables and lengths)
             o = self._decode(q, self.k_cache, self.v_cache, batch.block_tables, batch.context_lens, self.scale, gate)
         else:
             o = self._prefill(q, self.k_cache, self.v_cache, batch, self.scale, gate)
@@ -173,50 +165,6 @@ def qk_norm_rope_cache_fast(qkv, positions, slot_mapping, q_norm_weight, k_norm_
     return q
 
 
-def norm_rope_decode_torch(qkv, positions, slot_mapping, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache,
-                           block_tables, context_lens, eps: float, scale: float, gated: bool = True,
-                           plain_norm: bool = False) -> torch.Tensor:
-    """A decode step's attention from its qkv rows (one new token a row, at context_lens - 1): qk_norm_rope_cache
-    then paged decode attention with the output gate. Returns [B, H*D]."""
-    n_kv, D = k_cache.shape[2], k_cache.shape[3]
-    q = qk_norm_rope_cache_torch(qkv, positions, slot_mapping, q_norm_weight, k_norm_weight, cos, sin, k_cache,
-                                 v_cache, eps, gated, plain_norm)
-    gate = split_qkv(qkv, n_kv, D, gated)[1]
-    return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, gate)
-
-
-def norm_rope_decode_fast(qkv, positions, slot_mapping, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache,
-                          block_tables, context_lens, eps: float, scale: float, gated: bool = True,
-                          plain_norm: bool = False) -> torch.Tensor:
-    """One launch: the decode kernel's programs norm and rotate their query heads from the qkv rows themselves, and
-    its KV head's new K (V as it is); split 0 of each (row, KV head) writes them to the cache, and every program
-    takes them in place of the cache's row at that slot, which no program of the launch reads (so the write needs
-    no ordering). The same roundings as qk_norm_rope_cache_fast's, so the same q and K bits up to the order of the
-    norm's sum."""
-    n_kv, D = k_cache.shape[2], k_cache.shape[3]
-    cfg = decode_config(D, qkv.shape[0])
-    splits = decode_splits(qkv.shape[0], n_kv, block_tables.shape[1] * k_cache.shape[1], qkv.device, cfg["tile"],
-                           cfg["per_sm"])
-    rope = RopeInputs(qkv, positions, slot_mapping, q_norm_weight, k_norm_weight, cos, sin, eps, gated, plain_norm)
-    return paged_decode_launch(None, k_cache, v_cache, block_tables, context_lens, scale, None, splits,
-                               tile=cfg["tile"], warps=cfg["warps"], stages=cfg["stages"], rope=rope)
-
-
-@dataclass
-class RopeInputs:
-    """What paged_decode_launch needs to make q, the new K and V itself (norm_rope_decode_fast)."""
-    qkv: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    q_norm_weight: torch.Tensor | None
-    k_norm_weight: torch.Tensor | None
-    cos: torch.Tensor
-    sin: torch.Tensor
-    eps: float
-    gated: bool
-    plain_norm: bool
-
-
 if triton is not None:
     @triton.jit
     def _normed(x, inv, w, PLAIN: tl.constexpr, dtype: tl.constexpr):
@@ -227,41 +175,24 @@ if triton is not None:
         return round_to(x * inv * (1.0 + w), dtype)
 
     @triton.jit
-    def _norm_rope(src, mask, pmask, w_ptr, c, s, eps, d, D: tl.constexpr, RD: tl.constexpr,
-                   HAS_NORM: tl.constexpr, PLAIN: tl.constexpr, dtype: tl.constexpr):
-        """Head rows normed (HAS_NORM: RMSNorm with weight w) and their first RD dims rotated (rotate-half) by c, s
-        (cos and sin at the row's position, rounded to dtype), with every rounding the torch oracle does in the model
-        dtype: the norm's output (and its product with w when PLAIN), each product of the rotation and their sum.
-        src: each row's first element (a pointer, or pointers [rows, 1]), d: the dims (mask: d < D and the rows,
-        pmask: d < RD and the rows). Returns the rows in dtype."""
-        half = RD // 2
-        partner = tl.where(d < half, d + half, d - half)  # the other half of the rotated pair (d < RD only)
-        x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-        xp = tl.load(src + partner, mask=pmask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            inv = tl.rsqrt(tl.sum(x * x, -1, keep_dims=True) / D + eps)
-            w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            wp = tl.load(w_ptr + partner, mask=d < RD, other=0.0).to(tl.float32)
-            y = _normed(x, inv, w, PLAIN, dtype)
-            yp = _normed(xp, inv, wp, PLAIN, dtype)
-        else:
-            y, yp = x, xp
-        rot = tl.where(d < half, -yp, yp)
-        return tl.where(d < RD, round_to(y * c, dtype) + round_to(rot * s, dtype), y).to(dtype)
-
-    @triton.jit
     def _norm_rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr,
                                 eps, s_qkv, s_cos, s_slot, s_kvh,
                                 H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, Q: tl.constexpr,
                                 RD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
                                 PLAIN: tl.constexpr):
         """Program (t, h): h < H is query head h, else KV head h - H (its K row is normed and rotated, its V row
-        copied). Q: a query head's row count (2D with the gate rows after it, D without)."""
+        copied). Q: a query head's row count (2D with the gate rows after it, D without). Every rounding the torch
+        oracle does in the model dtype is done here too: the norm's output (and its product with w when PLAIN),
+        cos and sin, each product of the rotation and their sum."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         dtype = q_ptr.dtype.element_ty
         d = tl.arange(0, BLOCK_D)
+        in_head = d < D
+        rotates = d < RD
+        half = RD // 2
+        partner = tl.where(d < half, d + half, d - half)  # the other half of the rotated pair (d < RD only)
         row = qkv_ptr + t * s_qkv
         if h < H:
             src = row + h * Q
@@ -269,18 +200,32 @@ if triton is not None:
         else:
             src = row + H * Q + (h - H) * D
             w_ptr = kw_ptr
+        x = tl.load(src + d, mask=in_head, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner, mask=rotates, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+            w = tl.load(w_ptr + d, mask=in_head, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=rotates, other=0.0).to(tl.float32)
+            y = _normed(x, inv, w, PLAIN, dtype)
+            yp = _normed(xp, inv, wp, PLAIN, dtype)
+        else:
+            y, yp = x, xp
         pos = tl.load(pos_ptr + t)
-        c = round_to(tl.load(cos_ptr + pos * s_cos + d, mask=d < RD, other=0.0), dtype)
-        s = round_to(tl.load(sin_ptr + pos * s_cos + d, mask=d < RD, other=0.0), dtype)
-        out = _norm_rope(src, d < D, d < RD, w_ptr, c, s, eps, d, D, RD, HAS_NORM, PLAIN, dtype)
+        c = round_to(tl.load(cos_ptr + pos * s_cos + d, mask=rotates, other=0.0), dtype)
+        s = round_to(tl.load(sin_ptr + pos * s_cos + d, mask=rotates, other=0.0), dtype)
+        rot = tl.where(d < half, -yp, yp)
+        a = round_to(y * c, dtype)
+        b = round_to(rot * s, dtype)
+        out = tl.where(rotates, a + b, y).to(dtype)
         if h < H:
-            tl.store(q_ptr + (t * H + h) * D + d, out, mask=d < D)
+            tl.store(q_ptr + (t * H + h) * D + d, out, mask=in_head)
         else:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             dst = slot * s_slot + (h - H) * s_kvh + d
-            tl.store(kc_ptr + dst, out, mask=d < D)
-            v = tl.load(row + H * Q + KV * D + (h - H) * D + d, mask=d < D, other=0.0)
-            tl.store(vc_ptr + dst, v, mask=d < D)
+            tl.store(kc_ptr + dst, out, mask=in_head)
+            v = tl.load(row + H * Q + KV * D + (h - H) * D + d, mask=in_head, other=0.0)
+            tl.store(vc_ptr + dst, v, mask=in_head)
+
 
 # -------------------------------------------------------------------------------------------- output gate
 def apply_output_gate(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -491,53 +436,35 @@ def decode_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.devi
 
 def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate, splits: int,
                         tile: int = DECODE_TILE, min_tiles: int = MIN_TILES_PER_SPLIT, warps: int = 4,
-                        stages: int = 2, rope: RopeInputs | None = None) -> torch.Tensor:
+                        stages: int = 2) -> torch.Tensor:
     """paged_decode_attention_fast with the split count and tile size given (tests run every split path; the
-    benchmark sweeps tiles, warps and stages). With `rope` (norm_rope_decode_fast) q and gate are None: the kernel
-    makes q, the new K and V from rope.qkv's rows and writes the cache."""
-    block_size, n_kv, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    if rope is not None:
-        qkv = rope.qkv
-        Q = 2 * D if rope.gated else D
-        B, H = qkv.shape[0], (qkv.shape[1] - 2 * n_kv * D) // Q
-        gate = split_qkv(qkv, n_kv, D, rope.gated)[1]
-        q_args = (qkv, qkv.stride(0), Q)
-    else:
-        B, H, _ = q.shape
-        q_args = (q, q.stride(0), q.stride(1))
-    dtype, device = q_args[0].dtype, q_args[0].device
+    benchmark sweeps tiles, warps and stages)."""
+    B, H, D = q.shape
+    block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = H // n_kv
-    out = torch.empty(B, H * D, dtype=dtype, device=device)
+    out = torch.empty(B, H * D, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
     kc, vc = k_cache.view(-1, n_kv, D), v_cache.view(-1, n_kv, D)
     lse = part = out  # placeholders: with one split the attention kernel writes `out` directly
     if splits > 1:
-        lse = torch.empty(B, H, splits, dtype=torch.float32, device=device)
-        part = torch.empty(B, H, splits, D, dtype=torch.float32, device=device)
+        lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+        part = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(D)
     has_gate = gate is not None
     if not has_gate:
-        gate = out.view(B, H, D)  # a placeholder, never read
-    assert q_args[0].stride(-1) == 1 and gate.stride(2) == 1
-    if rope is not None:
-        has_norm = rope.q_norm_weight is not None
-        qw, kw = (rope.q_norm_weight, rope.k_norm_weight) if has_norm else (out, out)  # (placeholders: never read)
-        rope_args = (rope.positions, rope.slot_mapping, qw, kw, rope.cos, rope.sin, rope.eps, rope.cos.stride(0),
-                     H * Q, H * Q + n_kv * D)
-        rope_const = dict(ROPE=True, RD=rope.cos.shape[1], HAS_NORM=has_norm, PLAIN=rope.plain_norm)
-    else:
-        rope_args = (out, out, out, out, out, out, 0.0, 0, 0, 0)  # placeholders, never read
-        rope_const = dict(ROPE=False, RD=0, HAS_NORM=False, PLAIN=False)
-    counters = backend.arrival_counters(B * n_kv, device) if splits > 1 else out  # (placeholder: never read)
+        gate = q  # a placeholder, never read
+    assert q.stride(2) == 1 and gate.stride(2) == 1
+    counters = backend.arrival_counters(B * n_kv, q.device) if splits > 1 else out  # (placeholder: never read)
     _decode_split_kernel[(B, n_kv, splits)](
-        q_args[0], kc, vc, block_tables, context_lens, gate, out, lse, part, counters, scale, splits, *q_args[1:],
-        kc.stride(0), kc.stride(1), block_tables.stride(0), gate.stride(0), gate.stride(1), *rope_args,
+        q, kc, vc, block_tables, context_lens, gate, out, lse, part, counters, scale, splits,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0), gate.stride(0), gate.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         TILE=tile, MIN_TILES=min_tiles, BLOCK_S=triton.next_power_of_2(splits), ONE_SPLIT=splits == 1,
-        HAS_GATE=has_gate, PREC="ieee" if dtype == torch.float32 else "tf32", **rope_const, num_warps=warps,
-        num_stages=stages, **pdl())
+        HAS_GATE=has_gate, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        **pdl())
     return out
+
 
 if triton is not None:
     @triton.jit
@@ -556,21 +483,16 @@ if triton is not None:
     @triton.jit
     def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, gate_ptr, out_ptr, lse_ptr, part_ptr,
                              count_ptr, scale, splits, sq_b, sq_h, s_slot, s_kvh, st_b, sg_b, sg_h,
-                             pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps, s_cos, k_off, v_off,
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MIN_TILES: tl.constexpr,
                              BLOCK_S: tl.constexpr, ONE_SPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
-                             PREC: tl.constexpr, ROPE: tl.constexpr, RD: tl.constexpr, HAS_NORM: tl.constexpr,
-                             PLAIN: tl.constexpr):
+                             PREC: tl.constexpr):
         """Program (b, kv head, split): the GROUP query heads of one KV head over one contiguous part of sequence
         b's context, TILE tokens at a time (gathered through the block table), with an online softmax in fp32.
         One split: normalise, gate and store the output. Several: store the part's normalised output and its
         log-sum-exp (an empty part stores lse = -inf, a neutral partial, and no output), then count itself in; the
         last of the (b, kv head)'s programs to arrive merges the non-empty parts (_merge_splits) and resets the
-        counter. No float atomics: the merge adds the parts in split order whatever the order of arrival.
-        ROPE: q_ptr is the step's qkv rows (sq_h: a query head's rows in one); the program norms and rotates its
-        query heads (_norm_rope), and its KV head's new K at k_off (V at v_off as it is), which split 0 writes to
-        the cache at the row's slot and every program takes in place of the cache's row at that slot."""
+        counter. No float atomics: the merge adds the parts in split order whatever the order of arrival."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
@@ -585,23 +507,7 @@ if triton is not None:
         t = tl.arange(0, TILE)
         heads = kvh * GROUP + g
         mask = (g < GROUP)[:, None] & (d < D)[None, :]
-        if ROPE:
-            dt = out_ptr.dtype.element_ty
-            row = q_ptr + b * sq_b
-            pos = tl.load(pos_ptr + b)
-            slot = tl.load(slot_ptr + b).to(tl.int64)
-            cs = round_to(tl.load(cos_ptr + pos * s_cos + d, mask=d < RD, other=0.0), dt)
-            sn = round_to(tl.load(sin_ptr + pos * s_cos + d, mask=d < RD, other=0.0), dt)
-            q = _norm_rope(row + heads[:, None] * sq_h, mask, (g < GROUP)[:, None] & (d < RD)[None, :], qw_ptr, cs,
-                           sn, eps, d[None, :], D, RD, HAS_NORM, PLAIN, dt)
-            k_new = _norm_rope(row + k_off + kvh * D, d < D, d < RD, kw_ptr, cs, sn, eps, d, D, RD, HAS_NORM, PLAIN,
-                               dt)
-            v_new = tl.load(row + v_off + kvh * D + d, mask=d < D, other=0.0)
-            if split == 0:
-                tl.store(k_ptr + slot * s_slot + kvh * s_kvh + d, k_new, mask=d < D)
-                tl.store(v_ptr + slot * s_slot + kvh * s_kvh + d, v_new, mask=d < D)
-        else:
-            q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=mask, other=0.0)
+        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=mask, other=0.0)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -613,10 +519,6 @@ if triton is not None:
             kv_mask = valid[:, None] & (d < D)[None, :]
             k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if ROPE:  # (the new token's slot: this launch's K and V, not the cache's row)
-                new = (block * BLOCK_SIZE + tok % BLOCK_SIZE == slot)[:, None]
-                k = tl.where(new, k_new[None, :], k)
-                v = tl.where(new, v_new[None, :], v)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
