@@ -2,25 +2,29 @@
 and the skinny split-K kernel (skinny_gemm) at the Qwen3.5-35B-A3B projections of one rank, bf16, for the rows of a
 decode step.
 
-    python -m benchmarks.bench_linear [--tp 1] [--rows 1,2,4,8] [--sweep] [--norm] [--out F.json]
+    python -m benchmarks.bench_linear [--tp 1] [--model M] [--rows 1,2,4,8] [--sweep] [--rows-sweep] [--norm]
+        [--out F.json]
 
 Shapes: the DeltaNet and attention input projections (fused), the out projections, the router, the LM head's slice.
 Each shape is timed over enough copies of its weight (at least 256 MB, one call per copy in one CUDA graph) that
 they do not stay in L2, as in a decode step, which streams ~6 GB: a single weight timed over and over sits in L2
 (50 MB) and flatters whichever kernel reads it. Prints microseconds per call and the weight-read rate (TB/s) of
 cuBLAS, the GEMV (its rows tiled in each program), the GEMV's row grid (linear_fast's rows_in_grid: a program per
-column block and row, the weight re-read per row, from L2 but the first; the MoE router's path at 3-16 rows) and,
-for the router and gdn_out, the skinny kernel; --sweep
-times GEMV_CONFIG's tile and warps per shape at each row count and prints the best three. --norm times, for the
-shapes that read a layer norm (the mixers' input projections, the router) at every row count, the norm kernel
-then the GEMV against the GEMV that computes the norm itself (a PendingNorm, layers/norm.py RMSNorm.boundary), tiled
-and as a row grid past 2 rows.
+column block and row, the weight re-read per row, from L2 but the first; the MoE router's path at 3-16 rows), the
+rows kernel (rows_gemm, linear_fast's past 2 rows) and, for the router and gdn_out, the skinny kernel. --model
+llama-1b (a dense preset) takes that model's projections instead. --sweep times GEMV_CONFIG's tile and warps per
+shape at each row count and prints the best three; --rows-sweep the rows kernel's tiles past 2 rows. --norm
+times, for the shapes that read a layer norm (the mixers' input projections, the router) at every row count, the
+norm kernel then the GEMV against the GEMV that computes the norm itself (a PendingNorm, layers/norm.py
+RMSNorm.boundary), tiled and as a row grid past 2 rows.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -141,7 +145,8 @@ def main():
             t_skinny = us_per_call(linear.skinny_gemm, weights, x) if name in ("router", "gdn_out") else float("nan")
             t_rows = us_per_call(linear.rows_gemm, weights, x) if M > 1 else float("nan")
             print(f"{name:<10}{f'{N} x {K}':>14}{M:>4}{t_cublas:>11.1f}{rate(t_cublas):>6.2f}{t_gemv:>9.1f}"
-                  f"{rate(t_gemv):>6.2f}{t_grid:>9.1f}{rate(t_grid):>6.2f}{t_skinny:>11.1f}{rate(t_skinny):>6.2f}{t_rows:>9.1f}{rate(t_rows):>6.2f}", flush=True)
+                  f"{rate(t_gemv):>6.2f}{t_grid:>9.1f}{rate(t_grid):>6.2f}{t_skinny:>11.1f}{rate(t_skinny):>6.2f}"
+                  f"{t_rows:>9.1f}{rate(t_rows):>6.2f}", flush=True)
             rec = {"shape": name, "N": N, "K": K, "rows": M, "cublas_us": round(t_cublas, 2),
                    "gemv_us": round(t_gemv, 2), "row_grid_us": None if t_grid != t_grid else round(t_grid, 2),
                    "skinny_us": None if t_skinny != t_skinny else round(t_skinny, 2),
@@ -176,7 +181,8 @@ def main():
         del weights
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": dev, "tp": args.tp, "model": args.model, "gemv_config": saved,
+            json.dump({"device": dev, "date": time.strftime("%Y-%m-%d"), "command": "python -m benchmarks.bench_linear "
+                       + " ".join(sys.argv[1:]), "tp": args.tp, "model": args.model, "gemv_config": saved,
                        "rows_config": linear.ROWS_CONFIG, "rows": records}, f, indent=1)
 
 
