@@ -64,8 +64,9 @@ FOLD_MAX_PROGRAMS_PER_SM = 2
 FOLD_MAX_M = 16  # rows up to which a layer boundary leaves its norm to the GEMV that reads it (RMSNorm.boundary): the
                  # MoE router's row grid folds it up to 16 (moe.router_logits_fast); other readers compute it first
 
-# rows_gemm (the rows kernel): from GEMV_MAX_M + 1 to ROWS_MAX_M rows, weights up to ROWS_MAX_BYTES (the LM head's
-# slice goes to cuBLAS, which streams it at ~4.1 TB/s). `python -m benchmarks.bench_linear --rows 3,4,8,16
+# rows_gemm (the rows kernel): from GEMV_MAX_M + 1 to ROWS_MAX_M rows, weights up to ROWS_MAX_BYTES, the largest it
+# was measured on (Llama-1B's gate_up; the LM head's slice, 127 MB at TP=8, stays on cuBLAS, which streams the larger
+# ones at ~4.1 TB/s). `python -m benchmarks.bench_linear --rows 3,4,8,16
 # --rows-sweep` (1x H200, 2026-11-28, L2-cold weights; `--tp 4` and `--model llama-1b` shapes): with 512-wide K steps
 # 4 deep it runs level with cuBLAS on the input projections and the dense MLP (e.g. DeltaNet input at TP=4 5.9-6.1
 # against 6.1-6.3 us) and ahead on the out projections (3.8-3.9 against 4.4-4.7 us at TP=4), and it pushes a
@@ -74,7 +75,7 @@ FOLD_MAX_M = 16  # rows up to which a layer boundary leaves its norm to the GEMV
 # the sweep (16 at 2,048 columns, 32 at 2,304-3,088, 64 with 256-wide steps 3 deep at 16,384; 64 x 512 x 4 stages
 # needs 240 KB of shared memory, over Hopper's 227). ROWS_CONFIG overrides them where set (the sweep's knobs).
 ROWS_MAX_M = 16
-ROWS_MAX_BYTES = 128 << 20
+ROWS_MAX_BYTES = 64 << 20
 ROWS_TILES = ((2048, 16, 512, 4), (8192, 32, 512, 4), (None, 64, 256, 3))
 ROWS_CONFIG = {"block_n": 0, "block_k": 0, "stages": 0, "warps": 4}
 
