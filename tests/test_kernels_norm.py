@@ -82,8 +82,8 @@ def test_norm_folded_into_the_gemv(rows, N, residual, plain, bias):
 
 
 def test_pending_norm_read_by_other_paths():
-    """Past the GEMV's limits (a weight too wide for it here, more rows than it takes) or read by anything but
-    linear_fast, the PendingNorm is computed by the norm kernel, once; past FOLD_MAX_M rows, with the torch kernels
+    """Past the GEMV's limits (more rows than it takes: then the rows kernel; a weight too wide for it: F.linear) or
+    read by anything but linear_fast, the PendingNorm is computed by the norm kernel, once; past FOLD_MAX_M rows, with the torch kernels
     or at TP > 1 without an inbox, boundary() is all_reduce_add itself."""
     from layers import linear as lin
 
@@ -94,16 +94,23 @@ def test_pending_norm_read_by_other_paths():
     want_h, want_sum = m(x, r)
     pending, total = m.boundary(x, r)
     weight = torch.randn(5, 64)
-    y = lin.linear_fast(pending, weight, gemv_rows=1)  # 2 rows > gemv_rows: F.linear over the computed norm
+    y = lin.linear_fast(pending, weight, gemv_rows=1)  # 2 rows > gemv_rows: the rows kernel over the computed norm
     assert pending.done and torch.equal(pending.out, want_h) and torch.equal(total, want_sum)
-    assert torch.equal(y, F.linear(want_h, weight))
+    assert torch.equal(y, lin.rows_gemm(want_h, weight))
+    wide = torch.randn(5, lin.GEMV_MAX_K + 64)  # K past the GEMV's at its rows: F.linear over the computed norm
+    xw, rw, ww = case(1, lin.GEMV_MAX_K + 64, torch.float32, "cpu", seed=6)
+    with backend.use_kernels("fast"):
+        mw = RMSNorm(lin.GEMV_MAX_K + 64, 1e-6)
+    mw.weight.data.copy_(ww)
+    pw, _ = mw.boundary(xw, rw)
+    assert torch.equal(lin.linear_fast(pw, wide), F.linear(mw(xw, rw)[0], wide))
     x4, r4, _ = case(lin.FOLD_MAX_M + 1, 64, torch.float32, "cpu", seed=4)
     h4, s4 = m.boundary(x4, r4)
     assert isinstance(h4, torch.Tensor) and torch.equal(h4, m(x4, r4)[0]) and torch.equal(s4, x4 + r4)
     x8, r8, _ = case(8, 64, torch.float32, "cpu", seed=5)  # up to FOLD_MAX_M rows a PendingNorm, computed by the
     pending8, s8 = m.boundary(x8, r8)                       # norm kernel for a GEMV that cannot fold it
     assert isinstance(pending8, lin.PendingNorm)
-    assert torch.equal(lin.linear_fast(pending8, weight), F.linear(m(x8, r8)[0], weight))
+    assert torch.equal(lin.linear_fast(pending8, weight), lin.rows_gemm(m(x8, r8)[0], weight))
     assert torch.equal(pending8.out, m(x8, r8)[0]) and torch.equal(s8, x8 + r8)
     with backend.use_kernels("torch"):
         t = RMSNorm(64, 1e-6)
