@@ -64,16 +64,16 @@ FOLD_MAX_PROGRAMS_PER_SM = 2
 FOLD_MAX_M = 16  # rows up to which a layer boundary leaves its norm to the GEMV that reads it (RMSNorm.boundary): the
                  # MoE router's row grid folds it up to 16 (moe.router_logits_fast); other readers compute it first
 
-# rows_gemm (the rows kernel): from GEMV_MAX_M + 1 to ROWS_MAX_M rows, weights up to ROWS_MAX_BYTES, the largest it
-# was measured on (Llama-1B's gate_up; the LM head's slice, 127 MB at TP=8, stays on cuBLAS, which streams the larger
-# ones at ~4.1 TB/s). `python -m benchmarks.bench_linear --rows 3,4,8,16
-# --rows-sweep` (1x H200, 2026-11-28, L2-cold weights; `--tp 4` and `--model llama-1b` shapes): with 512-wide K steps
-# 4 deep it runs level with cuBLAS on the input projections and the dense MLP (e.g. DeltaNet input at TP=4 5.9-6.1
-# against 6.1-6.3 us) and ahead on the out projections (3.8-3.9 against 4.4-4.7 us at TP=4), and it pushes a
-# boundary's partial sums from its epilogue, where cuBLAS needs push_'s launch after it. Whole-K programs (the
-# GEMV's way) spilled: 10.2 us. ROWS_TILES: by the output's columns, up to N: (block_n, block_k, stages), the best of
-# the sweep (16 at 2,048 columns, 32 at 2,304-3,088, 64 with 256-wide steps 3 deep at 16,384; 64 x 512 x 4 stages
-# needs 240 KB of shared memory, over Hopper's 227). ROWS_CONFIG overrides them where set (the sweep's knobs).
+# rows_gemm (the rows kernel): from GEMV_MAX_M + 1 to ROWS_MAX_M rows, weights up to ROWS_MAX_BYTES, the largest it was
+# measured on (Llama-1B's gate_up; the LM head's slice, 127 MB at TP=8, stays on cuBLAS, which streams the larger ones
+# at ~4.1 TB/s). `python -m benchmarks.bench_linear --rows 3,4,8,16 --rows-sweep` (1x H200, 2026-11-28, L2-cold weights;
+# `--tp 4` and `--model llama-1b` shapes): with 512-wide K steps 4 deep it runs level with cuBLAS on the input
+# projections and the dense MLP (e.g. DeltaNet input at TP=4 5.9-6.1 against 6.1-6.3 us) and ahead on the out
+# projections (3.8-3.9 against 4.4-4.7 us at TP=4), and it pushes a boundary's partial sums from its epilogue, where
+# cuBLAS needs push_'s launch after it. Whole-K programs (the GEMV's way) spilled: 10.2 us. ROWS_TILES: by the output's
+# columns, up to N: (block_n, block_k, stages), the best of the sweep (16 at 2,048 columns, 32 at 2,304-3,088, 64 with
+# 256-wide steps 3 deep at 16,384; 64 x 512 x 4 stages needs 240 KB of shared memory, over Hopper's 227). ROWS_CONFIG
+# overrides them where set (the sweep's knobs).
 ROWS_MAX_M = 16
 ROWS_MAX_BYTES = 64 << 20
 ROWS_TILES = ((2048, 16, 512, 4), (8192, 32, 512, 4), (None, 64, 256, 3))
@@ -206,9 +206,9 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
     mixed dtypes). A PendingNorm not yet computed is computed inside the GEMV (see the module's docstring), its sum
     pulled from the inbox where it is a Pushed. With `partial` (the output is a boundary's partial sums) where the
     inbox takes them (TP > 1, decode sizes), they are pushed to every rank (from the GEMV's epilogue, else by
-    push_ after a cuBLAS GEMM) and a Pushed is returned. rows_in_grid: a program per (column block, row), each tiled as
-    at one row, so a folded norm costs a program one row, not every row (for a small weight, read again per row
-    from L2: the MoE router's at 3-16 rows)."""
+    push_ after a cuBLAS GEMM) and a Pushed is returned. rows_in_grid: a program per (column block, row), each
+    tiled as at one row, so a folded norm costs a program one row, not every row (for a small weight, read again
+    per row from L2: the MoE router's at 3-16 rows)."""
     norm = x if isinstance(x, PendingNorm) and not x.done else None
     pulled = norm is not None and isinstance(norm.x, Pushed)
     x = (norm.out if pulled else norm.x) if norm is not None else computed(x)  # (pulled: its shape and dtype)
@@ -342,6 +342,7 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     if box is not None:
         return push.Pushed(box, slot, torch.Size((*x.shape[:-1], N)), x.dtype)
     return y.view(*x.shape[:-1], N)
+
 
 def _split_k(col_blocks: int, K: int, block_k: int, device: torch.device) -> int:
     """Programs per column block: SKINNY_CONFIG["split"], else the largest power of two that keeps the grid within

@@ -83,8 +83,8 @@ def test_norm_folded_into_the_gemv(rows, N, residual, plain, bias):
 
 def test_pending_norm_read_by_other_paths():
     """Past the GEMV's limits (more rows than it takes: then the rows kernel; a weight too wide for it: F.linear) or
-    read by anything but linear_fast, the PendingNorm is computed by the norm kernel, once; past FOLD_MAX_M rows, with the torch kernels
-    or at TP > 1 without an inbox, boundary() is all_reduce_add itself."""
+    read by anything but linear_fast, the PendingNorm is computed by the norm kernel, once; past FOLD_MAX_M rows,
+    with the torch kernels or at TP > 1 without an inbox, boundary() is all_reduce_add itself."""
     from layers import linear as lin
 
     x, r, w = case(2, 64, torch.float32, "cpu", seed=3)
