@@ -142,7 +142,7 @@ def graph_vs_eager(path, dtype) -> float:
     eager = make_runner(path, device="cuda", dtype=dtype, enforce_eager=True)
     graphs = make_runner(path, device="cuda", dtype=dtype)
     assert eager.graphs is None and graphs.graphs is not None
-    assert sorted(graphs.graphs.graphs) == [1, 2, 4, 8]
+    assert sorted(graphs.graphs.graphs) == capture_sizes(graphs.max_num_seqs) == list(range(1, 9))
     return max(max_diff(a, b) for a, b in zip(run_schedule(eager, 4), run_schedule(graphs, 4)))
 
 
@@ -188,7 +188,8 @@ def tail_vs_eager(path: str) -> list[str]:
     driver = parallel.is_driver()
     runner.attach_sampler(sampler, host_ring=driver)
     bad = []
-    if set(runner.graphs.tails) != {(b, m, h) for b in (1, 2, 4, 8) for m in ("greedy", "sampled") for h in (0, 1)}:
+    if set(runner.graphs.tails) != {(b, m, h) for b in capture_sizes(runner.max_num_seqs) for m in ("greedy", "sampled")
+                                    for h in (0, 1)}:
         bad.append("tails")
     prefill, decodes = decode_schedule(7)
     runner.execute(prefill)

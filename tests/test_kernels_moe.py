@@ -29,6 +29,7 @@ CUDA-graph replay (decode, the GEMV path at T = 1..8 included, and prefill) must
 identical bits.
 """
 import functools
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -565,11 +566,10 @@ def test_silu_mul_fast_equals_torch(shape):
 
 # ------------------------------------------------------------------------------------------------- tile configs
 def test_padded_graph_batches_share_tiles():
-    """A decode batch and its CUDA-graph padding (1, 2, 4, 8, then multiples of 8) get the same tiles, hence the
-    same bits; tiles never exceed the (power-of-two rounded) matrices."""
-    from qwen35.cuda_graphs import capture_sizes
-    sizes = capture_sizes(128)
-    for T in range(1, 129):
+    """A decode batch and its CUDA-graph padding (the decode and the verify graphs' sizes) get the same tiles, hence
+    the same bits; tiles never exceed the (power-of-two rounded) matrices."""
+    from qwen35.cuda_graphs import capture_sizes, verify_sizes
+    for T, sizes in itertools.product(range(1, 129), (capture_sizes(128), verify_sizes(128))):
         padded = next(s for s in sizes if s >= T)
         assert moe.moe_config(T, 32, 2048, 512, 64, torch.device("cpu")) == \
             moe.moe_config(padded, 32, 2048, 512, 64, torch.device("cpu"))

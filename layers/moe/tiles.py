@@ -85,8 +85,8 @@ def default_config(T: int) -> dict:
 
 def _pow2_bucket(T: int) -> int:
     """Configs are keyed by T rounded up to a power of two: a decode batch padded for a CUDA graph (qwen35/
-    cuda_graphs.py pads to 1, 2, 4, 8 or a multiple of 8, never past the next power of two) gets the same tiles as
-    the same batch run eagerly, so both give identical outputs."""
+    cuda_graphs.py pads to its sizes, never past the next power of two) gets the same tiles as the same batch run
+    eagerly, so both give identical outputs."""
     return triton.next_power_of_2(max(1, T))
 
 
