@@ -23,12 +23,13 @@ def tiny_dir(tmp_path_factory):
 
 def test_cuda_graph_decode_equals_eager(tiny_dir):
     cfg = ModelConfig.from_dir(tiny_dir)
-    runners = [ModelRunner(cfg, EngineArgs(model=tiny_dir, device="cuda", dtype="bfloat16", max_num_seqs=8,
+    runners = [ModelRunner(cfg, EngineArgs(model=tiny_dir, device="cuda", dtype="bfloat16", max_num_seqs=40,
                                            max_model_len=256, enforce_eager=eager), tiny_dir)
                for eager in (True, False)]
     assert runners[0].graphs is None and runners[1].graphs is not None
     gen = torch.Generator().manual_seed(0)
-    for n in (1, 3, 8):  # 3 runs the graph of 4 with a padded row
+    assert 33 not in runners[1].graphs.graphs and 36 in runners[1].graphs.graphs
+    for n in (1, 3, 33):  # 33 runs the graph of 36 with three padded rows
         prompts = [torch.randint(0, 1024, (5 + 7 * i,), generator=gen).tolist() for i in range(n)]
         tables = [list(range(16 * i, 16 * i + 16)) for i in range(n)]
         fed = torch.randint(0, 1024, (20, n), generator=gen).tolist()  # the same tokens through both runners
