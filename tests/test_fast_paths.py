@@ -147,7 +147,7 @@ def gap_sizes():
     """Runners built inside capture decode graphs at GAP_SIZES only: these hold at most MAX_SEQS rows, where
     capture_sizes has every size, and the tests want steps that run padded (as past 32 rows)."""
     real = cuda_graphs.capture_sizes
-    cuda_graphs.capture_sizes = lambda max_num_seqs: sorted({b for b in GAP_SIZES if b <= max_num_seqs} | {max_num_seqs})
+    cuda_graphs.capture_sizes = lambda rows: sorted({b for b in GAP_SIZES if b <= rows} | {rows})
     try:
         yield
     finally:
