@@ -29,6 +29,8 @@
 #   host      qwen35.bench.host_time --breakdown (HOST_ARGS) and benchmarks.bench_host_calls
 #   server    ./start.sh at TP=NGPU (SERVER_ARGS), then benchmarks.throughput (THROUGHPUT_ARGS: the users' levels,
 #             standard exp:290,1024 lengths)
+#   baseserver  the same from .base/ (throughput_base_tpN.json): `base record baseserver server` is a before/after
+#             of the decode rows and the HTTP score on one machine
 #   pack      everything under $OUT but the JSON files into $OUT/logs.tgz
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -157,13 +159,15 @@ for stage in "$@"; do
       CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_host_calls 2>&1 | tail -4
       CUDA_VISIBLE_DEVICES=0 python3 -m qwen35.bench.host_time --device cuda --model qwen3.5-35b-a3b --load-format dummy \
         ${HOST_ARGS:---batch-sizes 1,8,32,64 --steps 100 --reps 3 --breakdown} 2>&1 | grep "^{" | tee "$OUT/host.log" ;;
-    server)
-      ./start.sh --port 8000 --model qwen3.5-35b-a3b --load-format dummy --tp "$NGPU" --log "$OUT/server.log" \
-        --timeout 600 ${SERVER_ARGS:-} || { tail -30 "$OUT/server.log"; continue; }
-      python3 -m benchmarks.throughput --url http://127.0.0.1:8000 \
-        ${THROUGHPUT_ARGS:---levels 1,2,4,8,16,32,64 --num-requests 64 --ignore-eos} \
-        --device-info "$DEV, TP=$NGPU, dummy weights" --out "$OUT/throughput_tp$NGPU.json" 2>&1 | tail -14
-      ./start.sh --stop --port 8000 ;;
+    server|baseserver)
+      tag=${stage%server}; tree=$PWD; [ -n "$tag" ] && tree=$PWD/.base
+      (cd "$tree" && export PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH}
+        ./start.sh --port 8000 --model qwen3.5-35b-a3b --load-format dummy --tp "$NGPU" --log "$OUT/${tag}server.log" \
+          --timeout 600 ${SERVER_ARGS:-} || { tail -30 "$OUT/${tag}server.log"; exit 1; }
+        python3 -m benchmarks.throughput --url http://127.0.0.1:8000 \
+          ${THROUGHPUT_ARGS:---levels 1,2,4,8,16,32,64 --num-requests 64 --ignore-eos} \
+          --device-info "$DEV, TP=$NGPU, dummy weights" --out "$OUT/throughput${tag:+_$tag}_tp$NGPU.json" 2>&1 | tail -14
+        ./start.sh --stop --port 8000) ;;
     pack) (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz $(ls | grep -v '\.json$') \
              && ls | grep -v -e '\.json$' -e '^logs.tgz$' | xargs -r rm -rf) ;;
     *) echo "unknown stage $stage" ;;
