@@ -3,7 +3,8 @@
     python -m benchmarks.tune_moe [--tp 1 2 4 8] [--batches 1 2 ... 8192] [--quick]
 
 For each tensor-parallel degree (the per-rank expert count and shared-expert width of Qwen3.5-35B-A3B at that
-degree) and each token-count bucket (powers of two: layers/moe/tiles.py keys its table by T rounded up to one),
+degree) and each token-count bucket (powers of two, or decode graph sizes between them: layers/moe/tiles.py takes
+the smallest tuned bucket >= T),
 routing of random inputs is laid out once per BLOCK_M candidate, then the gate_up and down kernels are timed
 separately over their tile candidates; the entry kept is the BLOCK_M whose best gate_up + best down is fastest.
 Decode buckets (T <= moe.DECODE_MAX_T) also get the one-kernel down+combine's tile, or null where down + combine in
@@ -254,7 +255,8 @@ def merge_tables(base: dict, tuned: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES, help="token counts (powers of two)")
+    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES,
+                    help="token counts: powers of two, or decode graph sizes between them (layers/moe/tiles.py)")
     ap.add_argument("--quick", action="store_true", help="a smaller tile grid")
     ap.add_argument("--out", default=moe.CONFIG_FILE)
     ap.add_argument("--gemv-only", action="store_true",

@@ -40,6 +40,7 @@ from layers.block_tables import bind_set_tables, pack_tables
 from layers.deltanet import GatedDeltaNet
 from layers.deltanet_prefill import CHUNK
 from layers.forward_batch import ForwardBatch
+from layers.moe import SparseMoE
 from layers.sampler import SampleBatch, bind_feed_tokens, feed_tokens_fast
 from layers.spec_sampling import bind_spec_sampling
 from layers.varlen import SEQ_TILE
@@ -559,14 +560,15 @@ class ModelRunner:
 
     def warm_up_plans(self, max_tokens: int) -> list[StepPlan]:
         """Steps that meet, before any request does, the kernel variants a prefill or mixed step can meet. Triton
-        compiles a kernel the first time it sees a new tile (the MoE tiles go by power-of-two token bucket) or a new
+        compiles a kernel the first time it sees a new tile (the MoE tiles go by token bucket) or a new
         specialisation (an integer argument equal to 1 or divisible by 16, a pointer aligned to 16 bytes or not).
         Each compile costs ~1 s, which a cold trace level paid in the middle of serving (2026-11-25, 1x H200: 31
         compiles, 46 s for ~11 s of work). The kernels keep a step's make-up out of their keys (per-step integers
         and metadata pointers are do_not_specialize, buffers carved from one allocation start aligned, the tiles
         over sequences and checkpoints have floors), so what is left to meet is the token buckets, with and
         without checkpoints and decode rows; tests/test_compile_keys.py checks random steps against these.
-        Per power-of-two bucket t up to max_tokens and n in (t, t - 1): one fresh prompt of n tokens (a checkpoint
+        Per token bucket t up to max_tokens (the powers of two, and the MoE's tuned buckets between them:
+        tiles.token_buckets) and n in (t, t - 1): one fresh prompt of n tokens (a checkpoint
         at its end when n is t - 1), n tokens as 2 and as 16 fresh prompts, and mixed steps of 1, 2, 4, 15 and 16
         decode rows (fed from the device) then a chunk resuming at CHUNK (row counts: 1, other and divisible by 16,
         for the decode rows and for all rows). Then each tile over sequences past the first (varlen.seq_tile: 16,
@@ -580,8 +582,11 @@ class ModelRunner:
         def ids(n: int) -> list[int]:
             return torch.randint(0, max(1, vocab - 300), (n,), generator=gen).tolist()
 
-        plans, t = [], 1
-        while t <= max_tokens:
+        moe = next((m for m in self.model.modules() if isinstance(m, SparseMoE)), None)
+        buckets = moe.token_buckets(max_tokens) if moe is not None else \
+            [1 << i for i in range(max_tokens.bit_length())]
+        plans = []
+        for t in buckets:
             for n in sorted({t, t - 1} - {0}):
                 candidates = [self.rows_plan([(0, n)], ids, checkpoint=n < t)]
                 for r in (2, 16):
@@ -591,7 +596,6 @@ class ModelRunner:
                     if n - d >= 2:
                         candidates.append(self.rows_plan([(CHUNK, 0)] * d + [(CHUNK, n - d)], ids, checkpoint=d == 1))
                 plans += [p for p in candidates if p is not None]
-            t *= 2
         b = SEQ_TILE
         while b <= self.max_num_seqs and 2 * b <= max_tokens:
             plans += [p for p in (self.rows_plan([(0, 2)] * b, ids, checkpoint=c) for c in (0, b)) if p is not None]

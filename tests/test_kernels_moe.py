@@ -582,6 +582,30 @@ def test_padded_graph_batches_share_tiles():
     assert tiny["gate_up"]["BLOCK_N"] <= 32 and tiny["down"]["BLOCK_K"] <= 32 and tiny["gate_up"]["BLOCK_K"] <= 64
 
 
+def test_tuned_buckets_between_powers_of_two(monkeypatch):
+    """A tuned table may hold buckets that are decode graph sizes between powers of two (tune_moe --batches 24): T
+    takes the smallest tuned bucket >= T, so 17-24 take 24's entry, 25-32 32's, past the largest the largest; a
+    decode batch and its graph padding still share a bucket."""
+    from layers.moe import tiles
+    from qwen35.cuda_graphs import capture_sizes
+    table = {"16": {"BLOCK_M": 16}, "20": {"BLOCK_M": 20}, "24": {"BLOCK_M": 24}, "32": {"BLOCK_M": 32},
+             "48": {"BLOCK_M": 48}}
+    monkeypatch.setattr(tiles, "tuned_entries", lambda device, key: table)
+    tiles._moe_config.cache_clear()
+    try:
+        cpu = torch.device("cpu")
+        got = {T: moe.moe_config(T, 32, 2048, 512, 64, cpu)["BLOCK_M"] for T in range(1, 65)}
+        assert [got[T] for T in (1, 16, 17, 20, 21, 24, 25, 32, 33, 48, 49, 64)] == \
+            [16, 16, 20, 20, 24, 24, 32, 32, 48, 48, 48, 48]
+        sizes = capture_sizes(64)
+        assert all(got[T] == got[next(s for s in sizes if s >= T)] for T in range(1, 65))
+        w = SimpleNamespace(gate_up=torch.empty(32, 1024, 2048), down=torch.empty(32, 2048, 512))
+        assert moe.token_buckets(40, w, cpu) == [1, 2, 4, 8, 16, 20, 24, 32]  # what a warm-up meets
+        assert moe.token_buckets(64, w, cpu)[-3:] == [32, 48, 64]
+    finally:
+        tiles._moe_config.cache_clear()
+
+
 def test_max_rows_is_an_upper_bound():
     """The padded rows of any routing fit: skewed routings (from uniform to nearly all tokens on a few experts)
     make many small groups or a few full ones."""

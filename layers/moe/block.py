@@ -14,7 +14,7 @@ GEMV_MAX_T tokens without a table; the tuned table says per bucket), else 5 (or 
     _gate_up_kernel       on that layout
     _down_combine_kernel  (few tokens) per (token, N tile): the token's routed experts and the shared expert's in one
                           software-pipelined loop; else _down_kernel + _combine_kernel. The tuned table says which,
-                          per power-of-two bucket of T and rank shape (DOWN_COMBINE_MAX_T without a table)
+                          per bucket of T and rank shape (DOWN_COMBINE_MAX_T without a table)
 
 or, where the tuned table has a "scan" entry, 4 (or 5) with no sorted layout (layers/moe/scan.py): router GEMM,
 _route_kernel, _gate_up_scan_kernel (a program per expert and N tile, finding its pairs in the routing), then
@@ -44,7 +44,7 @@ from layers.moe.grouped import combine_fast, experts_fast, experts_on_layout, ex
 from layers.moe.layout import align_fast
 from layers.moe.routing import ROUTER_PAD_ROWS, route_fast, route_torch, router_logits_fast, router_logits_torch
 from layers.moe.scan import down_scan_fast, gate_up_scan_fast
-from layers.moe.tiles import DECODE_MAX_T, config_for
+from layers.moe.tiles import DECODE_MAX_T, config_for, token_buckets
 
 
 def moe_torch(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
@@ -119,3 +119,7 @@ class SparseMoE(nn.Module):
         """Routed experts + sigmoid(shared gate) * shared expert, in the model dtype: this rank's partial sums of the
         layer boundary after it (a Pushed where they went by push, dist/push.py)."""
         return self._moe(x, self.router, self.top_k, self.experts.weights(self.shared_expert), partial=True)
+
+    def token_buckets(self, max_tokens: int) -> list[int]:
+        """The token counts up to max_tokens at which this layer's tiles may change (tiles.token_buckets)."""
+        return token_buckets(max_tokens, self.experts.weights(self.shared_expert), self.router.device)

@@ -1,5 +1,6 @@
-"""The MoE kernels' tiles and path choices, per power-of-two bucket of T: the tuned table for this GPU model and
-rank shape (layers/moe_configs.json, written by benchmarks/tune_moe.py), else the defaults below."""
+"""The MoE kernels' tiles and path choices, per bucket of T: the tuned table for this GPU model and rank shape
+(layers/moe_configs.json, written by benchmarks/tune_moe.py), else the defaults below (their thresholds powers of
+two)."""
 from __future__ import annotations
 
 import functools
@@ -28,30 +29,30 @@ PERSISTENT_GEMV = dict(persistent=True, per_sm=4, BLOCK_N=2, num_stages=1)  # th
                          # TP = 4 / 2 / 1 against the per-token kernel's 22.2 / 21.0 / 23.1 (its tuned tiles 14.7 /
                          # 15.5 / 15.7); at T = 8 and TP = 1 72.8 against 72.1 (every program routes all its tokens'
                          # items, each token reading its own copy of a shared expert)
-GEMV_MAX_T = 8           # untuned default: the GEMV path at or below (a power of two, as the buckets). Above, each
+GEMV_MAX_T = 8           # untuned default: the GEMV path at or below (a power of two, as every threshold). Above, each
                          # token streams its experts' gate_up rows itself, where the grouped kernel reads an expert
                          # once for all its tokens; a tuned table decides per bucket (moe_config)
 
 
 def moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: int, device: torch.device) -> dict:
-    """Tiles for T tokens: the table's entry for the smallest tuned bucket >= T's bucket (else the largest), else
+    """Tiles for T tokens: the table's entry for the smallest tuned bucket >= T (else the largest), else
     default_config; N/K tiles capped at the (power-of-two rounded) matrix sizes so that tiny models work too
-    (down_combine_fast and gate_up_gemv_fast cap their own tiles: they know their GEMVs' sizes). A function of T's
-    bucket (every threshold is a power of two), made once per bucket and shape: eager steps ask every layer (read
-    only: callers copy a tile before changing it)."""
-    return _moe_config(_pow2_bucket(T), num_local, hidden, inter, shared_inter, device)
+    (down_combine_fast and gate_up_gemv_fast cap their own tiles: they know their GEMVs' sizes). Tuned buckets are
+    powers of two and may be any decode graph size besides (qwen35/cuda_graphs.py capture_sizes: a step pads its
+    rows to the next graph size, and no bucket falls between a batch and its padding, so both get the same tiles,
+    hence the same bits). Made once per T and shape: eager steps ask every layer (read only: callers copy a tile
+    before changing it)."""
+    return _moe_config(T, num_local, hidden, inter, shared_inter, device)
 
 
 @functools.lru_cache(maxsize=None)
 def _moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: int, device: torch.device) -> dict:
     cfg = default_config(T)
-    if device.type == "cuda":
-        entries = _table(device.index if device.index is not None else torch.cuda.current_device()).get(
-            config_key(num_local, hidden, inter), {})
-        if entries:
-            buckets = sorted(int(b) for b in entries)
-            bucket = next((b for b in buckets if b >= _pow2_bucket(T)), buckets[-1])
-            cfg = {**cfg, **entries[str(bucket)]}
+    entries = tuned_entries(device, config_key(num_local, hidden, inter))
+    if entries:
+        buckets = sorted(int(b) for b in entries)
+        bucket = next((b for b in buckets if b >= T), buckets[-1])
+        cfg = {**cfg, **entries[str(bucket)]}
     width = triton.next_power_of_2(max(inter, shared_inter))
     return {"BLOCK_M": cfg["BLOCK_M"],
             "gate_up": cap_tile(cfg["gate_up"], width, triton.next_power_of_2(hidden)),
@@ -83,15 +84,24 @@ def default_config(T: int) -> dict:
             "down": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3), **small}
 
 
-def _pow2_bucket(T: int) -> int:
-    """Configs are keyed by T rounded up to a power of two: a decode batch padded for a CUDA graph (qwen35/
-    cuda_graphs.py pads to its sizes, never past the next power of two) gets the same tiles as the same batch run
-    eagerly, so both give identical outputs."""
-    return triton.next_power_of_2(max(1, T))
+def token_buckets(max_tokens: int, w: ExpertWeights, device: torch.device) -> list[int]:
+    """Every T up to max_tokens at which moe_config may change for w's rank shape: the powers of two (default_config's
+    thresholds) and the tuned buckets between them. A warm-up that meets each (and one below it) meets every tile a
+    step can: none compiles mid-serving."""
+    tuned = tuned_entries(device, config_key(w.gate_up.shape[0], w.gate_up.shape[2], w.down.shape[2]))
+    powers = {1 << i for i in range(max_tokens.bit_length())}
+    return sorted(b for b in powers | {int(b) for b in tuned} if b <= max_tokens)
 
 
 def config_key(num_local: int, hidden: int, inter: int) -> str:
     return f"E{num_local}_H{hidden}_I{inter}"
+
+
+def tuned_entries(device: torch.device, key: str) -> dict:
+    """The tuned table's buckets for rank shape `key` on this GPU model ({} on the CPU or where none were tuned)."""
+    if device.type != "cuda":
+        return {}
+    return _table(device.index if device.index is not None else torch.cuda.current_device()).get(key, {})
 
 
 @functools.lru_cache(maxsize=None)
