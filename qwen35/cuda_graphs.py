@@ -84,14 +84,17 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     TP=2, 2026-11-28): 3.01 / 3.71 / 5.29 / 6.92 -> 2.73 / 3.50 / 4.92 / 6.74 ms a step at batch 3 / 5 / 12 / 20,
     HTTP 227,829 -> 231,599 (`results/2026-11-28_*_graph_sizes_*.json`); 48 graphs (to 128 rows) capture in 3.4 s
     instead of 2.7."""
-    sizes = list(range(1, 33)) + list(range(36, 65, 4)) + list(range(72, max_num_seqs + 1, 8))
-    return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+    return _up_to(max_num_seqs, list(range(1, 33)) + list(range(36, 65, 4)) + list(range(72, max_num_seqs + 1, 8)))
 
 
 def verify_sizes(max_num_seqs: int) -> list[int]:
     """The verify graphs' batch sizes: coarser than the decode graphs' (a verify graph is captured per size, k and
     mode): 1, 2, 4, 8, every 8th from 16, and max_num_seqs."""
-    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 8))
+    return _up_to(max_num_seqs, [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 8)))
+
+
+def _up_to(max_num_seqs: int, sizes: list[int]) -> list[int]:
+    """`sizes` that a batch of max_num_seqs rows can use, and max_num_seqs itself (the largest graph), sorted."""
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
 
 

@@ -40,7 +40,7 @@ from layers.block_tables import bind_set_tables, pack_tables
 from layers.deltanet import GatedDeltaNet
 from layers.deltanet_prefill import CHUNK
 from layers.forward_batch import ForwardBatch
-from layers.moe import SparseMoE
+from layers.moe import SparseMoE, token_buckets
 from layers.sampler import SampleBatch, bind_feed_tokens, feed_tokens_fast
 from layers.spec_sampling import bind_spec_sampling
 from layers.varlen import SEQ_TILE
@@ -583,8 +583,7 @@ class ModelRunner:
             return torch.randint(0, max(1, vocab - 300), (n,), generator=gen).tolist()
 
         moe = next((m for m in self.model.modules() if isinstance(m, SparseMoE)), None)
-        buckets = moe.token_buckets(max_tokens) if moe is not None else \
-            [1 << i for i in range(max_tokens.bit_length())]
+        buckets = moe.token_buckets(max_tokens) if moe is not None else token_buckets(max_tokens)
         plans = []
         for t in buckets:
             for n in sorted({t, t - 1} - {0}):

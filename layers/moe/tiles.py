@@ -84,11 +84,12 @@ def default_config(T: int) -> dict:
             "down": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3), **small}
 
 
-def token_buckets(max_tokens: int, w: ExpertWeights, device: torch.device) -> list[int]:
+def token_buckets(max_tokens: int, w: ExpertWeights | None = None, device: torch.device | None = None) -> list[int]:
     """Every T up to max_tokens at which moe_config may change for w's rank shape: the powers of two (default_config's
-    thresholds) and the tuned buckets between them. A warm-up that meets each (and one below it) meets every tile a
-    step can: none compiles mid-serving."""
-    tuned = tuned_entries(device, config_key(w.gate_up.shape[0], w.gate_up.shape[2], w.down.shape[2]))
+    thresholds) and the tuned buckets between them (w None, a model without experts: the powers of two). A warm-up
+    that meets each (and one below it) meets every tile a step can: none compiles mid-serving."""
+    tuned = {} if w is None else \
+        tuned_entries(device, config_key(w.gate_up.shape[0], w.gate_up.shape[2], w.down.shape[2]))
     powers = {1 << i for i in range(max_tokens.bit_length())}
     return sorted(b for b in powers | {int(b) for b in tuned} if b <= max_tokens)
 
