@@ -16,6 +16,7 @@
 #   profile   benchmarks.profile_step (per layer kind and kernel) at each TP in PROFILE_TPS, PROFILE_BATCHES,
 #             PROFILE_TAG, PROFILE_ENV (e.g. QWEN35_ALLREDUCE=oneshot for the boundaries before push)
 #   spec      qwen35.bench --mode spec (dummy-spec weights, acceptance 0.6) at SPEC_TP; SPEC_ARGS, SPEC_TAG
+#   basespec  the same from .base/ (basespec_tpN.json)
 #   dense     issue #29: benchmarks.profile_decode_calls, then the llama-1b and llama-3b create_engine traces
 #   sweep     benchmarks.sweep_decode_attention
 #   tune      benchmarks.tune_moe, each job of TUNE_JOBS ("TP" or "TP:T,T,...", default every GPU's TP) on a GPU of
@@ -105,11 +106,13 @@ for stage in "$@"; do
             --decode-batch ${PROFILE_BATCHES:-1,8} --json "$f.json" )
         echo "profile tp=$tp rc=$?"; grep -E "^===|^--- (deltanet|attention)" "$f.log"
       done ;;
-    spec)
-      tp=${SPEC_TP:-$NGPU}; f="$OUT/spec${SPEC_TAG:+_${SPEC_TAG}}_tp$tp"
-      run_tp "$tp" 0 ${SPEC_TIMEOUT:-400} "$f.log" -m qwen35.bench --mode spec --load-format dummy-spec \
-        --spec-acceptance 0.6 ${SPEC_ARGS:---batch-sizes 1,8,64 --spec-ks 0,1,2 --output-len 64} --out "$f.json"
-      echo "spec tp=$tp rc=$?"; grep -E "^ *[0-9]+ +[0-9a-z]+ +[0-9.]+ |^---|us/step|captured|Error|error" "$f.log" | head -120 ;;
+    spec|basespec)
+      tp=${SPEC_TP:-$NGPU}; f="$OUT/${stage}${SPEC_TAG:+_${SPEC_TAG}}_tp$tp"; tree=$PWD
+      [ "$stage" = basespec ] && tree=$PWD/.base
+      (cd "$tree" && PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} run_tp "$tp" 0 ${SPEC_TIMEOUT:-400} "$f.log" \
+        -m qwen35.bench --mode spec --load-format dummy-spec --spec-acceptance 0.6 \
+        ${SPEC_ARGS:---batch-sizes 1,8,64 --spec-ks 0,1,2 --output-len 64} --out "$f.json")
+      echo "$stage tp=$tp rc=$?"; grep -E "^ *[0-9]+ +[0-9a-z]+ +[0-9.]+ |^---|us/step|captured|Error|error" "$f.log" | head -120 ;;
     dense)
       g=${DENSE_GPU:-0}
       CUDA_VISIBLE_DEVICES=$g timeout 200 python3 -m benchmarks.profile_decode_calls --json "$OUT/dense_profile.json" \

@@ -43,6 +43,7 @@ from layers.forward_batch import ForwardBatch
 from layers.moe import SparseMoE, token_buckets
 from layers.sampler import SampleBatch, bind_feed_tokens, feed_tokens_fast
 from layers.spec_sampling import bind_spec_sampling
+from layers.verify_rows import bind_verify_rows
 from layers.varlen import SEQ_TILE
 from qwen35.checkpoint import load_checkpoint
 from qwen35.config import ModelConfig
@@ -201,6 +202,7 @@ class ModelRunner:
         self.draft_logits: torch.Tensor | None = None  # [rows, K, vocab / tp] float32
         self.draft_lse: torch.Tensor | None = None     # [rows, K] float32
         self._draft, self._verify = bind_spec_sampling()
+        self._verify_rows = bind_verify_rows()
         self.slot_end = torch.zeros(slots, dtype=torch.int64, device=self.device) if self.spec_max_k else None
 
     # ---------------------------------------------------------------- forward
@@ -456,31 +458,21 @@ class ModelRunner:
     def verify_inputs(self, slots: torch.Tensor, starts: torch.Tensor, T: int,
                       **host) -> tuple[ForwardBatch, torch.Tensor]:
         """A verify step's inputs as device ops of static shapes only (a CUDA graph holds them: cuda_graphs.
-        VerifyGraphs): row b's T tokens (its slot's newest token, then its T - 1 drafts) at rows b*T .. b*T + T - 1,
-        positions start .. start + T - 1, each row over its slot's whole block table; and per row the drafts it may
-        accept [B]: those whose positions have KV blocks (a row near its end has fewer; the scheduler drops tokens past
-        max_tokens). Positions past a row's blocks compute garbage that is never accepted: their K/V go to the
-        scratch block, their keys are read through the table's scratch columns, their RoPE position is clamped.
-        slots, starts: [B] int64 on the device; `host`: the ForwardBatch host lists the torch kernels read (the
-        fast kernels read none; a graph knows none when it is captured)."""
-        B, bs = slots.shape[0], self.block_size
-        end = self.slot_end[slots]
-        positions = starts[:, None] + torch.arange(T, device=self.device)[None, :]
-        valid = positions <= end[:, None]
-        tables = self.block_table[slots]
-        blocks = torch.where(valid, tables.gather(1, positions // bs), self.num_kv_blocks)
-        tokens = torch.cat([self.slot_tokens[slots, None], self.drafts[self.draft_rows(slots), :T - 1]], dim=1)
+        VerifyGraphs): row b's T tokens at rows b*T .. b*T + T - 1 (layers/verify_rows.py), and per row the drafts it
+        may accept [B]: those whose positions have KV blocks (a row near its end has fewer; the scheduler drops tokens
+        past max_tokens). slots, starts: [B] int64 on the device; `host`: the ForwardBatch host lists the torch
+        kernels read (the fast kernels read none; a graph knows none when it is captured)."""
+        B = slots.shape[0]
+        r = self._verify_rows(slots, starts, T, self.slot_end, self.block_table, self.slot_tokens, self.drafts,
+                              self.block_size, self.num_kv_blocks)
         self.logit_slots = slots
         fields = dict(
-            input_ids=tokens.flatten(), positions=torch.minimum(positions, end[:, None]).flatten(),
-            slot_mapping=(blocks.long() * bs + positions % bs).flatten(),
-            cu_seqlens=torch.arange(0, B * T + 1, T, dtype=torch.int32, device=self.device),
-            start_pos=starts.to(torch.int32), context_lens=(positions + 1).flatten().to(torch.int32),
-            block_tables=tables.repeat_interleave(T, dim=0),
-            state_slots=slots, logits_indices=torch.arange(B * T, device=self.device), seq_lens_cpu=[T] * B,
-            start_pos_cpu=[0] * B, state_slots_cpu=[self.scratch_slot] * B, is_decode=False, verify_tokens=T)
+            input_ids=r.input_ids, positions=r.positions, slot_mapping=r.slot_mapping, cu_seqlens=r.cu_seqlens,
+            start_pos=r.start_pos, context_lens=r.context_lens, block_tables=r.block_tables, state_slots=slots,
+            logits_indices=r.logits_indices, seq_lens_cpu=[T] * B, start_pos_cpu=[0] * B,
+            state_slots_cpu=[self.scratch_slot] * B, is_decode=False, verify_tokens=T)
         fields.update(host)
-        return ForwardBatch(**fields), (end - starts).clamp(0, T - 1)
+        return ForwardBatch(**fields), r.num_drafts
 
     @torch.inference_mode()
     def verify_step(self, plan: StepPlan, sampling) -> torch.Tensor:

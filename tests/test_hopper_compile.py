@@ -28,3 +28,34 @@ def test_decode_and_prefill_kernels_compile_for_hopper():
     assert {"_gemv_kernel", "_decode_kernel", "_gate_up_persistent_kernel", "_down_combine_kernel",
             "_set_tables_kernel"} <= names, names
     assert compile_all(launches) == []
+
+
+@pytest.mark.timeout(1500)
+def test_verify_step_kernels_compile_for_hopper():
+    """The same for speculative decoding: a prefill that proposes, then greedy and sampled verify steps (the verify
+    rows, the DeltaNet verify and commit, the sampling passes over vocabulary shards, the MTP head's drafts)."""
+    if not hopper_backend_available():
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    from layers.sampler import Sampler, SamplingStep
+    from tests.test_mtp import small_vocab
+    vocab, k = 512, 2
+    runner = ModelRunner(ModelConfig.from_dict(small_vocab(vocab)),
+                         EngineArgs(model="", load_format="dummy-spec", device="cpu", dtype="bfloat16",
+                                    kernels="fast", max_num_seqs=4, max_model_len=128, mtp=True,
+                                    speculative_tokens=k, seed=1))
+    runner.attach_sampler(Sampler(vocab - 64, vocab, runner.scratch_slot + 1, "cpu"), host_ring=False)
+    runner.sampler.admit(SamplingStep(admitted=[(0, (0.0, 0, 1.0), 1), (1, (1.0, 0, 1.0), 2)]))
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    sampled = SamplingStep(greedy_only=False)
+    with recorded() as launches:
+        runner.sample_step(StepPlan([0, 1], [list(range(1, 21)), list(range(3, 12))], [0, 0], tables, [True, True],
+                                    draft_k=k), sampled)
+        starts = [20, 9]
+        for step, rows in ((sampled, [0, 1]), (SamplingStep(greedy_only=True), [0])):
+            out = runner.sample_step(StepPlan(rows, [[] for _ in rows], [starts[r] for r in rows],
+                                              [[] for _ in rows], [True] * len(rows), spec_k=k, draft_k=k), step)
+            for r, row in zip(rows, out.tolist()):
+                starts[r] += sum(t >= 0 for t in row)
+    names = {e["name"] for e in launches}
+    assert {"_verify_rows_kernel", "_stats_kernel", "_verify_kernel", "_commit_tail_kernel"} <= names, names
+    assert compile_all(launches) == []
