@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from layers import backend, moe
+from layers.activation import silu_mul_fast, silu_mul_torch
 from layers.moe import block as moe_block, layout as moe_layout
-from layers.mlp import MLP, mlp_fast, mlp_torch, silu_mul_fast, silu_mul_torch
+from layers.mlp import MLP, mlp_fast, mlp_torch
 from tests.compare import max_diff, rel
 
 TOL_ROUTE = 1e-6
