@@ -2,9 +2,11 @@
 gives gate and up, after silu, after the mul. Its own module so that the GEMM kernels (layers/linear.py, which
 layers/mlp.py imports) can take it into their epilogue as the MoE kernels do.
 
-    silu_mul_torch / silu_mul_fast  silu(gate half) * up half of a [..., 2I] GEMM output
-    silu_mul_sums                   the same in a Triton kernel's epilogue, from fp32 GEMM sums (the MoE kernels);
-                                    the one statement of the rounding rule (silu_mul_fast's kernel calls it too)
+    silu_mul_torch / silu_mul_fast  silu(gate half) * up half of a [..., 2I] GEMM output (silu_mul_fast: the dense
+                                    MLP past the decode kernels' rows, linear_fast gated)
+    silu_mul_sums                   the same in a Triton kernel's epilogue, from fp32 GEMM sums (the dense MLP's GEMV
+                                    and rows kernel, the MoE kernels); the one statement of the rounding rule
+                                    (silu_mul_fast's kernel calls it too)
 """
 from __future__ import annotations
 

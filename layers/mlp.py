@@ -6,8 +6,8 @@ gate_proj and up_proj read the same input, so their local shards live in one [2 
 mlp_bias) the biases are added in the GEMMs; down_proj's only on rank 0 (its partial sums are all-reduced).
 
     mlp_torch  GEMM, silu, mul, GEMM (the oracle; silu(gate) * up: layers/activation.py silu_mul_torch)
-    mlp_fast   GEMM, one Triton kernel for silu(gate) * up (silu_mul_fast), GEMM (the GEMMs: linear_fast, a GEMV at
-               decode sizes)
+    mlp_fast   linear_fast twice: gate_up `gated` (silu(gate) * up folded into the decode kernels' epilogue, so at up
+               to ROWS_MAX_M rows one launch gives the activation; past them the GEMM, then silu_mul_fast), then down
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.activation import silu_mul_fast, silu_mul_torch
+from layers.activation import silu_mul_torch
 from layers.linear import Linear, even_split, fuse_rows, linear_fast
 
 
@@ -29,7 +29,7 @@ def mlp_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_u
 def mlp_fast(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
              down_bias: torch.Tensor | None = None, partial: bool = False):
     """partial: the output is a layer boundary's partial sums (linear_fast may push them: a Pushed)."""
-    return linear_fast(silu_mul_fast(linear_fast(x, gate_up, gate_up_bias)), down, down_bias, partial=partial)
+    return linear_fast(linear_fast(x, gate_up, gate_up_bias, gated=True), down, down_bias, partial=partial)
 
 
 class MLP(nn.Module):
