@@ -19,6 +19,9 @@ those ranges through a lazy checkpoint slice, so a rank never touches bytes it d
                   Past GEMV_MAX_M rows, up to ROWS_MAX_M (3-16: small decode batches, verify steps), weights up to
                   ROWS_MAX_BYTES go to the rows kernel (rows_gemm: tl.dot over the rows, K in pipelined steps), which
                   runs level with cuBLAS or ahead and pushes a boundary's partial sums from its epilogue.
+                  `gated` (the dense MLP's gate_up, mlp.mlp_fast): both kernels end in SwiGLU's silu(gate) * up
+                  (activation.silu_mul_sums), each program summing its columns' gate rows and up rows, so at decode
+                  sizes one launch gives the MLP's activation (past them F.linear, then silu_mul_fast's launch).
     skinny_gemm   the MoE router's GEMM past the row grid's rows, up to SKINNY_MAX_M (moe.router_logits_fast): each
                   program owns a slice of the output columns and a share of the reduction dimension (split K, no
                   float atomics), tl.dot over the rows; it pays where cuBLAS has no good tile for a narrow output
@@ -37,11 +40,13 @@ from torch import nn
 from dist import parallel, push
 from dist.push import Pushed
 from layers import backend
+from layers.activation import silu_mul_fast, silu_mul_sums
 from layers.backend import pdl, prior_done, rms_norm_row, round_to, tl, triton
 
 # linear_fast's GEMV: up to GEMV_MAX_M rows and GEMV_MAX_K features; a program holds BLOCK_N x next_pow2(K) <= tile
 # weight elements ("tile_1" at one row, "tile" at more; BLOCK_N a power of two, halved from the most that fits until
-# the grid has two programs per SM), with "warps" per program (times K / tile where one row is more than the tile).
+# the grid has two programs per SM), with "warps" per program (times K / tile where one row is more than the tile);
+# gated, the same weight rows a program, half of them gate and half up rows (_columns_per_program).
 # From `python -m benchmarks.bench_linear --sweep` (1x H200, 2026-11-25, weights streamed from HBM, CUDA graphs): at
 # one row the GEMV beats cuBLAS on every projection (in 13.6 against 15.9 us, qkv 10.7 / 11.8, out 6.0 / 8.5, router
 # 2.2 / 3.1, LM head 227 / 245), at two on the DeltaNet input and the out projections (15.5 / 16.4, 7.2 / 8.8), at
@@ -198,8 +203,8 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                gemv_rows: int | None = None, rows_in_grid: bool = False,
-                partial: bool = False) -> torch.Tensor | Pushed:
+                gemv_rows: int | None = None, rows_in_grid: bool = False, partial: bool = False,
+                gated: bool = False) -> torch.Tensor | Pushed:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype: the GEMV kernel for 1..gemv_rows rows
     (GEMV_MAX_M by default), the rows kernel (rows_gemm) past them up to ROWS_MAX_M for a weight of at most
     ROWS_MAX_BYTES, F.linear otherwise (and for K > GEMV_MAX_K at GEMV rows, a weight whose rows are not contiguous,
@@ -208,20 +213,25 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
     inbox takes them (TP > 1, decode sizes), they are pushed to every rank (from the GEMV's epilogue, else by
     push_ after a cuBLAS GEMM) and a Pushed is returned. rows_in_grid: a program per (column block, row), each
     tiled as at one row, so a folded norm costs a program one row, not every row (for a small weight, read again
-    per row from L2: the MoE router's at 3-16 rows)."""
+    per row from L2: the MoE router's at 3-16 rows).
+    gated: `weight` is a dense MLP's gate_up (gate rows, then as many up rows: mlp.MLP) and the result is SwiGLU's
+    activation silu(x W_gate^T) * (x W_up^T) [..., N / 2], the bits of silu_mul_fast over the plain result: the GEMV
+    and the rows kernel compute it in their epilogue (activation.silu_mul_sums), F.linear's path by silu_mul_fast."""
     norm = x if isinstance(x, PendingNorm) and not x.done else None
     pulled = norm is not None and isinstance(norm.x, Pushed)
     x = (norm.out if pulled else norm.x) if norm is not None else computed(x)  # (pulled: its shape and dtype)
     M, N, K = _gemm_shape(x, weight)
-    box = push.pushes((*x.shape[:-1], N), x.dtype) if partial else None
+    cols = _output_columns(N, gated)
+    box = push.pushes((*x.shape[:-1], cols), x.dtype) if partial else None
     max_rows = GEMV_MAX_M if gemv_rows is None else gemv_rows
     kernels_take = weight.stride(1) == 1 and x.dtype == weight.dtype \
         and (bias is None or (bias.dtype == weight.dtype and bias.stride(0) == 1))
     if not (0 < M <= max_rows and K <= GEMV_MAX_K and kernels_take):
         x = x if norm is None else norm.tensor()
         if kernels_take and max_rows < M <= ROWS_MAX_M and N * K * weight.element_size() <= ROWS_MAX_BYTES:
-            return rows_gemm(x, weight, bias, box)
+            return rows_gemm(x, weight, bias, box, gated=gated)
         y = F.linear(x, weight, bias)
+        y = silu_mul_fast(y) if gated else y
         return push.push_(y, box) if box is not None else y
     block_k = triton.next_power_of_2(K)
     one = M == 1 or rows_in_grid  # each program's rows
@@ -231,9 +241,11 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
         tile, warps = GEMV_CONFIG["tile_1" if one else "tile"], GEMV_CONFIG["warps"]
     block_n = gemv_block_n(N, block_k, tile, x.device, M if rows_in_grid else 1)
     warps *= max(1, block_n * block_k // tile)  # (K > tile: one row a program, more warps)
-    if norm is not None and not one and triton.cdiv(N, block_n) > FOLD_MAX_PROGRAMS_PER_SM * backend.sm_count(x.device):
+    block_cols = _columns_per_program(block_n, gated, 1)
+    grid = triton.cdiv(cols, block_cols)
+    if norm is not None and not one and grid > FOLD_MAX_PROGRAMS_PER_SM * backend.sm_count(x.device):
         x, norm, pulled = norm.tensor(), None, False  # too many programs to each pay the norm: the norm kernel first
-    x2, y = _rows_and_output(x, M, N, K)
+    x2, y = _rows_and_output(x, M, cols, K)
     if norm is None:
         r, r_out, nw, h, sr, eps = x2, x2, weight, x2, 0, 0.0  # placeholders, never touched without NORM
     else:
@@ -242,18 +254,34 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
         nw, h, sr, eps = norm.weight, norm.out, r.stride(0), norm.eps
     inbox = box if box is not None else (norm.x.inbox if pulled else None)
     slot = box.claim(M) if box is not None else 0
-    _gemv_kernel[(triton.cdiv(N, block_n), M if rows_in_grid else 1)](
-        x2, weight, weight if bias is None else bias, y, r, r_out, nw, h, M, N, K, x2.stride(0), weight.stride(0),
+    _gemv_kernel[(grid, M if rows_in_grid else 1)](
+        x2, weight, weight if bias is None else bias, y, r, r_out, nw, h, M, cols, K, x2.stride(0), weight.stride(0),
         y.stride(0), sr, eps, norm.x.slot if pulled else 0, slot, *inbox_args(inbox, x.device),
-        BLOCK_M=1 if rows_in_grid else triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=1 if rows_in_grid else triton.next_power_of_2(M), BLOCK_N=block_cols, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
         PLAIN=norm is not None and norm.plain, PULL=pulled, PUSH=box is not None,
-        P=inbox.world if inbox is not None else 1, ROW_GRID=rows_in_grid, num_warps=min(warps, 16), **pdl())
+        P=inbox.world if inbox is not None else 1, ROW_GRID=rows_in_grid, GATED=gated, num_warps=min(warps, 16),
+        **pdl())
     if norm is not None:
         norm.done = True
     if box is not None:
-        return push.Pushed(box, slot, torch.Size((*x.shape[:-1], N)), x.dtype)
-    return y.view(*x.shape[:-1], N)
+        return push.Pushed(box, slot, torch.Size((*x.shape[:-1], cols)), x.dtype)
+    return y.view(*x.shape[:-1], cols)
+
+
+def _output_columns(N: int, gated: bool) -> int:
+    """The output's columns for a weight of N rows: N, or gated (gate rows then up rows) N / 2."""
+    if gated and N % 2:
+        raise ValueError(f"linear_fast(gated=True): the weight's {N} rows are not gate rows then as many up rows")
+    return N // 2 if gated else N
+
+
+def _columns_per_program(block_n: int, gated: bool, least: int) -> int:
+    """Output columns per program of a kernel tiled for block_n weight rows a program: block_n, or gated half as
+    many, each program then loading its columns' gate rows and up rows (block_n rows in all, as the plain GEMM's
+    programs, so the same tile settings fit), but never fewer than `least` (the kernel's minimum tile; at block_n 1
+    the GEMV's program loads one column's two rows)."""
+    return max(least, block_n // 2) if gated else block_n
 
 
 def inbox_args(box: push.Inbox | None, device: torch.device) -> tuple:
@@ -321,27 +349,30 @@ def rows_tile(N: int) -> tuple[int, int, int]:
 
 
 def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-              box: push.Inbox | None = None) -> torch.Tensor | Pushed:
+              box: push.Inbox | None = None, gated: bool = False) -> torch.Tensor | Pushed:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype by the rows kernel, for 1..ROWS_MAX_M rows of a
     weight with contiguous rows (linear_fast takes it from GEMV_MAX_M + 1 rows up to ROWS_MAX_M where the weight is
     at most ROWS_MAX_BYTES); with `box`, this rank's partial sums of a boundary, pushed from the epilogue (a Pushed
-    returned)."""
+    returned); gated (a dense MLP's gate_up, as linear_fast's): silu(gate) * up [..., N / 2] from the epilogue."""
     M, N, K = _gemm_shape(x, weight)
     if not 0 < M <= ROWS_MAX_M or weight.stride(1) != 1 or x.dtype != weight.dtype:
         raise ValueError(f"rows_gemm: {M} rows of {x.dtype} against {tuple(weight.shape)} {weight.dtype} "
                          f"(stride {weight.stride()}); it takes 1..{ROWS_MAX_M} rows, one dtype, contiguous rows")
-    x2, y = _rows_and_output(x, M, N, K)
+    cols = _output_columns(N, gated)
+    x2, y = _rows_and_output(x, M, cols, K)
     block_n, block_k, stages = rows_tile(N)
+    block_cols = _columns_per_program(block_n, gated, 16)  # (tl.dot's least N)
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     slot = box.claim(M) if box is not None else 0
-    _rows_kernel[(triton.cdiv(N, block_n),)](
-        x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), slot,
-        *inbox_args(box, x.device), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, PUSH=box is not None, P=box.world if box is not None else 1, STAGES=stages,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=ROWS_CONFIG["warps"], **pdl())
+    _rows_kernel[(triton.cdiv(cols, block_cols),)](
+        x2, weight, weight if bias is None else bias, y, M, cols, K, x2.stride(0), weight.stride(0), y.stride(0),
+        slot, *inbox_args(box, x.device), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_cols,
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, PUSH=box is not None, P=box.world if box is not None else 1,
+        STAGES=stages, PREC="ieee" if x.dtype == torch.float32 else "tf32", GATED=gated,
+        num_warps=ROWS_CONFIG["warps"], **pdl())
     if box is not None:
-        return push.Pushed(box, slot, torch.Size((*x.shape[:-1], N)), x.dtype)
-    return y.view(*x.shape[:-1], N)
+        return push.Pushed(box, slot, torch.Size((*x.shape[:-1], cols)), x.dtype)
+    return y.view(*x.shape[:-1], cols)
 
 
 def _split_k(col_blocks: int, K: int, block_k: int, device: torch.device) -> int:
@@ -400,7 +431,7 @@ if triton is not None:
                      pull_slot, push_slot, table, rank, region_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PLAIN: tl.constexpr, PULL: tl.constexpr,
-                     PUSH: tl.constexpr, P: tl.constexpr, ROW_GRID: tl.constexpr):
+                     PUSH: tl.constexpr, P: tl.constexpr, ROW_GRID: tl.constexpr, GATED: tl.constexpr):
         """Columns [n0, n0 + BLOCK_N) of y = x @ w^T (+ b) for M <= BLOCK_M rows: the program loads its BLOCK_N weight
         rows whole (K <= BLOCK_K) in one go, so all of its bytes are in flight at once, then for each row sums the
         fp32 products along K and rounds once to y's dtype (the bias added in fp32 before, as cuBLAS's epilogue does).
@@ -412,15 +443,23 @@ if triton is not None:
         the weight loads are issued. A grid of [column blocks, M] (linear_fast's rows_in_grid) gives each program
         one row, program_id(1), with BLOCK_M 1: the weight is read once per row (from L2 but the first), the norm
         computed once per row and program. PUSH: y is this rank's partial sums of a boundary, stored into every rank's
-        inbox instead of y_ptr; the programs empty the boundary before it in this rank's inbox."""
+        inbox instead of y_ptr; the programs empty the boundary before it in this rank's inbox.
+        GATED: w holds 2N rows, gate then up (a dense MLP's gate_up), and y [M, N] is silu(gate) * up: the program
+        loads the gate rows n and the up rows N + n, sums both per row as above and applies silu_mul_sums, which
+        rounds the sums as the plain GEMV's store does, so y has the bits of silu_mul_fast over the plain GEMV's."""
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
         nm, km = n < N, k < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :],
                     other=0.0).to(tl.float32)
+        if GATED:
+            w_up = tl.load(w_ptr + (N + n)[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :],
+                           other=0.0).to(tl.float32)
         if HAS_BIAS:
             b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+            if GATED:
+                b_up = tl.load(b_ptr + N + n, mask=nm, other=0.0).to(tl.float32)
         prior_done()  # (backend.pdl: the weights stream while the kernel before this one drains)
         dt = y_ptr.dtype.element_ty
         for i in tl.static_range(BLOCK_M):
@@ -440,11 +479,18 @@ if triton is not None:
             y = tl.sum(w * x.to(tl.float32)[None, :], 1)
             if HAS_BIAS:
                 y += b
+            if GATED:
+                up = tl.sum(w_up * x.to(tl.float32)[None, :], 1)
+                if HAS_BIAS:
+                    up += b_up
+                out = silu_mul_sums(y, up, dt)
+            else:
+                out = y.to(dt)
             ym = n < tl.minimum(N, (M - m) * N)
             if PUSH:
-                push.push_rows(y.to(dt), m, n, ym, push_slot, table, rank, region_stride, N, P)
+                push.push_rows(out, m, n, ym, push_slot, table, rank, region_stride, N, P)
             else:
-                tl.store(y_ptr + m * sy + n, y.to(dt), mask=ym)
+                tl.store(y_ptr + m * sy + n, out, mask=ym)
         if PUSH:
             if push_slot > 0:
                 push.clear_slot(push_slot - 1, M * N, table, rank, region_stride, P, dt, 1024)
@@ -452,33 +498,47 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "push_slot"])
     def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, push_slot, table, rank, region_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     PUSH: tl.constexpr, P: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr):
+                     PUSH: tl.constexpr, P: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr,
+                     GATED: tl.constexpr):
         """Columns [n0, n0 + BLOCK_N) of y = x @ w^T (+ b) for M <= BLOCK_M rows: the program streams its BLOCK_N
         weight rows in BLOCK_K steps, STAGES deep, and sums over the rows on the tensor cores (tl.dot, fp32; fp32
         inputs at IEEE precision), the bias added in fp32, rounded once to y's dtype. PUSH: y is this rank's partial
         sums of a boundary, stored into every rank's inbox instead of y_ptr; the programs empty the boundary before
-        it in this rank's inbox (as _gemv_kernel's)."""
+        it in this rank's inbox (as _gemv_kernel's). GATED (as _gemv_kernel's): w holds 2N rows, gate then up; the
+        program streams the gate rows n and the up rows N + n in the same steps into two accumulators, and y [M, N]
+        is silu_mul_sums of them."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         nm, mm = n < N, m < M
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # (GATED only; otherwise never touched)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
             x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
             w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+            if GATED:
+                w_up = tl.load(w_ptr + (N + n)[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :],
+                               other=0.0)
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PREC)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(b_ptr + N + n, mask=nm, other=0.0).to(tl.float32)[None, :]
         dt = y_ptr.dtype.element_ty
+        if GATED:
+            out = silu_mul_sums(acc, acc_up, dt)
+        else:
+            out = acc.to(dt)
         ym = mm[:, None] & nm[None, :]
         if PUSH:
-            push.push_rows(acc.to(dt), m[:, None], n[None, :], ym, push_slot, table, rank, region_stride, N, P)
+            push.push_rows(out, m[:, None], n[None, :], ym, push_slot, table, rank, region_stride, N, P)
             if push_slot > 0:
                 push.clear_slot(push_slot - 1, M * N, table, rank, region_stride, P, dt, 1024)
         else:
-            tl.store(y_ptr + m[:, None] * sy + n[None, :], acc.to(dt), mask=ym)
+            tl.store(y_ptr + m[:, None] * sy + n[None, :], out, mask=ym)
 
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr,

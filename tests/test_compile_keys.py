@@ -31,22 +31,44 @@ def random_rows(rng: random.Random) -> list[tuple[int, int]]:
     return [(CHUNK, 0)] * d + [(rng.choice([0, CHUNK]), k) for k in sizes]
 
 
-def test_warm_up_meets_the_kernel_variants_of_random_steps(tiny_dir):
-    args = EngineArgs(model=tiny_dir, device="cpu", dtype="bfloat16", kernels="fast", max_num_seqs=SEQS,
+def warmed_up(path: str, **kw) -> tuple[ModelRunner, dict]:
+    args = EngineArgs(model=path, device="cpu", dtype="bfloat16", kernels="fast", max_num_seqs=SEQS,
                       max_model_len=BUDGET)
-    runner = ModelRunner(ModelConfig.from_dir(tiny_dir), args, tiny_dir, num_snapshot_slots=4)
+    runner = ModelRunner(ModelConfig.from_dir(path), args, path, **kw)
     with record() as met:
         runner.warm_up(BUDGET)
-    assert {"_prefill_kernel", "_state_kernel", "_gate_up_kernel"} <= set(met), sorted(met)
+    return runner, met
+
+
+def unmet_in_random_steps(runner: ModelRunner, met: dict, checkpoints: bool) -> list[str]:
     rng, seen = random.Random(0), []
     for i in range(80):
         rows = random_rows(rng)
-        plan = runner.rows_plan(rows, lambda k: torch.randint(0, 1000, (k,)).tolist(), checkpoint=rng.random() < 0.3)
+        plan = runner.rows_plan(rows, lambda k: torch.randint(0, 1000, (k,)).tolist(),
+                                checkpoint=checkpoints and rng.random() < 0.3)
         if plan is None:
             continue
         with record() as keys:
             runner.execute(plan, gather="none")
         seen += [f"step {i} ({len(rows)} rows, {plan.num_tokens} tokens) {u}" for u in unmet(keys, met)]
+    return seen
+
+
+def test_warm_up_meets_the_kernel_variants_of_random_steps(tiny_dir):
+    runner, met = warmed_up(tiny_dir, num_snapshot_slots=4)
+    assert {"_prefill_kernel", "_state_kernel", "_gate_up_kernel"} <= set(met), sorted(met)
+    seen = unmet_in_random_steps(runner, met, checkpoints=True)
+    assert not seen, "\n".join(seen[:20])
+
+
+def test_dense_warm_up_meets_the_kernel_variants_of_random_steps(cache_dir):
+    """The tiny Llama: its warm-up meets the dense MLP's gated GEMMs (the GEMV at 1 and 2 rows, the rows kernel's
+    16-row tile), and random steps meet nothing it did not."""
+    from qwen35.hub import resolve_model
+    runner, met = warmed_up(resolve_model("tiny-llama"))
+    gated = [k for name in ("_gemv_kernel", "_rows_kernel") for k in met[name] if "GATED=True" in k]
+    assert {p for k in gated for p in k if p.startswith("BLOCK_M=")} == {"BLOCK_M=1", "BLOCK_M=2", "BLOCK_M=16"}
+    seen = unmet_in_random_steps(runner, met, checkpoints=False)
     assert not seen, "\n".join(seen[:20])
 
 

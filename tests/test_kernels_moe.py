@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from layers import backend, moe
+from layers.activation import silu_mul_fast, silu_mul_torch
 from layers.moe import block as moe_block, layout as moe_layout
-from layers.mlp import MLP, mlp_fast, mlp_torch, silu_mul_fast, silu_mul_torch
+from layers.mlp import MLP, mlp_fast, mlp_torch
 from tests.compare import max_diff, rel
 
 TOL_ROUTE = 1e-6
@@ -500,9 +501,9 @@ def tiny_cfg(**kw):
     return SimpleNamespace(**{**base, **kw})
 
 
-def build(cls, kernels, *args, seed=0):
+def build(cls, kernels, *args, seed=0, **kw):
     with backend.use_kernels(kernels):
-        m = cls(*args, dtype=torch.float32)
+        m = cls(*args, dtype=torch.float32, **kw)
     gen = torch.Generator().manual_seed(seed)
     for p in m.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)  # in place: fused views stay views
@@ -541,9 +542,12 @@ def test_padded_router_gemm():
     assert moe.padded_router_gemm(x, m.router.t().contiguous().t()).stride() == (E1, 1)
 
 
-@pytest.mark.parametrize("T,H,I", [(1, 32, 16), (7, 48, 40)])
-def test_mlp_fast_equals_torch(T, H, I):
-    torch_mlp, fast_mlp = build(MLP, "torch", H, I), build(MLP, "fast", H, I)
+@pytest.mark.parametrize("T,H,I,bias", [(1, 32, 16, False), (2, 40, 37, True), (7, 48, 40, True),
+                                         (17, 48, 40, False)])
+def test_mlp_fast_equals_torch(T, H, I, bias):
+    """The GEMV's rows (1, 2), the rows kernel's (7), past them (17), with and without mlp_bias; I = 37 not a
+    multiple of any tile."""
+    torch_mlp, fast_mlp = build(MLP, "torch", H, I, bias=bias), build(MLP, "fast", H, I, bias=bias)
     assert fast_mlp.gate_up.shape == (2 * I, H) and fast_mlp.sync_free
     assert torch.equal(fast_mlp.gate_up[I:], fast_mlp.up_proj.weight)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
@@ -551,7 +555,21 @@ def test_mlp_fast_equals_torch(T, H, I):
     manual = torch_mlp.down_proj(torch.nn.functional.silu(torch_mlp.gate_proj(x)) * torch_mlp.up_proj(x))
     assert max_diff(want, manual) <= TOL
     assert max_diff(fast_mlp(x), want) <= TOL
-    assert max_diff(mlp_fast(x, fast_mlp.gate_up, fast_mlp.down_proj.weight), want) <= TOL
+    if not bias:
+        assert max_diff(mlp_fast(x, fast_mlp.gate_up, fast_mlp.down_proj.weight), want) <= TOL
+
+
+@pytest.mark.parametrize("T,launches", [(1, ["_gemv_kernel"] * 2), (2, ["_gemv_kernel"] * 2),
+                                        (7, ["_rows_kernel"] * 2), (17, ["_silu_mul_kernel"])])
+def test_mlp_fast_launches(T, launches, monkeypatch):
+    """Up to ROWS_MAX_M rows the dense MLP is two launches: gate_up with silu(gate) * up in its epilogue, then down
+    (the GEMV's or the rows kernel's); past them F.linear, silu_mul_fast's kernel, F.linear."""
+    from triton.runtime.interpreter import InterpretedFunction
+    met, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **kw: (met.append(self.fn.__name__),
+                                                                            run(self, *a, **kw))[1])
+    build(MLP, "fast", 32, 24)(torch.randn(T, 32))
+    assert met == launches
 
 
 @pytest.mark.parametrize("shape", [(1, 32), (7, 80), (3, 2, 2100)])

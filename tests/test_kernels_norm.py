@@ -54,17 +54,23 @@ def test_module_binds_the_kernel_set():
 
 @pytest.mark.parametrize("rows,N", [(1, 37), (2, 5), (2, 37)])
 @pytest.mark.parametrize("residual,plain,bias", [(True, False, False), (False, False, True), (True, True, True)])
-def test_norm_folded_into_the_gemv(rows, N, residual, plain, bias):
+@pytest.mark.parametrize("gated", [False, True])
+def test_norm_folded_into_the_gemv(rows, N, residual, plain, bias, gated):
     """RMSNorm.boundary at decode sizes with the fast kernels: a PendingNorm, computed by the GEMV that reads it
     (linear_fast) in its prologue at one row, and at two where the grid is small (5 columns: 5 programs; 37: 10,
     more than FOLD_MAX_PROGRAMS_PER_SM per SM of the 4 the CPU counts, so the norm kernel runs first): its output,
     the normed rows and the residual sum equal the norm kernel's followed by the GEMV (fp32 through the interpreter:
-    the same arithmetic, so the same bits), and the norm is not run again when read after (linear.computed)."""
+    the same arithmetic, so the same bits), and the norm is not run again when read after (linear.computed).
+    gated: the dense MLP's gate_up (2N rows) and silu(gate) * up from the GEMV's epilogue, the same programs a column
+    block (each its gate and up rows), so the same fold; its bits those of silu_mul_fast over the plain GEMV."""
     from layers import linear as lin
+    from layers.activation import silu_mul_fast, silu_mul_torch
 
     x, r, w = case(rows, 96, torch.float32, "cpu", seed=rows)
     gen = torch.Generator().manual_seed(7)
-    weight, b = torch.randn(N, 96, generator=gen), torch.randn(N, generator=gen)
+    rows_w = 2 * N if gated else N
+    weight, b = torch.randn(rows_w, 96, generator=gen) * 0.2, torch.randn(rows_w, generator=gen)
+    b = b if bias else None
     with backend.use_kernels("fast"):
         m = RMSNorm(96, 1e-6, plain=plain)
     m.weight.data.copy_(w + 1 if plain else w)
@@ -73,12 +79,13 @@ def test_norm_folded_into_the_gemv(rows, N, residual, plain, bias):
     assert isinstance(pending, lin.PendingNorm) and not pending.done
     launches, kernel = [], pending.compute
     pending.compute = lambda p: (launches.append(p), kernel(p))
-    y = lin.linear_fast(pending, weight, b if bias else None)
-    assert pending.done and len(launches) == (rows == 2 and N == 37)
+    y = lin.linear_fast(pending, weight, b, gated=gated)
+    assert y.shape == (rows, N) and pending.done and len(launches) == (rows == 2 and N == 37)
     assert torch.equal(pending.out, want_h) and torch.equal(total, want_sum)
     assert torch.equal(lin.computed(pending), want_h) and len(launches) <= 1
-    assert torch.equal(y, lin.linear_fast(want_h, weight, b if bias else None))
-    assert (y - F.linear(want_h, weight, b if bias else None)).abs().max().item() <= 1e-4
+    act, act_fast = (silu_mul_torch, silu_mul_fast) if gated else (lambda h: h, lambda h: h)
+    assert torch.equal(y, act_fast(lin.linear_fast(want_h, weight, b)))
+    assert (y - act(F.linear(want_h, weight, b))).abs().max().item() <= 1e-4
 
 
 def test_pending_norm_read_by_other_paths():

@@ -7,11 +7,14 @@ that no column block divides, K not a power of two, a bias, 3-D and strided inpu
 16, 17, 40 and 64 rows, partial output and reduction tiles, several K steps, split K: equal to F.linear within 1e-5
 relative to the output's scale (fp32, only the order of the sums differs); the rows kernel at 3-16 rows likewise
 (several and partial K steps, partial column blocks, a bias, each block_n), and linear_fast taking it there but not
-past ROWS_MAX_M rows or ROWS_MAX_BYTES; past their row limits, the bits of F.linear itself.
+past ROWS_MAX_M rows or ROWS_MAX_BYTES; past their row limits, the bits of F.linear itself. Gated (the dense MLP's
+gate_up, silu(gate) * up in the epilogue of the GEMV and of the rows kernel), fp32 and fp16 (bf16 within two ulps:
+the interpreter truncates its casts): the bits of silu_mul_fast over the plain kernel's output where the kernel's
+tiles are the same, within the tolerance of silu_mul_torch over F.linear everywhere.
 GPU (`-m gpu`, bf16, the real Qwen3.5-35B-A3B router, input and out projections at the TP=1 and TP=8 shards): the
 kernels accumulate in fp32 and round once to bf16, so every element is within half a bf16 ulp of the exact product of
 the bf16 inputs (fp64) and 99% are that product rounded to bf16; 99% are bit-identical to F.linear's where F.linear
-rounds correctly too.
+rounds correctly too. The gated GEMV at the Llama-1B / 3B MLP shapes: the bits of silu_mul_fast over the plain GEMV.
 """
 import pytest
 import torch
@@ -19,7 +22,9 @@ import torch.nn.functional as F
 
 from layers import backend
 from layers import linear as lin
+from layers.activation import silu_mul_fast, silu_mul_torch
 from layers.backend import triton
+from tests.compare import rel
 
 pytestmark = pytest.mark.skipif(triton is None, reason="needs triton")
 
@@ -100,8 +105,10 @@ def test_gemv_row_grid_equals_f_linear(M, N, K):
     assert torch.equal(y, torch.cat([lin.linear_fast(x[i:i + 1], w, b) for i in range(M)]))
 
 
-@pytest.mark.parametrize("tile,warps", [(2048, 1), (4096, 2), (16384, 4)])
+@pytest.mark.parametrize("tile,warps", [(512, 1), (2048, 1), (4096, 2), (16384, 4)])
 def test_gemv_tile_settings(tile, warps, monkeypatch):
+    """Each tile, gated too (half the columns a program, their gate and up rows; at a tile under K's one column,
+    two rows)."""
     monkeypatch.setitem(lin.GEMV_CONFIG, "tile_1", tile)
     monkeypatch.setitem(lin.GEMV_CONFIG, "tile", tile)
     monkeypatch.setitem(lin.GEMV_CONFIG, "warps", warps)
@@ -109,6 +116,7 @@ def test_gemv_tile_settings(tile, warps, monkeypatch):
     w = torch.randn(70, 1000, generator=gen)
     for x in (torch.randn(1, 1000, generator=gen), torch.randn(2, 1000, generator=gen)):
         assert scaled_err(lin.linear_fast(x, w), F.linear(x, w)) <= 1e-5
+        assert torch.equal(lin.linear_fast(x, w, gated=True), silu_mul_fast(lin.linear_fast(x, w)))
 
 
 def test_gemv_block_n_from_shape(monkeypatch):
@@ -156,12 +164,18 @@ def test_rows_kernel_equals_f_linear(M, N, K, bias, monkeypatch):
 
 @pytest.mark.parametrize("block_n,block_k,stages", [(16, 512, 4), (32, 64, 2), (64, 256, 3)])
 def test_rows_kernel_block_settings(block_n, block_k, stages, monkeypatch):
+    """Each tile, gated too: half the columns a program, their gate and up rows, at least 16 columns; where those
+    are the plain kernel's 16 (the same tl.dot tiles, so the same sums) the bits of silu_mul_fast over it, else
+    another order of the fp32 sums (numpy's matmul, under the interpreter, sums by the tile's shape)."""
     monkeypatch.setitem(lin.ROWS_CONFIG, "block_n", block_n)
     monkeypatch.setitem(lin.ROWS_CONFIG, "block_k", block_k)
     monkeypatch.setitem(lin.ROWS_CONFIG, "stages", stages)
     gen = torch.Generator().manual_seed(block_n)
     x, w = torch.randn(2, 3, 200, generator=gen), torch.randn(70, 200, generator=gen)  # (3-D: 6 rows)
     assert scaled_err(lin.rows_gemm(x, w), F.linear(x, w)) <= 1e-5
+    gated = lin.rows_gemm(x, w, gated=True)
+    assert gated.shape == (2, 3, 35) and scaled_err(gated, silu_mul_torch(F.linear(x, w))) <= 1e-5
+    assert torch.equal(gated, silu_mul_fast(lin.rows_gemm(x, w))) == (block_n == 16)
     assert lin.rows_tile(70) == (block_n, block_k, stages)
 
 
@@ -226,6 +240,55 @@ def test_linear_binds_its_kernel_set():
             assert scaled_err(layer(x), F.linear(x, layer.weight)) <= 1e-5
 
 
+# ------------------------------------------------------------------------------------ gated (dense MLP gate_up)
+def gated_case(M, I, K, dtype, seed):
+    """x [M, K] and a gate_up weight [2I, K] and bias [2I] whose sums land on silu's curve, not only its tails."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(M, K, generator=gen), torch.randn(2 * I, K, generator=gen) * 2 * K ** -0.5
+    return x.to(dtype), w.to(dtype), (torch.randn(2 * I, generator=gen) * 0.5).to(dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("M", [1, 2, 3, 16])
+@pytest.mark.parametrize("I,K", [(37, 300), (8, 64), (70, 1000)])
+def test_gated_equals_silu_mul_of_the_gemm(M, I, K, dtype, tol, monkeypatch):
+    """linear_fast(gated=True), silu(gate) * up in the epilogue of the GEMV (1-2 rows) and of the rows kernel (3-16
+    rows; 128-wide K steps: several and a partial one), with and without a bias: the bits of silu_mul_fast over the
+    plain kernel's output (the same sums, rounded at the same points; fp16 too, which the interpreter rounds as the
+    GPU does), and near silu_mul_torch over F.linear. I: 37 and 70, no multiple of a column block; 8, under the
+    rows kernel's least block of 16 columns."""
+    monkeypatch.setitem(lin.ROWS_CONFIG, "block_k", 128)
+    x, w, b = gated_case(M, I, K, dtype, seed=M * I)
+    for bias in (None, b):
+        y = lin.linear_fast(x, w, bias, gated=True)
+        assert y.shape == (M, I) and y.dtype == dtype
+        assert torch.equal(y, silu_mul_fast(lin.linear_fast(x, w, bias)))
+        assert scaled_err(y, silu_mul_torch(F.linear(x, w, bias))) <= tol
+
+
+def test_gated_bf16():
+    """bf16 through the interpreter, whose fp32 -> bf16 casts truncate (the GPU's round to nearest): the GEMV's gated
+    epilogue within two bf16 ulps of silu_mul_torch over F.linear. (Not the rows kernel: the interpreter's tl.dot
+    of bf16 tiles gives garbage, gated or not; test_gpu_gated_bf16 checks it.)"""
+    for M in (1, 2):
+        x, w, b = gated_case(M, 37, 200, torch.bfloat16, seed=M)
+        want = silu_mul_torch(F.linear(x, w, b))
+        assert (lin.linear_fast(x, w, b, gated=True).float() - want.float()).abs().max() <= 2 ** -6 * want.abs().max()
+
+
+def test_gated_past_the_kernels_rows_and_shapes():
+    """Past ROWS_MAX_M rows F.linear then silu_mul_fast (their bits), 3-D inputs, a gate_up row block of a bigger
+    weight (fuse_rows views); a weight of an odd number of rows is no gate_up."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(60, 40, generator=gen)[10:34]
+    many, x3 = torch.randn(lin.ROWS_MAX_M + 1, 40, generator=gen), torch.randn(1, 2, 40, generator=gen)
+    assert torch.equal(lin.linear_fast(many, w, gated=True), silu_mul_fast(F.linear(many, w)))
+    y3 = lin.linear_fast(x3, w, gated=True)
+    assert y3.shape == (1, 2, 12) and scaled_err(y3, silu_mul_torch(F.linear(x3, w))) <= 1e-5
+    with pytest.raises(ValueError, match="gate rows"):
+        lin.linear_fast(x3, w[:5], gated=True)
+
+
 # ------------------------------------------------------------------------------------------------------ GPU
 def skinny_shapes(inputs: bool = False):
     """(name, N, K): the real model's router (replicated) and out projections at the TP=1 and TP=8 shards (with
@@ -272,3 +335,28 @@ def test_gpu_bits_near_f_linear_bf16(kernel, M):
         assert (y == rounded).float().mean().item() >= 0.99, name
         once = ref == rounded
         assert (y[once] == ref[once]).float().mean().item() >= 0.99, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 16])
+def test_gpu_gated_bf16(M):
+    """The dense MLP's gate_up with silu(gate) * up in the epilogue (Llama-1B / 3B at TP=1 and 8; at 1-2 rows with
+    the layer norm folded in too, as the model runs it): within bf16 rounding of silu_mul_torch over F.linear; the
+    GEMV's the bits of silu_mul_fast over the plain GEMV (the same sums: half the columns a program, the same weight
+    rows and warps), the rows kernel's (half the columns a program: other tl.dot tiles) 99% of them."""
+    from layers.norm import RMSNorm
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    for H, I in ((2048, 8192), (2048, 1024), (3072, 8192), (3072, 1024)):
+        w = (torch.randn(2 * I, H, generator=gen, device="cuda") * H ** -0.5).bfloat16()
+        x = torch.randn(M, H, generator=gen, device="cuda").bfloat16()
+        y = lin.linear_fast(x, w, gated=True)
+        assert rel(y, silu_mul_torch(F.linear(x, w))) <= 1e-2
+        same = (y == silu_mul_fast(lin.linear_fast(x, w))).float().mean().item()
+        assert same == 1.0 if M <= lin.GEMV_MAX_M else same >= 0.99, (H, I, same)
+        if M <= lin.GEMV_MAX_M:
+            with backend.use_kernels("fast"):
+                norm = RMSNorm(H, 1e-6, plain=True, dtype=torch.bfloat16, device="cuda")
+            norm.weight.data.normal_(1.0, 0.1, generator=gen)
+            r = torch.randn(M, H, generator=gen, device="cuda").bfloat16()
+            folded = lin.linear_fast(norm.boundary(x, r)[0], w, gated=True)
+            assert torch.equal(folded, silu_mul_fast(lin.linear_fast(norm.boundary(x, r)[0], w))), (H, I)

@@ -8,7 +8,8 @@ producer before the consumers) and P processes sharing memory (every wait a real
 - the GEMV pushing from its epilogue (a row-parallel projection) then consume: the rank-order sum of every rank's
   GEMV output, exact; the MoE's combine likewise;
 - the GEMV pulling in its prologue (RMSNorm.boundary of a Pushed): its output equals F.linear of the pulled, added
-  and normed rows, and it stores that sum and those rows for the layer's other readers;
+  and normed rows, and it stores that sum and those rows for the layer's other readers; the dense MLP's gated
+  gate_up GEMV likewise, its silu(gate) * up the bits of silu_mul_fast over the plain GEMV;
 - shapes the inbox does not take (more rows, another width or dtype) are not pushed; a forward with more
   boundaries than the inbox has slots is an error.
 GPU: the same kernels compiled on one GPU (simulated inboxes, bf16) and across 2 GPUs through symmetric memory,
@@ -117,6 +118,30 @@ def test_gemv_pushes_and_pulls(world, rows):
         assert max_diff(pending.out, h0) <= 1e-5
         assert max_diff(y, torch.nn.functional.linear(h0, w_in)) <= 1e-4
     assert not any(all_empty(buf) for buf in bufs)
+
+
+@pytest.mark.parametrize("world,rows", [(2, 1), (3, 2)])
+def test_gated_gemv_pulls(world, rows):
+    """A dense MLP's gate_up reading the boundary before it (the post-attention norm of pushed partial sums): the
+    gated GEMV pulls, adds and norms in its prologue and gives silu(gate) * up, the bits of silu_mul_fast over the
+    plain GEMV of the normed rows it stores."""
+    from layers.activation import silu_mul_fast
+    H, I = 40, 21
+    bufs, boxes = inboxes(world, 2, 2, H)
+    parts = parts_of(world, (rows, H), seed=rows)
+    gen = torch.Generator().manual_seed(world)
+    gate_up, residual = torch.randn(2 * I, H, generator=gen) * 0.3, torch.randn(rows, H, generator=gen)
+    norm = RMSNorm(H, EPS)
+    norm.weight.data.copy_(torch.randn(H, generator=gen) * 0.2)
+    norm._fast = True  # (built under the torch kernel set: choose the fold as the fast set does)
+    pushed = push_from_every_rank(boxes, lambda r: push.push_(parts[r], boxes[r]))
+    s0 = rank_order_sum(parts) + residual
+    for r in range(world):
+        pending, res = norm.boundary(pushed[r], residual)
+        y = linear_fast(pending, gate_up, gated=True)
+        assert pending.done and torch.equal(res, s0)
+        assert max_diff(pending.out, rms_norm_torch(s0, norm.weight, EPS)) <= 1e-5
+        assert torch.equal(y, silu_mul_fast(linear_fast(pending.out, gate_up)))
 
 
 @pytest.mark.parametrize("world,rows", [(2, 3), (3, 8), (2, 16)])

@@ -28,7 +28,7 @@ from dist import push
 from layers import backend
 from layers.backend import pdl, prior_done, round_to, tl, triton
 from layers.linear import inbox_args
-from layers.mlp import silu_mul_sums, silu_mul_torch
+from layers.activation import silu_mul_sums, silu_mul_torch
 from layers.moe.experts import ExpertWeights
 from layers.moe.routing import route_token, route_torch
 from layers.moe.tiles import DOWN_COMBINE_TILE, GEMV_TILE, cap_tile

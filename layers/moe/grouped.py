@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from dist import push
 from layers.backend import pdl, prior_done, round_to, tl, triton
 from layers.linear import inbox_args
-from layers.mlp import mlp_torch, silu_mul_sums, silu_mul_torch
+from layers.activation import silu_mul_sums, silu_mul_torch
+from layers.mlp import mlp_torch
 from layers.moe.experts import ExpertWeights
 from layers.moe.gemv import down_combine_fast
 from layers.moe.layout import Layout, align_fast
