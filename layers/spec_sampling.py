@@ -182,16 +182,30 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
 # the shard of the draft logits (raw: the filters and the temperature are applied again, the same way) and the
 # log-sum-exp of the x they were drawn from; q(v) = exp(x_v - lse). Two implementations, same signature:
 #   draft_torch / verify_torch  the reference: gather the whole rows, then draft_sample / verify above;
-#   draft_fast / verify_fast    vocab-parallel: Triton passes over the shard (a row's max, first argmax,
-#                               sum of exp, Gumbel candidates; the residual's candidates) and an all-gather of a
-#                               few floats per row (parallel.all_gather: inside a CUDA graph, no NCCL call).
+#   draft_fast / verify_fast    vocab-parallel: Triton kernels and all-gathers of a few floats per row
+#                               (parallel.all_gather: inside a CUDA graph, no NCCL call), no torch op between.
 #                               Rows with top-k / top-p go the reference way (their steps run eagerly anyway).
+#     the stats pass  program (row, block): the block's max x, its first argmax, the sum of exp(x - max x), the best
+#                     Gumbel score and its id; the row's last program to arrive (an arrival counter, which it resets
+#                     for the next launch) merges the row's blocks into its STATS, in the all-gather's message;
+#     a draft         the stats pass, the all-gather, _draw_kernel (the ranks' STATS merged: the token and lse);
+#     a verify        the stats pass over every position (with the x of its draft under p and q, from the rank
+#                     whose shard holds it), the all-gather, _accept_kernel (a program per sequence: the ranks'
+#                     STATS merged, the drafts accepted, the verdict written; greedy rows are done); for sampled
+#                     rows the token at the first rejected (or bonus) position: the residual pass, reading that
+#                     position's rows in place (its blocks merged as the stats pass's), the all-gather,
+#                     _last_token_kernel. Three launches (all-gathers included) per draft and per greedy verify,
+#                     six per sampled verify.
+# Parts merge as merge_stats / merge_residual do (the first part, so the lowest id, at ties; ranks in rank order).
 # They draw the same tokens but for float rounding: the fast path's exp and log-sum-exp are Triton's and summed
 # per block, so p and q differ from the reference's in the last bits, and a draw whose acceptance uniform falls
 # within those bits of p/q (probability ~1e-7) may go the other way. Either path is exact in distribution.
-STATS = 6     # per row and block: max x, its first id, sum exp(x - max x), best Gumbel score, its first id, and
-#               the log of the row's acceptance noise (E at ACCEPT_ID: the uniform u = exp(-E), as verify_sampled)
-RESIDUAL = 5  # per row and block: best residual score, its id, residual mass, best score of p itself, its id
+STATS = 6      # per row: max x, its first id, sum exp(x - max x), best Gumbel score, its first id, and the log of
+#                the row's acceptance noise (E at ACCEPT_ID: the uniform u = exp(-E), as verify_sampled)
+PART = 5       # per row and block of the stats pass: STATS but the noise (drawn once per row, by the merging program)
+DRAFT_X = 2    # a verify row's STATS are followed by x of its draft under p and under q (-inf off the draft's shard)
+RESIDUAL = 5   # per row (and block): best residual score, its id, residual mass, best score of p itself, its id
+POSITIONS = 16  # _accept_kernel's tile of a sequence's positions: k + 1 <= 16 (scheduler.speculation.MAX_K is 8)
 
 
 class DraftDraw(NamedTuple):
@@ -231,64 +245,7 @@ def verify_torch(logits: torch.Tensor, drafts: torch.Tensor, draft_logits: torch
     return verify(full, drafts, probs, batch, num_drafts)
 
 
-if triton is not None:
-    @triton.jit
-    def _stats_kernel(lg_ptr, stride, n_valid, start, id_offset, accept_id, inv_t_ptr, key_ptr, ctr_ptr, out_ptr,
-                      nb, W: tl.constexpr, SAMPLED: tl.constexpr, ACCEPT: tl.constexpr, BLOCK: tl.constexpr):
-        """Program (row, block): STATS of x = logit * inv_t over the block's valid columns (Gumbel scores with the
-        noise of ids + id_offset at the row's key and counter, with SAMPLED; the acceptance noise with ACCEPT)."""
-        prior_done()  # (backend.pdl: the kernels before this one have finished)
-        row = tl.program_id(0)
-        blk = tl.program_id(1)
-        cols = blk * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < n_valid
-        x = tl.load(lg_ptr + row * stride + cols, mask=ok, other=float("-inf")) * tl.load(inv_t_ptr + row) + 0.0
-        mx = tl.max(x, 0)
-        out = out_ptr + (row * nb + blk) * W
-        tl.store(out, mx)
-        tl.store(out + 1, (blk * BLOCK + tl.argmax(x, 0, tie_break_left=True) + start).to(tl.float32))
-        tl.store(out + 2, tl.sum(tl.where(ok, tl.exp(x - mx), 0.0), 0))
-        if SAMPLED or ACCEPT:
-            s1, s2 = seeds_k(tl.load(key_ptr + row), tl.load(ctr_ptr + row))
-        if SAMPLED:
-            sc = tl.where(ok, x - log_noise_k((cols + start + id_offset).to(tl.int64), s1, s2), float("-inf"))
-            tl.store(out + 3, tl.max(sc, 0))
-            tl.store(out + 4, (blk * BLOCK + tl.argmax(sc, 0, tie_break_left=True) + start).to(tl.float32))
-        else:
-            tl.store(out + 3, float("-inf"))
-            tl.store(out + 4, 0.0)
-        if ACCEPT:
-            tl.store(out + 5, log_noise_k(s1 * 0 + accept_id, s1, s2))
-        else:
-            tl.store(out + 5, 0.0)
-
-    @triton.jit
-    def _residual_kernel(p_ptr, q_ptr, stride_p, stride_q, n_valid, start, inv_t_ptr, lse_p_ptr, lse_q_ptr,
-                         key_ptr, ctr_ptr, out_ptr, nb, W: tl.constexpr, BLOCK: tl.constexpr):
-        """Program (row, block): RESIDUAL over the block: r = max(0, p - q), p = exp(xp - lse_p), q likewise;
-        scores log(r) - log(E) and xp - log(E) with the noise of the token ids at the row's key and counter."""
-        prior_done()  # (backend.pdl: the kernels before this one have finished)
-        row = tl.program_id(0)
-        blk = tl.program_id(1)
-        cols = blk * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < n_valid
-        inv_t = tl.load(inv_t_ptr + row)
-        xp = tl.load(p_ptr + row * stride_p + cols, mask=ok, other=float("-inf")) * inv_t + 0.0
-        xq = tl.load(q_ptr + row * stride_q + cols, mask=ok, other=float("-inf")) * inv_t + 0.0
-        s1, s2 = seeds_k(tl.load(key_ptr + row), tl.load(ctr_ptr + row))
-        ln = log_noise_k((cols + start).to(tl.int64), s1, s2)
-        r = tl.maximum(tl.exp(xp - tl.load(lse_p_ptr + row)) - tl.exp(xq - tl.load(lse_q_ptr + row)), 0.0)
-        r = tl.where(ok, r, 0.0)
-        rs = tl.where(r > 0, tl.log(tl.where(r > 0, r, 1.0)) - ln, float("-inf"))
-        bs = tl.where(ok, xp - ln, float("-inf"))
-        out = out_ptr + (row * nb + blk) * W
-        tl.store(out, tl.max(rs, 0))
-        tl.store(out + 1, (blk * BLOCK + tl.argmax(rs, 0, tie_break_left=True) + start).to(tl.float32))
-        tl.store(out + 2, tl.sum(r, 0))
-        tl.store(out + 3, tl.max(bs, 0))
-        tl.store(out + 4, (blk * BLOCK + tl.argmax(bs, 0, tie_break_left=True) + start).to(tl.float32))
-
-
+# The torch twins of the passes (what the tests hold the kernels to), and the merges of their parts.
 def _best(v: torch.Tensor, ids: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The largest value along `dim` and its id, the first (lowest block / rank: lowest id) at ties."""
     i = v.argmax(dim=dim, keepdim=True)
@@ -318,7 +275,8 @@ def merge_residual(r: torch.Tensor, dim: int) -> torch.Tensor:
 
 def stats_torch(logits: torch.Tensor, n_valid: int, start: int, id_offset: int, inv_t: torch.Tensor,
                 key: torch.Tensor, counter: torch.Tensor, sampled: bool, accept: bool = False) -> torch.Tensor:
-    """[R, STATS] of a shard's rows [R, n] (columns past n_valid are padding): the twin of stats_fast."""
+    """[R, STATS] of a shard's rows [R, n] (columns past n_valid are padding), each row with its own inv_t, key
+    and counter: the twin of stats_fast."""
     R, n = logits.shape
     valid = torch.arange(n, device=logits.device) < n_valid
     x = (logits * inv_t[:, None] + 0.0).masked_fill(~valid, float("-inf"))
@@ -335,19 +293,6 @@ def stats_torch(logits: torch.Tensor, n_valid: int, start: int, id_offset: int, 
         accept_id = torch.full((1,), ACCEPT_ID, dtype=torch.int64, device=logits.device)
         out[:, 5] = -gumbel_scores(torch.zeros(R, 1, device=logits.device), accept_id, s1, s2)[:, 0]
     return out
-
-
-def stats_fast(logits: torch.Tensor, n_valid: int, start: int, id_offset: int, inv_t: torch.Tensor,
-               key: torch.Tensor, counter: torch.Tensor, sampled: bool, accept: bool = False) -> torch.Tensor:
-    """stats_torch in one launch (one program per row and block of BLOCK columns), then the blocks merged."""
-    R, n = logits.shape
-    nb = max(1, triton.cdiv(n, BLOCK))
-    out = torch.empty(R, nb, STATS, device=logits.device)
-    if R:
-        _stats_kernel[(R, nb)](logits, logits.stride(0), n_valid, start, id_offset, ACCEPT_ID, inv_t, key, counter,
-                               out, nb, W=STATS, SAMPLED=sampled, ACCEPT=accept, BLOCK=BLOCK,
-                               enable_fp_fusion=False, **pdl())
-    return merge_stats(out, dim=1)
 
 
 def residual_torch(p_logits: torch.Tensor, q_logits: torch.Tensor, n_valid: int, start: int, inv_t: torch.Tensor,
@@ -369,99 +314,367 @@ def residual_torch(p_logits: torch.Tensor, q_logits: torch.Tensor, n_valid: int,
     return out
 
 
-def residual_fast(p_logits: torch.Tensor, q_logits: torch.Tensor, n_valid: int, start: int, inv_t: torch.Tensor,
-                  lse_p: torch.Tensor, lse_q: torch.Tensor, key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-    R, n = p_logits.shape
+if triton is not None:
+    @triton.jit
+    def _best_k(v, ids, parts, AXIS: tl.constexpr):
+        """_best in a kernel: the largest of v along AXIS and the id of the first part holding it (parts: each
+        element's part index, broadcastable to v)."""
+        first = tl.argmax(v, AXIS, tie_break_left=True)
+        return tl.max(v, AXIS), tl.sum(tl.where(parts == tl.expand_dims(first, AXIS), ids, 0.0), AXIS)
+
+    @triton.jit
+    def _merge_k(at, ok, parts, AXIS: tl.constexpr, SUM_OF_EXP: tl.constexpr):
+        """merge_stats' first five fields (SUM_OF_EXP: field 2 sums exp(x - max x), _merge_sum) or merge_residual
+        over the parts along AXIS, each part's fields at `at` (where `ok`). The parts were stored by other programs
+        of this kernel or by the kernels before: read from L2 (.cg)."""
+        m = tl.load(at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        v0, i0 = _best_k(m, tl.load(at + 1, mask=ok, other=0.0, cache_modifier=".cg"), parts, AXIS)
+        s = tl.load(at + 2, mask=ok, other=0.0, cache_modifier=".cg")
+        if SUM_OF_EXP:
+            top = tl.expand_dims(tl.where(v0 > float("-inf"), v0, 0.0), AXIS)  # (no finite part: no -inf - -inf)
+            s = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - top), 0.0), AXIS)
+        else:
+            s = tl.sum(s, AXIS)
+        v3, i3 = _best_k(tl.load(at + 3, mask=ok, other=float("-inf"), cache_modifier=".cg"),
+                         tl.load(at + 4, mask=ok, other=0.0, cache_modifier=".cg"), parts, AXIS)
+        return v0, i0, s, v3, i3
+
+    @triton.jit
+    def _merge_blocks(parts, nb, out, PW: tl.constexpr, NB: tl.constexpr, SUM_OF_EXP: tl.constexpr):
+        """A row's nb block parts (PW floats each, at `parts`) merged into the five fields at `out`."""
+        i = tl.arange(0, NB)
+        v0, i0, s, v3, i3 = _merge_k(parts + i * PW, i < nb, i, 0, SUM_OF_EXP)
+        tl.store(out, v0)
+        tl.store(out + 1, i0)
+        tl.store(out + 2, s)
+        tl.store(out + 3, v3)
+        tl.store(out + 4, i3)
+
+    @triton.jit
+    def _inv_temperature_k(temp_ptr, t_stride, b):
+        """SampleBatch.inv_temperature of sequence b: 1 / t rounded to nearest (as torch divides), 1 if greedy."""
+        t = tl.load(temp_ptr + b * t_stride)
+        return tl.where(t > 0, tl.div_rn(1.0, tl.where(t > 0, t, 1.0)), 1.0)
+
+    @triton.jit
+    def _num_drafts_k(num_ptr, has_num, b, K):
+        """Sequence b's drafts: num_drafts[b] (has_num), else K."""
+        return tl.where(has_num, tl.load(num_ptr + b, mask=has_num, other=0), K)
+
+    @triton.jit(do_not_specialize=["T", "t_stride"])
+    def _stats_kernel(lg_ptr, stride, T, n_valid, start, id_offset, accept_id, temp_ptr, t_stride, key_ptr, ctr_ptr,
+                      drafts_ptr, q_ptr, stride_q, part_ptr, count_ptr, out_ptr, nb, W: tl.constexpr,
+                      PW: tl.constexpr, SAMPLED: tl.constexpr, ACCEPT: tl.constexpr, BLOCK: tl.constexpr,
+                      NB: tl.constexpr):
+        """Program (row, block), row = b T + j: position j of sequence b (b's temperature and key, draw number
+        counter[b] + j; with neither SAMPLED nor ACCEPT x = logit). PART of x = logit * inv_t over the block's
+        valid columns (Gumbel scores with the noise of ids + id_offset, with SAMPLED). The row's last program to
+        arrive merges the blocks into out[row]: STATS (the acceptance noise with ACCEPT), with ACCEPT followed
+        by x of draft j (drafts [B, K = T - 1]) under p (this row) and q (row b K + j of q_ptr), on this shard."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        row = tl.program_id(0)
+        blk = tl.program_id(1)
+        b = row // T
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n_valid
+        if SAMPLED or ACCEPT:
+            inv_t = _inv_temperature_k(temp_ptr, t_stride, b)
+            s1, s2 = seeds_k(tl.load(key_ptr + b), tl.load(ctr_ptr + b) + row % T)
+        else:
+            inv_t = 1.0
+        x = tl.load(lg_ptr + row * stride + cols, mask=ok, other=float("-inf")) * inv_t + 0.0
+        mx = tl.max(x, 0)
+        part = part_ptr + (row * nb + blk) * PW
+        tl.store(part, mx)
+        tl.store(part + 1, (blk * BLOCK + tl.argmax(x, 0, tie_break_left=True) + start).to(tl.float32))
+        # (a block of -inf or padding only: sum 0, with no -inf - -inf)
+        tl.store(part + 2, tl.sum(tl.where(ok, tl.exp(x - tl.where(mx > float("-inf"), mx, 0.0)), 0.0), 0))
+        if SAMPLED:
+            sc = tl.where(ok, x - log_noise_k((cols + start + id_offset).to(tl.int64), s1, s2), float("-inf"))
+            tl.store(part + 3, tl.max(sc, 0))
+            tl.store(part + 4, (blk * BLOCK + tl.argmax(sc, 0, tie_break_left=True) + start).to(tl.float32))
+        else:
+            tl.store(part + 3, float("-inf"))
+            tl.store(part + 4, 0.0)
+        # arrive: the barrier orders every thread's stores above before the (one-thread) release
+        tl.debug_barrier()
+        count = count_ptr + row
+        if tl.atomic_add(count, 1, sem="acq_rel") == nb - 1:
+            out = out_ptr + row * W
+            _merge_blocks(part_ptr + row * nb * PW, nb, out, PW, NB, True)
+            if ACCEPT:
+                tl.store(out + 5, log_noise_k(s1 * 0 + accept_id, s1, s2))
+                K = T - 1
+                j = row % T
+                local = tl.load(drafts_ptr + b * K + j, mask=j < K, other=-1) - start
+                own = (j < K) & (local >= 0) & (local < n_valid)
+                at = tl.where(own, local, 0)
+                xp = tl.load(lg_ptr + row * stride + at, mask=own, other=0.0) * inv_t + 0.0
+                xq = tl.load(q_ptr + (b * K + j) * stride_q + at, mask=own, other=0.0) * inv_t + 0.0
+                tl.store(out + 6, tl.where(own, xp, float("-inf")))
+                tl.store(out + 7, tl.where(own, xq, float("-inf")))
+            else:
+                tl.store(out + 5, 0.0)
+            tl.store(count, 0)
+
+    @triton.jit(do_not_specialize=["B", "t_stride"])
+    def _draw_kernel(parts_ptr, B, temp_ptr, t_stride, tokens_ptr, lse_ptr, P: tl.constexpr, PP: tl.constexpr,
+                     W: tl.constexpr, SAMPLED: tl.constexpr):
+        """Program b: a draft from the ranks' STATS of row b (parts [P, B, W]): for a sampled row (SAMPLED and
+        temperature > 0) the Gumbel-max token and the log-sum-exp of x, else the argmax and 0."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        b = tl.program_id(0)
+        r = tl.arange(0, PP)
+        mx, am, total, _, si = _merge_k(parts_ptr + (r * B + b) * W, r < P, r, 0, True)
+        if SAMPLED:
+            sampled = tl.load(temp_ptr + b * t_stride) > 0
+            tl.store(tokens_ptr + b, tl.where(sampled, si, am).to(tl.int64))
+            tl.store(lse_ptr + b, tl.where(sampled, mx + tl.log(total), 0.0))
+        else:
+            tl.store(tokens_ptr + b, am.to(tl.int64))
+            tl.store(lse_ptr + b, 0.0)
+
+    @triton.jit(do_not_specialize=["R", "T", "t_stride"])
+    def _accept_kernel(parts_ptr, R, T, drafts_ptr, num_ptr, has_num, temp_ptr, t_stride, lse_q_ptr, tokens_ptr,
+                       emitted_ptr, lse_ptr, P: tl.constexpr, PP: tl.constexpr, W: tl.constexpr,
+                       SAMPLED: tl.constexpr, POS: tl.constexpr):
+        """Program b: sequence b's verdict from the ranks' STATS of its positions (parts [P, R, W], rows b T + j).
+        Its drafts (drafts [B, K = T - 1], the first num_drafts[b] with has_num) are accepted while equal to the
+        position's argmax, or for a sampled row (SAMPLED and temperature > 0) while u q(d) < p(d) (q(d) =
+        exp(xq - lse_q[b, j])). Writes tokens[b] (the accepted drafts, then the argmax, -1 after: a sampled row's
+        last token is _last_token_kernel's), emitted[b] = accepted + 1 and, with SAMPLED, lse[b]: p's log-sum-exp
+        at position `accepted` (the residual pass's)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        b = tl.program_id(0)
+        K = T - 1
+        j = tl.arange(0, POS)
+        row = b * T + tl.minimum(j, T - 1)  # (the tile's positions past T repeat the last: no empty rows)
+        r = tl.arange(0, PP)[:, None]
+        at = parts_ptr + (r * R + row[None, :]) * W
+        ok = r < P
+        mx, target, total, _, _ = _merge_k(at, ok, r, 0, True)
+        target = target.to(tl.int64)
+        d = tl.load(drafts_ptr + b * K + j, mask=j < K, other=-1)
+        drafted = (j < K) & (j < _num_drafts_k(num_ptr, has_num, b, K))
+        accept = drafted & (d == target)
+        if SAMPLED:
+            lse_p = mx + tl.log(total)
+            # E from rank 0's row (every rank draws the same); x of a draft is finite on the rank that holds it
+            u = tl.exp(-tl.exp(tl.load(parts_ptr + row * W + 5)))
+            xp = tl.max(tl.load(at + 6, mask=ok, other=float("-inf")), 0)
+            xq = tl.max(tl.load(at + 7, mask=ok, other=float("-inf")), 0)
+            q_d = tl.exp(xq - tl.load(lse_q_ptr + b * K + j, mask=j < K, other=0.0))
+            sampled = tl.load(temp_ptr + b * t_stride) > 0
+            accept = tl.where(sampled, drafted & (u * q_d < tl.exp(xp - lse_p)), accept)
+        acc = tl.min(tl.where(accept, POS, j), 0)  # the first position not accepted (position K never is)
+        tokens = tl.where(j < acc, d, target)
+        tl.store(tokens_ptr + b * T + j, tl.where(j <= acc, tokens, -1), mask=j < T)
+        tl.store(emitted_ptr + b, acc + 1)
+        if SAMPLED:
+            tl.store(lse_ptr + b, tl.sum(tl.where(j == acc, lse_p, 0.0), 0))
+
+    @triton.jit(do_not_specialize=["T", "t_stride"])
+    def _residual_kernel(p_ptr, q_ptr, stride_p, stride_q, T, n_valid, start, temp_ptr, t_stride, key_ptr, ctr_ptr,
+                         emitted_ptr, lse_p_ptr, lse_q_ptr, part_ptr, count_ptr, out_ptr, nb, RW: tl.constexpr,
+                         HAS_Q: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+        """Program (b, block) at sequence b's position a = emitted[b] - 1 (its first rejected or bonus one):
+        RESIDUAL over the block of p's row b T + a and (HAS_Q) q's row b K + min(a, K - 1), K = T - 1:
+        r = max(0, p - q), p = exp(xp - lse_p[b]), q = exp(xq - lse_q at q's row); scores log(r) - log(E) and
+        xp - log(E) with the noise of the token ids at b's key and draw number counter[b] + a. The row's last
+        program to arrive merges the blocks into out[b]."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        b = tl.program_id(0)
+        blk = tl.program_id(1)
+        a = tl.load(emitted_ptr + b) - 1
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n_valid
+        inv_t = _inv_temperature_k(temp_ptr, t_stride, b)
+        xp = tl.load(p_ptr + (b * T + a) * stride_p + cols, mask=ok, other=float("-inf")) * inv_t + 0.0
+        p = tl.exp(xp - tl.load(lse_p_ptr + b))
+        if HAS_Q:
+            qrow = b * (T - 1) + tl.minimum(a, T - 2)
+            xq = tl.load(q_ptr + qrow * stride_q + cols, mask=ok, other=float("-inf")) * inv_t + 0.0
+            r = tl.where(ok, tl.maximum(p - tl.exp(xq - tl.load(lse_q_ptr + qrow)), 0.0), 0.0)
+        else:
+            r = tl.zeros_like(p)
+        s1, s2 = seeds_k(tl.load(key_ptr + b), tl.load(ctr_ptr + b) + a)
+        ln = log_noise_k((cols + start).to(tl.int64), s1, s2)
+        rs = tl.where(r > 0, tl.log(tl.where(r > 0, r, 1.0)) - ln, float("-inf"))
+        bs = tl.where(ok, xp - ln, float("-inf"))
+        part = part_ptr + (b * nb + blk) * RW
+        tl.store(part, tl.max(rs, 0))
+        tl.store(part + 1, (blk * BLOCK + tl.argmax(rs, 0, tie_break_left=True) + start).to(tl.float32))
+        tl.store(part + 2, tl.sum(r, 0))
+        tl.store(part + 3, tl.max(bs, 0))
+        tl.store(part + 4, (blk * BLOCK + tl.argmax(bs, 0, tie_break_left=True) + start).to(tl.float32))
+        # arrive: the barrier orders every thread's stores above before the (one-thread) release
+        tl.debug_barrier()
+        count = count_ptr + b
+        if tl.atomic_add(count, 1, sem="acq_rel") == nb - 1:
+            _merge_blocks(part_ptr + b * nb * RW, nb, out_ptr + b * RW, RW, NB, False)
+            tl.store(count, 0)
+
+    @triton.jit(do_not_specialize=["B", "T", "t_stride"])
+    def _last_token_kernel(parts_ptr, B, T, num_ptr, has_num, temp_ptr, t_stride, emitted_ptr, tokens_ptr,
+                           P: tl.constexpr, PP: tl.constexpr, RW: tl.constexpr):
+        """Program b, for a sampled sequence (temperature > 0): tokens[b, a] at its position a = emitted[b] - 1,
+        from the ranks' RESIDUAL of it (parts [P, B, RW]): the residual's draw where a held a rejected draft and
+        the residual has mass (should rounding leave none, p's), else p's (the bonus token)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        b = tl.program_id(0)
+        r = tl.arange(0, PP)
+        _, ri, mass, _, bi = _merge_k(parts_ptr + (r * B + b) * RW, r < P, r, 0, False)
+        a = tl.load(emitted_ptr + b) - 1
+        rejected = a < _num_drafts_k(num_ptr, has_num, b, T - 1)
+        tl.store(tokens_ptr + b * T + a, tl.where(rejected & (mass > 0), ri, bi).to(tl.int64),
+                 mask=tl.load(temp_ptr + b * t_stride) > 0)
+
+
+def _blocks(n: int) -> tuple[int, int]:
+    """The passes' blocks of BLOCK columns per row of n, and their power of two (the merge's tile)."""
     nb = max(1, triton.cdiv(n, BLOCK))
-    out = torch.empty(R, nb, RESIDUAL, device=p_logits.device)
+    return nb, triton.next_power_of_2(nb)
+
+
+def _settings(batch: SampleBatch | None, like: torch.Tensor):
+    """The rows' (temperature, its stride, key, counter) as the kernels read them; without a batch, placeholders
+    that no kernel variant for greedy rows reads."""
+    if batch is None:
+        return like, 0, like, like
+    return batch.temperature, batch.temperature.stride(0), batch.key.contiguous(), batch.counter.contiguous()
+
+
+def stats_fast(logits: torch.Tensor, n_valid: int, start: int, id_offset: int, batch: SampleBatch | None,
+               positions: int = 1, sampled: bool = False, drafts: torch.Tensor | None = None,
+               draft_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """stats_torch of rows [R, n] of sequences' positions in one launch (row r: position j = r % positions of
+    sequence b = r // positions, x = logits * b's inv_temperature, noise at b's key and draw number counter[b] + j;
+    batch None: x = logits, no noise), merged over the blocks: [R, STATS]. With drafts [B, k = positions - 1]
+    (their draft logits [B * k, n]): the acceptance noise too, and [R, STATS + DRAFT_X]: each row then x of its
+    position's draft under p and q (-inf where the draft is not in this shard, and at position k)."""
+    R, n = logits.shape
+    nb, NB = _blocks(n)
+    accept = drafts is not None
+    W = STATS + DRAFT_X * accept
+    out = torch.empty(R, W, device=logits.device)
     if R:
-        _residual_kernel[(R, nb)](p_logits, q_logits, p_logits.stride(0), q_logits.stride(0), n_valid, start,
-                                  inv_t, lse_p, lse_q, key, counter, out, nb, W=RESIDUAL, BLOCK=BLOCK,
-                                  enable_fp_fusion=False, **pdl())
-    return merge_residual(out, dim=1)
+        temp, t_stride, key, counter = _settings(batch, logits)
+        q = logits if draft_logits is None else draft_logits
+        parts = torch.empty(R, nb, PART, device=logits.device)
+        _stats_kernel[(R, nb)](logits, logits.stride(0), positions, n_valid, start, id_offset, ACCEPT_ID, temp,
+                               t_stride, key, counter, logits if drafts is None else drafts, q, q.stride(0), parts,
+                               backend.arrival_counters(R, logits.device), out, nb, W=W, PW=PART, SAMPLED=sampled,
+                               ACCEPT=accept, BLOCK=BLOCK, NB=NB, enable_fp_fusion=False, **pdl())
+    return out
 
 
-def _all(x: torch.Tensor, merge) -> torch.Tensor:
-    """Every rank's per-row parts [R, c] -> the merged whole [R, c], the same on every rank."""
-    return merge(parallel.all_gather(x.contiguous()), dim=0)
+def residual_fast(logits: torch.Tensor, draft_logits: torch.Tensor, n_valid: int, start: int, batch: SampleBatch,
+                  emitted: torch.Tensor, lse_p: torch.Tensor, draft_lse: torch.Tensor) -> torch.Tensor:
+    """residual_torch of each sequence's rows at its position a = emitted - 1, read in place in one launch: p's
+    logits[b, a] ([B, T, n]) with lse_p [B], q's draft_logits[b, min(a, k - 1)] ([B, k, n]) with draft_lse
+    [B, k] there (k = 0: q = 0); b's inv_temperature, key and draw number counter + a. [B, RESIDUAL]."""
+    B, T, n = logits.shape
+    nb, NB = _blocks(n)
+    out = torch.empty(B, RESIDUAL, device=logits.device)
+    if B:
+        temp, t_stride, key, counter = _settings(batch, logits)
+        p, q = logits.reshape(B * T, n), draft_logits.reshape(B * (T - 1), n)
+        parts = torch.empty(B, nb, RESIDUAL, device=logits.device)
+        _residual_kernel[(B, nb)](p, q, p.stride(0), q.stride(0), T, n_valid, start, temp, t_stride, key, counter,
+                                  emitted, lse_p, draft_lse.contiguous(), parts,
+                                  backend.arrival_counters(B, logits.device), out, nb, RW=RESIDUAL, HAS_Q=T > 1,
+                                  BLOCK=BLOCK, NB=NB, enable_fp_fusion=False, **pdl())
+    return out
 
 
-def _argmax_ids(logits: torch.Tensor, n_valid: int, start: int) -> torch.Tensor:
-    """The rows' argmax over the whole vocabulary (the first at ties), from this rank's shard [R, n]."""
-    ones = torch.ones(logits.shape[0], device=logits.device)
-    st = stats_fast(logits, n_valid, start, 0, ones, ones.long(), ones.long(), False)
-    return _all(st, merge_stats)[:, 1].to(torch.int64)
+def _draw(parts: torch.Tensor, batch: SampleBatch | None) -> DraftDraw:
+    """Every rank's STATS [P, B, STATS] -> the drafts (_draw_kernel)."""
+    P, B, W = parts.shape
+    tokens = torch.empty(B, dtype=torch.int64, device=parts.device)
+    lse = torch.empty(B, device=parts.device)
+    if B:
+        temp, t_stride, _, _ = _settings(batch, parts)
+        _draw_kernel[(B,)](parts, B, temp, t_stride, tokens, lse, P=P, PP=triton.next_power_of_2(P), W=W,
+                           SAMPLED=batch is not None, enable_fp_fusion=False, **pdl())
+    return DraftDraw(tokens, lse)
+
+
+def _accept(parts: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor | None, batch: SampleBatch | None,
+            draft_lse: torch.Tensor | None) -> tuple[Verdict, torch.Tensor]:
+    """Every rank's STATS of the positions [P, B * (k + 1), W] -> the verdict (_accept_kernel; a sampled row's
+    token after its accepted drafts is still to come) and p's log-sum-exp [B] there."""
+    P, R, W = parts.shape
+    B, k = drafts.shape
+    tokens = torch.empty(B, k + 1, dtype=torch.int64, device=parts.device)
+    emitted = torch.empty(B, dtype=torch.int64, device=parts.device)
+    lse = torch.empty(B, device=parts.device)
+    if B:
+        temp, t_stride, _, _ = _settings(batch, parts)
+        _accept_kernel[(B,)](parts, R, k + 1, drafts, drafts if num_drafts is None else num_drafts.contiguous(),
+                             num_drafts is not None, temp, t_stride,
+                             parts if draft_lse is None else draft_lse.contiguous(), tokens, emitted, lse, P=P,
+                             PP=triton.next_power_of_2(P), W=W, SAMPLED=batch is not None, POS=POSITIONS,
+                             enable_fp_fusion=False, **pdl())
+    return Verdict(tokens, emitted), lse
+
+
+def _last_token(parts: torch.Tensor, verdict: Verdict, num_drafts: torch.Tensor | None, batch: SampleBatch) -> None:
+    """Every rank's RESIDUAL [P, B, RESIDUAL] -> each sampled row's token after its accepted drafts, written into
+    the verdict (_last_token_kernel)."""
+    P, B, _ = parts.shape
+    if B:
+        tokens = verdict.tokens
+        _last_token_kernel[(B,)](parts, B, tokens.shape[1], tokens if num_drafts is None else num_drafts.contiguous(),
+                                 num_drafts is not None, batch.temperature, batch.temperature.stride(0),
+                                 verdict.num_emitted, tokens, P=P, PP=triton.next_power_of_2(P), RW=RESIDUAL,
+                                 **pdl())
 
 
 def _filtered(batch: SampleBatch | None) -> bool:
     return batch is not None and not batch.greedy_only and (batch.any_top_k or batch.any_top_p)
 
 
+def _sampled(batch: SampleBatch | None) -> SampleBatch | None:
+    """The batch if some row may sample (checked), None when every row is greedy."""
+    if batch is None or batch.greedy_only:
+        return None
+    _check(batch)
+    return batch
+
+
 def draft_fast(logits: torch.Tensor, batch: SampleBatch | None, num_real_tokens: int, vocab_size: int) -> DraftDraw:
-    """draft_torch from the shard: one pass and an all-gather of [B, STATS]."""
+    """draft_torch from the shard (module comment): the stats pass, an all-gather of [B, STATS], _draw_kernel."""
     if _filtered(batch):
         return draft_torch(logits, batch, num_real_tokens, vocab_size)
-    B, n = logits.shape
-    start, n_valid = vocab_shard(n, num_real_tokens, vocab_size, "speculative sampling")
-    if batch is None or batch.greedy_only:
-        return DraftDraw(_argmax_ids(logits, n_valid, start), torch.zeros(B, device=logits.device))
-    _check(batch)
-    st = _all(stats_fast(logits, n_valid, start, DRAFT_ID_OFFSET, batch.inv_temperature, batch.key, batch.counter,
-                         True), merge_stats)
-    sampled = batch.temperature > 0
-    tokens = torch.where(sampled, st[:, 4], st[:, 1]).to(torch.int64)
-    return DraftDraw(tokens, torch.where(sampled, st[:, 0] + st[:, 2].log(), 0.0))
+    start, n_valid = vocab_shard(logits.shape[1], num_real_tokens, vocab_size, "speculative sampling")
+    batch = _sampled(batch)
+    st = stats_fast(logits, n_valid, start, DRAFT_ID_OFFSET, batch, sampled=batch is not None)
+    return _draw(parallel.all_gather(st), batch)
 
 
 def verify_fast(logits: torch.Tensor, drafts: torch.Tensor, draft_logits: torch.Tensor, draft_lse: torch.Tensor,
                 batch: SampleBatch | None, num_drafts: torch.Tensor | None, num_real_tokens: int,
                 vocab_size: int) -> Verdict:
-    """verify_torch from the shards: a pass over the target's rows and an all-gather of [B * (k + 1), STATS + 2]
-    (each position's argmax, log-sum-exp, and x of its draft under p and q), acceptance on [B, k], then at each
-    row's first rejected (or bonus) position a residual pass and an all-gather of [B, RESIDUAL]."""
+    """verify_torch from the shards (module comment): the stats pass over the target's rows, an all-gather of
+    [B * (k + 1), STATS (+ DRAFT_X with sampled rows)], _accept_kernel; with sampled rows then the residual pass
+    at each row's first rejected (or bonus) position, an all-gather of [B, RESIDUAL], _last_token_kernel."""
     if _filtered(batch):
         return verify_torch(logits, drafts, draft_logits, draft_lse, batch, num_drafts, num_real_tokens, vocab_size)
     B, T, n = logits.shape
-    k = T - 1
+    if T > POSITIONS:
+        raise ValueError(f"verify_fast: {T - 1} drafts per row, at most {POSITIONS - 1}")
     start, n_valid = vocab_shard(n, num_real_tokens, vocab_size, "speculative sampling")
-    flat = logits.reshape(B * T, n)
-    if batch is None or batch.greedy_only:
-        target = _argmax_ids(flat, n_valid, start).view(B, T)
-        return _emit(target, _accepted(drafts == target[:, :k], drafts, num_drafts))
-    _check(batch)
-    rows = at_positions(batch, T)
-    inv_t = batch.inv_temperature
-    # x of each draft under the target (at its position) and under q, on the rank whose shard holds it
-    local = drafts - start
-    own = (local >= 0) & (local < n_valid)
-    at = local.clamp(0, n - 1)[..., None]
-    xp_d = torch.where(own, logits[:, :k].gather(2, at)[..., 0] * inv_t[:, None] + 0.0, float("-inf"))
-    xq_d = torch.where(own, draft_logits.gather(2, at)[..., 0] * inv_t[:, None] + 0.0, float("-inf"))
-    st = stats_fast(flat, n_valid, start, 0, rows.inv_temperature, rows.key, rows.counter, False, accept=True)
-    pad = torch.full((B, 1), float("-inf"), device=logits.device)
-    mine = torch.cat([st, torch.cat([xp_d, pad], 1).view(B * T, 1), torch.cat([xq_d, pad], 1).view(B * T, 1)], 1)
-    both = parallel.all_gather(mine)
-    st = merge_stats(both[..., :STATS], dim=0).view(B, T, STATS)
-    xp_d, xq_d = both[..., STATS].amax(dim=0).view(B, T)[:, :k], both[..., STATS + 1].amax(dim=0).view(B, T)[:, :k]
-    target = st[..., 1].to(torch.int64)  # each position's argmax (greedy rows)
-    lse_p = st[..., 0] + st[..., 2].log()
-    # acceptance: u q(d) < p(d), u = exp(-E) from the acceptance id's noise (as verify_sampled)
-    u = torch.exp(-torch.exp(st[..., 5]))[:, :k]
-    accepted = _accepted(u * torch.exp(xq_d - draft_lse) < torch.exp(xp_d - lse_p[:, :k]), drafts, num_drafts)
-    # the token at the first rejected position (the residual's draw) or after the last draft (p's)
-    i = torch.arange(B, device=logits.device)
-    j = accepted.clamp(max=max(k - 1, 0))
-    q_rows = draft_logits[i, j] if k else logits[i, accepted]
-    lse_q = draft_lse[i, j] if k else lse_p[i, accepted]
-    res = _all(residual_fast(logits[i, accepted], q_rows, n_valid, start, inv_t, lse_p[i, accepted], lse_q,
-                             batch.key, batch.counter + accepted), merge_residual)
-    rejected = accepted < (k if num_drafts is None else num_drafts)
-    last = torch.where(rejected & (res[:, 2] > 0), res[:, 1], res[:, 4]).to(torch.int64)
-    tokens = torch.cat([drafts, drafts.new_zeros(B, 1)], dim=1).scatter(1, accepted[:, None], last[:, None])
-    greedy_acc = _accepted(drafts == target[:, :k], drafts, num_drafts)
-    sampled = batch.temperature > 0
-    acc = torch.where(sampled, accepted, greedy_acc)
-    return _emit(torch.where(sampled[:, None], tokens, target), acc)
+    batch = _sampled(batch)
+    drafts = drafts.contiguous()
+    if batch is None:
+        st = stats_fast(logits.reshape(B * T, n), n_valid, start, 0, None, T)
+        return _accept(parallel.all_gather(st), drafts, num_drafts, None, None)[0]
+    st = stats_fast(logits.reshape(B * T, n), n_valid, start, 0, batch, T, drafts=drafts,
+                    draft_logits=draft_logits.reshape(B * (T - 1), n))
+    verdict, lse_p = _accept(parallel.all_gather(st), drafts, num_drafts, batch, draft_lse)
+    res = residual_fast(logits, draft_logits, n_valid, start, batch, verdict.num_emitted, lse_p, draft_lse)
+    _last_token(parallel.all_gather(res), verdict, num_drafts, batch)
+    return verdict
 
 
 def bind_spec_sampling():

@@ -1,13 +1,12 @@
 """Speculative sampling on vocabulary shards (layers/spec_sampling.py: draft_fast / verify_fast against the gathered
 reference draft_torch / verify_torch), on the CPU with the Triton passes through the interpreter:
 
-- the passes against their torch twins (ids exact; sums and maxima to float32 rounding), with padded columns and
-  several blocks per row;
 - TP=1 and TP=2 (gloo, one process per rank): the same drafts (tokens exactly, log-sum-exp to rounding) and the
   same emitted tokens and counts for greedy, sampled and mixed batches, fewer drafts on some rows, and drafts that
   are mostly accepted (q close to p) as well as mostly rejected (q far from p), on every rank.
 The fast path's p and q may differ from the reference's in the last bits (module comment): on these cases no
-decision lies that close, so the tokens must be equal.
+decision lies that close, so the tokens must be equal. Each kernel against its torch twin, and more ranks (simulated
+in one process): tests/test_spec_fused.py.
 """
 import os
 
@@ -81,27 +80,6 @@ def check(out, name):
     assert int(ft.max()) < REAL and int(fv.max()) < REAL
 
 
-def test_passes_equal_their_torch_twins():
-    g = torch.Generator().manual_seed(1)
-    R, n, n_valid, start = 5, 2300, 2251, 4000
-    p, q = torch.randn(R, n, generator=g) * 3, torch.randn(R, n, generator=g) * 3
-    inv_t = torch.tensor([1.0, 1.25, 0.5, 1.0, 2.0])
-    key, ctr = torch.arange(R) * 7 + 1, torch.arange(R) + 100
-    for sampled, accept in ((False, True), (True, False)):
-        a = ss.stats_fast(p, n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, key, ctr, sampled, accept)
-        b = ss.stats_torch(p, n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, key, ctr, sampled, accept)
-        assert torch.equal(a[:, [1, 4]], b[:, [1, 4]]) and torch.equal(a[:, [0, 3, 5]], b[:, [0, 3, 5]])
-        assert torch.allclose(a[:, 2], b[:, 2], rtol=1e-5)
-        assert int(a[:, 1].max()) < start + n_valid
-    lse = (p * inv_t[:, None])[:, :n_valid].logsumexp(-1)
-    lse_q = (q * inv_t[:, None])[:, :n_valid].logsumexp(-1)
-    a = ss.residual_fast(p, q, n_valid, start, inv_t, lse, lse_q, key, ctr)
-    b = ss.residual_torch(p, q, n_valid, start, inv_t, lse, lse_q, key, ctr)
-    assert torch.equal(a[:, [1, 4]], b[:, [1, 4]]) and torch.equal(a[:, 3], b[:, 3])
-    assert torch.allclose(a[:, [0, 2]], b[:, [0, 2]], rtol=1e-4, atol=1e-6)
-    assert (b[:, 2] > 0).all() and (b[:, 2] < 1).all()  # some mass where p > q, never more than p's
-
-
 def test_shards_at_tp1_give_the_references_tokens():
     seen = set()
     for name, target, draft, b, num in cases():
@@ -138,25 +116,39 @@ def test_gpu_passes_and_paths_at_real_shard_sizes():
     reference at TP=1 on a GPU (the kernels compiled, not interpreted)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    import dataclasses
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(2)
-    R, n, start = 24, 248320 // 4, 3 * 248320 // 4
+    B, T, n, start = 8, 3, 248320 // 4, 3 * 248320 // 4
     n_valid = n - 77
-    p, q = torch.randn(R, n, generator=g, device=dev) * 4, torch.randn(R, n, generator=g, device=dev) * 4
-    inv_t = torch.rand(R, generator=g, device=dev) + 0.5
-    key, ctr = torch.arange(R, device=dev) * 5 + 3, torch.arange(R, device=dev) + 9
-    for sampled, accept in ((False, True), (True, False)):
-        a = ss.stats_fast(p, n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, key, ctr, sampled, accept)
-        b = ss.stats_torch(p, n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, key, ctr, sampled, accept)
-        assert torch.equal(a[:, [0, 1, 3, 4, 5]], b[:, [0, 1, 3, 4, 5]])
-        assert torch.allclose(a[:, 2], b[:, 2], rtol=1e-4)
-    lse, lse_q = ((x * inv_t[:, None])[:, :n_valid].logsumexp(-1) for x in (p, q))
-    a = ss.residual_fast(p, q, n_valid, start, inv_t, lse, lse_q, key, ctr)
-    b = ss.residual_torch(p, q, n_valid, start, inv_t, lse, lse_q, key, ctr)
-    assert torch.equal(a[:, [1, 4]], b[:, [1, 4]]) and torch.allclose(a[:, [0, 2, 3]], b[:, [0, 2, 3]], rtol=1e-4)
+    p, q = torch.randn(B, T, n, generator=g, device=dev) * 4, torch.randn(B, T - 1, n, generator=g, device=dev) * 4
+    one = torch.ones(B, device=dev)
+    b = SampleBatch(torch.rand(B, generator=g, device=dev) + 0.5, one * 0, one,
+                    torch.arange(B, device=dev) * 5 + 3, torch.arange(B, device=dev) + 9, None, False, False, False)
+    inv_t = b.inv_temperature
+    a = ss.stats_fast(p[:, 0], n_valid, start, ss.DRAFT_ID_OFFSET, b, sampled=True)
+    want = ss.stats_torch(p[:, 0], n_valid, start, ss.DRAFT_ID_OFFSET, inv_t, b.key, b.counter, True)
+    assert torch.equal(a[:, [0, 1, 3, 4, 5]], want[:, [0, 1, 3, 4, 5]])
+    assert torch.allclose(a[:, 2], want[:, 2], rtol=1e-4)
+    drafts = torch.randint(start - n // 2, start + n, (B, T - 1), generator=g, device=dev)
+    a = ss.stats_fast(p.view(B * T, n), n_valid, start, 0, b, T, drafts=drafts, draft_logits=q.view(-1, n))
+    rows = ss.at_positions(b, T)
+    want = ss.stats_torch(p.view(B * T, n), n_valid, start, 0, rows.inv_temperature, rows.key, rows.counter, False,
+                          True)
+    assert torch.equal(a[:, [0, 1, 3, 4, 5]], want[:, [0, 1, 3, 4, 5]])
+    assert torch.allclose(a[:, 2], want[:, 2], rtol=1e-4)
+    i = torch.arange(B, device=dev)
+    emitted = i % T + 1
+    at, jq = emitted - 1, (emitted - 1).clamp(max=T - 2)
+    lse_p = (p[i, at] * inv_t[:, None])[:, :n_valid].logsumexp(-1)
+    draft_lse = (q * inv_t[:, None, None])[..., :n_valid].logsumexp(-1)
+    a = ss.residual_fast(p, q, n_valid, start, b, emitted, lse_p, draft_lse)
+    want = ss.residual_torch(p[i, at], q[i, jq], n_valid, start, inv_t, lse_p, draft_lse[i, jq], b.key,
+                             b.counter + at)
+    assert torch.equal(a[:, [1, 4]], want[:, [1, 4]])
+    assert torch.allclose(a[:, [0, 2, 3]], want[:, [0, 2, 3]], rtol=1e-4)
     for name, target, draft, bt, num in cases():
         moved = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in (target, draft)]
-        import dataclasses
         bt = dataclasses.replace(bt, **{f.name: getattr(bt, f.name).to(dev) for f in dataclasses.fields(bt)
                                         if isinstance(getattr(bt, f.name), torch.Tensor)})
         check(run_both(*moved, bt, None if num is None else num.to(dev)), name)
