@@ -110,7 +110,7 @@ def pdl() -> dict:
 
 # Arrival counters (int32, zero between launches) for kernels whose programs count themselves in and whose last
 # program to arrive finishes the group's work (DeltaNet decode: the gated norm; attention decode: the merge of the
-# splits), resetting its counter. One buffer per device, shared by every such kernel (they run one after another
+# splits; speculative sampling's passes: the merge of a row's blocks), resetting its counter. One buffer per device, shared by every such kernel (they run one after another
 # on one stream); grown, never shrunk or freed: a captured CUDA graph holds the address it was captured with.
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []
