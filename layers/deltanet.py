@@ -224,7 +224,8 @@ class GatedDeltaNet(nn.Module):
         from layers.deltanet_verify import commit_fast, commit_torch, verify_fast, verify_torch
         self._verify_op = verify_fast if fast else verify_torch
         self._commit_op = commit_fast if fast else commit_torch
-        self._pending = None  # a verify step's (proj, slots, T), kept for commit (layers/deltanet_verify.py)
+        self._pending = None  # a verify step (deltanet_verify.VerifyStep), kept for commit
+        self.commit_row = 0  # this layer's place among the model's DeltaNet layers (commit: the model sets it)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         proj = self._in_linear(x, self.in_proj)
@@ -237,18 +238,11 @@ class GatedDeltaNet(nn.Module):
     def verify(self, proj: torch.Tensor, slots: torch.Tensor, T: int) -> torch.Tensor:
         """A verify step (T tokens per sequence, rows contiguous): outputs without touching the caches; the caches
         move on at commit (layers/deltanet_verify.py)."""
-        self._pending = (proj, slots, T)
+        from layers.deltanet_verify import VerifyStep
+        self._pending = VerifyStep(proj, self.conv_state, self.ssm_state, slots, self.conv1d.weight, self.A_log,
+                                   self.dt_bias, T, self.commit_row)
         return self._verify_op(proj, self.conv_state, self.ssm_state, slots, self.conv1d.weight, self.A_log,
-                               self.dt_bias, self.norm.weight, self.norm.eps, T)
-
-    def commit(self, counts: torch.Tensor) -> None:
-        """After a verify step: advance each sequence by its first counts[b] tokens ([B] int64, on the device)."""
-        if self._pending is None:
-            raise RuntimeError("commit without a verify step")
-        proj, slots, T = self._pending
-        self._pending = None
-        self._commit_op(proj, self.conv_state, self.ssm_state, slots, self.conv1d.weight, self.A_log, self.dt_bias,
-                        counts, T)
+                               self.dt_bias, self.norm.weight, self.norm.eps, T, self.commit_row)
 
     def decode(self, proj: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The decode op of this layer's kernel set on its caches and weights: proj [B, ...] -> y [B, Hv*dv] (into
@@ -357,6 +351,20 @@ class MixedSplit(NamedTuple):
     start_pos: torch.Tensor | None      # int32
     slots: torch.Tensor | None
     checkpoints: torch.Tensor | None    # [k, 3]
+
+
+def commit(layers: list[GatedDeltaNet], counts: torch.Tensor) -> None:
+    """After a verify step: advance every layer's caches by each sequence's first counts[b] tokens ([B] int64, on
+    the device); with the fast kernels one launch for all of them (layers[i].commit_row must be i: the model's
+    DeltaNet layers in order)."""
+    steps = []
+    for m in layers:
+        if m._pending is None:
+            raise RuntimeError("commit without a verify step")
+        steps.append(m._pending)
+        m._pending = None
+    if steps:
+        layers[0]._commit_op(steps, counts)
 
 
 def mixed_split(batch: ForwardBatch, device: torch.device) -> MixedSplit | None:
@@ -515,14 +523,22 @@ if triton is not None:
             # every program of the group has read the q/k tail and stored its o columns
             _shift_tail(prow, tail, hk * DK + kk, km, sc_c, sc_t, KERNEL)
             _shift_tail(prow, tail, k_off + hk * DK + kk, km, sc_c, sc_t, KERNEL)
-            rr, dd = tl.arange(0, REP_P2), tl.arange(0, BV_HEAD)
-            heads = hk * REP + rr
-            hmask = (rr < REP)[:, None] & (dd < DV)[None, :]
-            out = y_ptr + b * sy_b + heads[:, None] * DV + dd[None, :]
-            # a name of its own: Triton 3.6 rejects re-typing `o` (a row above) as a tile inside this branch
-            group_o = tl.load(out, mask=hmask, other=0.0, cache_modifier=".cg").to(tl.float32)  # L2: other SMs
-            group_o = round_to(group_o * tl.rsqrt(tl.sum(group_o * group_o, 1) / DV + eps)[:, None], dtype)
-            z = tl.load(prow + z_off + heads[:, None] * DV + dd[None, :], mask=hmask, other=0.0).to(tl.float32)
-            w = tl.load(norm_w_ptr + dd, mask=dd < DV, other=0.0).to(tl.float32)
-            tl.store(out, ((w[None, :] * group_o) * (z * tl.sigmoid(z))).to(dtype), mask=hmask)
+            _gated_norm_group(y_ptr + b * sy_b, prow + z_off, norm_w_ptr, hk, eps, REP, REP_P2, DV, BV_HEAD)
             tl.store(count, 0)
+
+    @triton.jit
+    def _gated_norm_group(y_row, z_row, norm_w_ptr, hk, eps, REP: tl.constexpr, REP_P2: tl.constexpr,
+                          DV: tl.constexpr, BV_HEAD: tl.constexpr):
+        """One token's REP value heads of qk-head hk, in place in its row of y: y = (o / rms(o), rounded) * w *
+        silu(z) (gated RMSNorm, spec §2.1; gated_rms_norm_fast's bits). o comes through L2: other programs (other
+        SMs) stored parts of it."""
+        rr, dd = tl.arange(0, REP_P2), tl.arange(0, BV_HEAD)
+        heads = hk * REP + rr
+        hmask = (rr < REP)[:, None] & (dd < DV)[None, :]
+        out = y_row + heads[:, None] * DV + dd[None, :]
+        dtype = y_row.dtype.element_ty
+        o = tl.load(out, mask=hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        o = round_to(o * tl.rsqrt(tl.sum(o * o, 1) / DV + eps)[:, None], dtype)
+        z = tl.load(z_row + heads[:, None] * DV + dd[None, :], mask=hmask, other=0.0).to(tl.float32)
+        w = tl.load(norm_w_ptr + dd, mask=dd < DV, other=0.0).to(tl.float32)
+        tl.store(out, ((w[None, :] * o) * (z * tl.sigmoid(z))).to(dtype), mask=hmask)

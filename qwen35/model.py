@@ -68,6 +68,8 @@ class Qwen35Model(nn.Module):
                             plain=not cfg.zero_centred_norms)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.mtp = None  # the multi-token-prediction head, when one is attached (qwen35/mtp.py attach_mtp)
+        for row, m in enumerate(m for m in self.modules() if isinstance(m, GatedDeltaNet)):
+            m.commit_row = row  # (layers/deltanet.py commit: the DeltaNet layers in model order)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [N, H] of every token of the batch."""

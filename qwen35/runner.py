@@ -34,7 +34,7 @@ from operator import add, le, mul
 import torch
 
 from dist import parallel, push
-from layers import backend
+from layers import backend, deltanet
 from layers.attention import GatedAttention, decode_variant_rows
 from layers.block_tables import bind_set_tables, pack_tables
 from layers.deltanet import GatedDeltaNet
@@ -508,8 +508,7 @@ class ModelRunner:
         verdict = self._verify(logits.view(B, T, -1), drafts, *q, rows, num_drafts, self.sampler.num_real_tokens,
                                self.config.vocab_size)
         counts = verdict.num_emitted
-        for m in self.gdn_layers:
-            m.commit(counts)
+        deltanet.commit(self.gdn_layers, counts)
         last = verdict.tokens.gather(1, (counts - 1)[:, None])[:, 0]
         self.slot_tokens[slots] = last
         self.sampler.draws[slots] += counts
@@ -616,10 +615,8 @@ class ModelRunner:
         for rows in (1, DECODE_CONFIG["batched_from"]):
             proj = torch.zeros(rows * T, width, dtype=self.dtype, device=self.device)
             slots = torch.full((rows,), self.scratch_slot, dtype=torch.int64, device=self.device)
-            m._verify_op(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight,
-                         m.norm.eps, T)
-            m._commit_op(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias,
-                         torch.ones(rows, dtype=torch.int64, device=self.device), T)
+            m.verify(proj, slots, T)
+            deltanet.commit([m], torch.ones(rows, dtype=torch.int64, device=self.device))
 
     def _warm_up_spec_sampling(self, num_real_tokens: int) -> None:
         """One row's draft and verdict, greedy and sampled, on zero logits (every variant of the sampling passes;

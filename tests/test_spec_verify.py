@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from layers import deltanet as dn
-from layers.deltanet_verify import commit_fast, commit_torch, verify_fast, verify_torch
+from layers.deltanet_verify import VerifyStep, commit_fast, commit_torch, verify_fast, verify_torch
 from tests.test_kernels_deltanet import tiny_cfg
 
 TOL = 1e-5
@@ -55,6 +55,11 @@ def args(layer):
     return (layer.conv1d.weight, layer.A_log, layer.dt_bias)
 
 
+def step(layer, proj, conv, ssm, slots, T, row=0):
+    """The VerifyStep of `layer`'s verify of proj on these caches, for commit_*."""
+    return VerifyStep(proj, conv, ssm, slots, *args(layer), T, row)
+
+
 def decode_steps(layer, proj, slots, T, conv, ssm):
     """T decode_torch steps on copies of the caches: per step the outputs, and the caches after each step."""
     B = slots.shape[0]
@@ -79,7 +84,7 @@ def test_verify_and_commit_equal_single_decode_steps(dims, T):
     assert torch.equal(layer.conv_state, conv0) and torch.equal(layer.ssm_state, ssm0)  # nothing written
     for counts in ([1, T, 1], [T, (T + 1) // 2, max(1, T - 1)]):
         conv, ssm = conv0.clone(), ssm0.clone()
-        commit_torch(proj, conv, ssm, slots, *args(layer), torch.tensor(counts), T)
+        commit_torch([step(layer, proj, conv, ssm, slots, T)], torch.tensor(counts))
         for b, (slot, n) in enumerate(zip(slots.tolist(), counts)):
             assert torch.equal(conv[slot], after[n - 1][0][slot]), (b, n)
             assert torch.equal(ssm[slot], after[n - 1][1][slot]), (b, n)
@@ -104,12 +109,61 @@ def test_fast_equals_torch(dims, T, block_v, monkeypatch):
     for counts in ([1, T, 1], [T, (T + 1) // 2, max(1, T - 1)]):
         conv_t, ssm_t, conv_f, ssm_f = conv0.clone(), ssm0.clone(), conv0.clone(), ssm0.clone()
         n = torch.tensor(counts)
-        commit_torch(proj, conv_t, ssm_t, slots, *args(layer), n, T)
-        commit_fast(proj, conv_f, ssm_f, slots, *args(layer), n, T)
+        commit_torch([step(layer, proj, conv_t, ssm_t, slots, T)], n)
+        verify_fast(proj, conv_f, ssm_f, slots, *args(layer), layer.norm.weight, EPS, T)  # (the commit table's row)
+        commit_fast([step(layer, proj, conv_f, ssm_f, slots, T)], n)
         assert torch.equal(conv_f, conv_t)
         assert (ssm_f - ssm_t).abs().max().item() <= TOL_FAST
         others = [s for s in range(8) if s not in slots.tolist()]
         assert torch.equal(ssm_f[others], ssm0[others])
+
+
+@pytest.mark.parametrize("T", [2, 3])
+def test_commit_fast_commits_every_layer_in_one_launch(T, monkeypatch):
+    """Three layers of one shape (each its own caches, weights and proj rows), verified into rows 0..2 of the commit
+    table, committed by one commit_fast launch: each layer's caches equal commit_torch's of that layer (conv tails
+    bit-exact, states within TOL_FAST), slots outside the batch untouched. A step out of its row, or a layer of
+    another shape, is refused before anything is written."""
+    from layers import deltanet_verify as dv
+    monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", 4)
+    layers = [make_layer(1, 3, 5, 6, 4, seed=s) for s in range(3)]
+    slots = torch.tensor([5, 1, 6])
+    n = torch.tensor([1, T, T - 1])
+    projs = [proj_rows(m, 3 * T, seed=20 + i) for i, m in enumerate(layers)]
+    start = [(m.conv_state.clone(), m.ssm_state.clone()) for m in layers]
+    want = []
+    for m, proj, (conv0, ssm0) in zip(layers, projs, start):
+        conv, ssm = conv0.clone(), ssm0.clone()
+        commit_torch([step(m, proj, conv, ssm, slots, T)], n)
+        want.append((conv, ssm))
+    steps = []
+    for row, (m, proj) in enumerate(zip(layers, projs)):
+        verify_fast(proj, m.conv_state, m.ssm_state, slots, *args(m), m.norm.weight, EPS, T, row)
+        steps.append(step(m, proj, m.conv_state, m.ssm_state, slots, T, row))
+    with pytest.raises(RuntimeError, match="row 1"):
+        commit_fast([steps[0], steps[2]], n)  # layer 2's step where row 1 is expected
+    other = make_layer(2, 2, 4, 3, 2)
+    proj_o = proj_rows(other, 3 * T, seed=1)
+    verify_fast(proj_o, other.conv_state, other.ssm_state, slots, *args(other), other.norm.weight, EPS, T, 1)
+    with pytest.raises(ValueError, match="one launch commits layers of one kind"):
+        commit_fast([steps[0], step(other, proj_o, other.conv_state, other.ssm_state, slots, T, 1)], n)
+    assert all(torch.equal(m.ssm_state, s[1]) for m, s in zip(layers, start))  # nothing written by the refusals
+    verify_fast(projs[1], layers[1].conv_state, layers[1].ssm_state, slots, *args(layers[1]), layers[1].norm.weight,
+                EPS, T, 1)  # (row 1 names layer 1 again)
+    grids, kernel = [], dv._commit_kernel
+
+    class Counted:  # _commit_kernel[grid](...), each grid noted
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+    monkeypatch.setattr(dv, "_commit_kernel", Counted())
+    commit_fast(steps, n)
+    assert len(grids) == 1 and grids[0][2] == 3, grids  # one launch, a grid plane per layer
+    others = [s for s in range(8) if s not in slots.tolist()]
+    for m, (conv, ssm), (conv0, ssm0) in zip(layers, want, start):
+        assert torch.equal(m.conv_state, conv)
+        assert (m.ssm_state - ssm).abs().max().item() <= TOL_FAST
+        assert torch.equal(m.ssm_state[others], ssm0[others])
 
 
 @pytest.mark.gpu
@@ -135,7 +189,8 @@ def test_gpu_verify_fast_equals_decode_steps_bf16(tp, monkeypatch):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
         assert rel(got, want) <= 5e-3
         counts = torch.randint(1, T + 1, (B,), generator=gen).cuda()
-        commit_fast(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias, counts, T)
+        commit_fast([VerifyStep(proj, m.conv_state, m.ssm_state, slots, m.conv1d.weight, m.A_log, m.dt_bias, T, 0)],
+                    counts)
         for b, (slot, n) in enumerate(zip(slots.tolist(), counts.tolist())):
             assert torch.equal(m.conv_state[slot], after[n - 1][0][slot])
             assert max_diff(m.ssm_state[slot], after[n - 1][1][slot]) <= 1e-2
@@ -214,9 +269,7 @@ def test_model_verify_step_equals_single_steps_and_rolls_back(tiny, T):
         last = torch.arange(3) * T + n - 1
         newest = nxt + 1
         h_mtp = catch_up(model, vb, hv, newest, last)
-        for m in model.modules():
-            if isinstance(m, dn.GatedDeltaNet):
-                m.commit(n)
+        dn.commit([m for m in model.modules() if isinstance(m, dn.GatedDeltaNet)], n)
         spec_caches = save(model)
         # reference caches: DeltaNet states after counts[b] steps per sequence; KV of the full run (positions past
         # a sequence's accepted ones are rewritten before they are read)
@@ -259,7 +312,7 @@ def test_fast_kernels_compile_for_hopper():
     proj = proj_rows(layer, 2 * T, seed=1).bfloat16()
     with recorded() as launches:
         verify_fast(proj, conv, ssm, slots, *w, layer.norm.weight, EPS, T)
-        commit_fast(proj, conv, ssm, slots, *w, torch.tensor([1, 3]), T)
+        commit_fast([VerifyStep(proj, conv, ssm, slots, *w, T, 0)], torch.tensor([1, 3]))
     names = {e["name"] for e in launches}
-    assert "_verify_kernel" in names, names
+    assert {"_verify_kernel", "_commit_kernel"} <= names, names
     assert compile_all(launches) == []
