@@ -214,6 +214,19 @@ if triton is not None:
         return round_to(y * tl.sigmoid(y), DTYPE)
 
     @triton.jit
+    def _slab(proj_ptr, conv_ptr, state_ptr, slots_ptr, A_log_ptr, dt_bias_ptr, b, h, kk, vv, km, vm, T, sp_b,
+              sc_slot, ss_slot, ss_h, ss_k, ss_v):
+        """What a program of sequence b and value head h (value columns vv) reads first: (the slot's conv tail, its
+        state slab's pointers, the slab (its load issued first: its bytes come from HBM while the rest is set up),
+        the sequence's first proj row, the head's -exp(A_log) and dt_bias in fp32)."""
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
+        S = tl.load(ptrs, mask=km[:, None] & vm[None, :], other=0.0)
+        decay_scale = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        return conv_ptr + slot * sc_slot, ptrs, S, proj_ptr + b * T * sp_b, decay_scale, bias
+
+    @triton.jit
     def _token_update(S, prow0, sp_b, t, tail, conv_w_ptr, h, hk, kk, vv, km, vm, sc_c, sc_t, sw_c, sw_t, k_off,
                       v_off, b_off, a_off, decay_scale, bias, l2_eps, KERNEL: tl.constexpr, DK: tl.constexpr,
                       DV: tl.constexpr, DTYPE: tl.constexpr):
@@ -270,13 +283,9 @@ if triton is not None:
             tl.store(entry + 5, dt_bias_ptr.to(tl.int64, bitcast=True))
         kk, vv = tl.arange(0, BK), j * BV + tl.arange(0, BV)
         km, vm = kk < DK, vv < DV
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        tail = conv_ptr + slot * sc_slot
-        ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
-        S = tl.load(ptrs, mask=km[:, None] & vm[None, :], other=0.0)
-        prow0 = proj_ptr + b * T * sp_b
-        decay_scale = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        tail, ptrs, S, prow0, decay_scale, bias = _slab(proj_ptr, conv_ptr, state_ptr, slots_ptr, A_log_ptr,
+                                                        dt_bias_ptr, b, h, kk, vv, km, vm, T, sp_b, sc_slot, ss_slot,
+                                                        ss_h, ss_k, ss_v)
         for t in range(T):
             S = _token_update(S, prow0, sp_b, t, tail, conv_w_ptr, h, hk, kk, vv, km, vm, sc_c, sc_t, sw_c, sw_t,
                               k_off, v_off, b_off, a_off, decay_scale, bias, l2_eps, KERNEL, DK, DV, dtype)
@@ -329,20 +338,15 @@ if triton is not None:
         dtype = proj0.dtype.element_ty
         kk, vv = tl.arange(0, BK), j * BV + tl.arange(0, BV)
         km, vm = kk < DK, vv < DV
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        tail = conv_ptr + slot * sc_slot
-        ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
-        smask = km[:, None] & vm[None, :]
-        S = tl.load(ptrs, mask=smask, other=0.0)
+        tail, ptrs, S, prow0, decay_scale, bias = _slab(proj_ptr, conv_ptr, state_ptr, slots_ptr, A_log_ptr,
+                                                        dt_bias_ptr, b, h, kk, vv, km, vm, T, sp_b, sc_slot, ss_slot,
+                                                        ss_h, ss_k, ss_v)
         n = tl.load(counts_ptr + b)
-        prow0 = proj_ptr + b * T * sp_b
-        decay_scale = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         for t in range(T):
             new = _token_update(S, prow0, sp_b, t, tail, conv_w_ptr, h, hk, kk, vv, km, vm, sc_c, sc_t, sw_c, sw_t,
                                 k_off, v_off, b_off, a_off, decay_scale, bias, l2_eps, KERNEL, DK, DV, dtype)
             S = tl.where(t < n, new, S)
-        tl.store(ptrs, S, mask=smask)
+        tl.store(ptrs, S, mask=km[:, None] & vm[None, :])
         _move_tail(prow0, sp_b, tail, v_off + h * DV + vv, vm, n, sc_c, sc_t, KERNEL - 1, TAIL_P)
         # arrive: the barrier orders every thread's loads and stores above before the (one-thread) release
         tl.debug_barrier()
