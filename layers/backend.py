@@ -108,26 +108,38 @@ def pdl() -> dict:
     return {"launch_pdl": True} if torch.cuda.get_device_capability()[0] >= 9 else {}
 
 
-# Arrival counters (int32, zero between launches) for kernels whose programs count themselves in and whose last
-# program to arrive finishes the group's work (DeltaNet decode: the gated norm; attention decode: the merge of the
-# splits; speculative sampling's passes: the merge of a row's blocks), resetting its counter. One buffer per device, shared by every such kernel (they run one after another
-# on one stream); grown, never shrunk or freed: a captured CUDA graph holds the address it was captured with.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Kernel scratch that CUDA graphs hold by address: one buffer per device and kind, zeroed when made, grown (outside
+# graph capture only: a warm-up run makes it), never shrunk or freed (a captured graph keeps the address it was
+# captured with; an outgrown buffer is kept alive here).
 _OUTGROWN: list[torch.Tensor] = []
 
 
-def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
-    """At least n zeroed counters on `device` (grown outside graph capture only: a warm-up run makes them)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
+def graph_scratch(store: dict, what: str, n: int, device: torch.device, dtype: torch.dtype, least: int,
+                  row: tuple[int, ...] = ()) -> torch.Tensor:
+    """`store`'s buffer for `device`, of at least n rows of shape `row` (least rows when made)."""
+    buf = store.get(device)
+    if buf is None or buf.shape[0] < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"a kernel needs {n} arrival counters while a CUDA graph is being captured; run the "
-                               "same batch once outside the graph first (a warm-up) so that they exist")
+            raise RuntimeError(f"a kernel needs {n} {what} while a CUDA graph is being captured; run the same batch "
+                               "once outside the graph first (a warm-up) so that they exist")
         if buf is not None:
             _OUTGROWN.append(buf)
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
+        buf = torch.zeros(max(n, least), *row, dtype=dtype, device=device)
+        store[device] = buf
     return buf
+
+
+# Arrival counters (int32, zero between launches) for kernels whose programs count themselves in and whose last
+# program to arrive finishes the group's work (DeltaNet decode and verify: the gated norm; the verify commit: the q/k
+# tails; attention decode: the merge of the splits; speculative sampling's passes: the merge of a row's blocks),
+# resetting its counter. One buffer per device, shared by every such kernel (they run one after another on one
+# stream).
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
+    """At least n zeroed counters on `device` (graph_scratch)."""
+    return graph_scratch(_COUNTERS, "arrival counters", n, device, torch.int32, 4096)
 
 
 def aligned_sizes(sizes: list[int], dtype: torch.dtype) -> list[int]:

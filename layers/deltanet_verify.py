@@ -103,27 +103,12 @@ def _commit_layer_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, 
 
 # ------------------------------------------------------------------------------------------------ fast
 TABLE_FIELDS = 6  # a commit table row: the addresses of proj, conv_state, ssm_state, conv_weight, A_log, dt_bias
-_TABLES: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []  # (a captured graph holds the address it was captured with)
+_TABLES: dict[torch.device, torch.Tensor] = {}  # (backend.graph_scratch)
 _RECORDED: dict[torch.device, dict[int, tuple]] = {}  # the host's copy of what each row names
 
 
 def _fields(t: VerifyStep) -> tuple:
     return t.proj, t.conv_state, t.ssm_state, t.conv_weight, t.A_log, t.dt_bias
-
-
-def _commit_table(rows: int, device: torch.device) -> torch.Tensor:
-    """At least `rows` rows of the commit table on `device` (grown outside graph capture only: a warm-up makes it)."""
-    buf = _TABLES.get(device)
-    if buf is None or buf.shape[0] < rows:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"a verify step needs commit table row {rows - 1} while a CUDA graph is being "
-                               "captured; run the same step once outside the graph first (a warm-up)")
-        if buf is not None:
-            _OUTGROWN.append(buf)
-        buf = torch.zeros(max(rows, 64), TABLE_FIELDS, dtype=torch.int64, device=device)
-        _TABLES[device] = buf
-    return buf
 
 
 def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float, T: int,
@@ -136,7 +121,8 @@ def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     Hk, Hv, dk, dv, conv_dim = _dims(conv_state, ssm_state)
     y = torch.empty(proj.shape[0], Hv * dv, dtype=proj.dtype, device=proj.device)
     step = VerifyStep(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, T, row)
-    table = _commit_table(row + 1, proj.device)
+    table = backend.graph_scratch(_TABLES, "commit table rows", row + 1, proj.device, torch.int64, 64,
+                                  (TABLE_FIELDS,))
     _RECORDED.setdefault(proj.device, {})[row] = tuple(t.data_ptr() for t in _fields(step))
     if not proj.shape[0]:
         return y
