@@ -4,7 +4,11 @@ verify_rows_torch / verify_rows_fast, bound once by the runner (bind_verify_rows
 Row b of the step (slot s, newest token at position start) becomes T rows b*T .. b*T + T - 1: its newest token, then
 its T - 1 drafts, at positions start .. start + T - 1, each over the slot's whole block table. Positions past the
 slot's last covered position (slot_end) compute garbage that is never accepted: their K/V go to the scratch block,
-their RoPE position is clamped to slot_end, and they may accept no draft (num_drafts). The torch one is ~30 small
+their RoPE position is clamped to slot_end, and they may accept no draft (num_drafts).
+
+A row planned while the host is one verify step behind (behind[b] = 1: the engine queued this step before it read
+the last one's tokens) starts past the host's position by the drafts its slot accepted at that step (accepted[s],
+written by the step itself: runner.verify_forward); every other row starts where the host says. The torch one is ~30 small
 kernels inside every verify graph (~2 us each in a replay); the fast one is one launch, a program per row.
 """
 from __future__ import annotations
@@ -29,14 +33,16 @@ class VerifyRows(NamedTuple):
     num_drafts: torch.Tensor      # [B] int64: the drafts row b may accept (those whose positions have KV blocks)
 
 
-def verify_rows_torch(slots: torch.Tensor, starts: torch.Tensor, T: int, slot_end: torch.Tensor,
-                      block_table: torch.Tensor, slot_tokens: torch.Tensor, drafts: torch.Tensor, block_size: int,
-                      scratch_block: int) -> VerifyRows:
-    """slots, starts: [B] int64; slot_end [slots] int64 (the last position each slot's blocks cover); block_table
+def verify_rows_torch(slots: torch.Tensor, starts: torch.Tensor, behind: torch.Tensor, T: int,
+                      slot_end: torch.Tensor, block_table: torch.Tensor, slot_tokens: torch.Tensor,
+                      drafts: torch.Tensor, accepted: torch.Tensor, block_size: int, scratch_block: int) -> VerifyRows:
+    """slots, starts, behind: [B] int64 (the host's start positions; behind 0 or 1); slot_end [slots] int64 (the last position each slot's blocks cover); block_table
     [slots, width] (spare columns past every table, so a draft position past the blocks reads in bounds);
     slot_tokens [slots] int64 (each slot's newest token); drafts [draft rows, K] int64 (a slot's row is its own, the
-    scratch slot's the last: slots clamped to draft rows - 1)."""
+    scratch slot's the last: slots clamped to draft rows - 1); accepted [slots] int64 (the drafts each slot
+    accepted at its last verify step)."""
     B, device = slots.shape[0], slots.device
+    starts = starts + behind * accepted[slots]
     end = slot_end[slots]
     positions = starts[:, None] + torch.arange(T, device=device)[None, :]
     valid = positions <= end[:, None]
@@ -51,9 +57,9 @@ def verify_rows_torch(slots: torch.Tensor, starts: torch.Tensor, T: int, slot_en
                       torch.arange(B * T, device=device), (end - starts).clamp(0, T - 1))
 
 
-def verify_rows_fast(slots: torch.Tensor, starts: torch.Tensor, T: int, slot_end: torch.Tensor,
-                     block_table: torch.Tensor, slot_tokens: torch.Tensor, drafts: torch.Tensor, block_size: int,
-                     scratch_block: int) -> VerifyRows:
+def verify_rows_fast(slots: torch.Tensor, starts: torch.Tensor, behind: torch.Tensor, T: int,
+                     slot_end: torch.Tensor, block_table: torch.Tensor, slot_tokens: torch.Tensor,
+                     drafts: torch.Tensor, accepted: torch.Tensor, block_size: int, scratch_block: int) -> VerifyRows:
     """verify_rows_torch in one launch: a program per row b writes its T rows (the table copies included)."""
     B, device, width = slots.shape[0], slots.device, block_table.shape[1]
     i64 = dict(dtype=torch.int64, device=device)
@@ -63,7 +69,8 @@ def verify_rows_fast(slots: torch.Tensor, starts: torch.Tensor, T: int, slot_end
                      torch.empty(B + 1, **i32), torch.empty(B, **i32), torch.empty(B * T, **i64),
                      torch.empty(B, **i64))
     if B:
-        _verify_rows_kernel[(B,)](slots, starts, slot_end, block_table, slot_tokens, drafts, *out, B, T,
+        _verify_rows_kernel[(B,)](slots, starts, behind, slot_end, block_table, slot_tokens, drafts, accepted,
+                                  *out, B, T,
                                   block_table.stride(0), drafts.stride(0), drafts.shape[0] - 1, width, block_size,
                                   scratch_block, BLOCK_T=triton.next_power_of_2(drafts.shape[1] + 1),
                                   BLOCK_W=triton.next_power_of_2(width), **pdl())
@@ -77,7 +84,8 @@ def bind_verify_rows() -> Callable[..., VerifyRows]:
 
 if triton is not None:
     @triton.jit(do_not_specialize=["B", "T", "last_draft_row", "block_size", "scratch_block"])
-    def _verify_rows_kernel(slots_ptr, starts_ptr, end_ptr, table_ptr, tok_ptr, drafts_ptr, ids_ptr, pos_ptr,
+    def _verify_rows_kernel(slots_ptr, starts_ptr, behind_ptr, end_ptr, table_ptr, tok_ptr, drafts_ptr,
+                            accepted_ptr, ids_ptr, pos_ptr,
                             map_ptr, ctx_ptr, tables_ptr, cu_ptr, start_out_ptr, logit_ptr, nd_ptr, B, T,
                             stride_table, stride_drafts, last_draft_row, width, block_size, scratch_block,
                             BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -85,7 +93,7 @@ if triton is not None:
         prior_done()  # (backend.pdl: the kernels before this one have finished)
         b = tl.program_id(0)
         slot = tl.load(slots_ptr + b)
-        start = tl.load(starts_ptr + b)
+        start = tl.load(starts_ptr + b) + tl.load(behind_ptr + b) * tl.load(accepted_ptr + slot)
         end = tl.load(end_ptr + slot)
         j = tl.arange(0, BLOCK_T)
         jm = j < T

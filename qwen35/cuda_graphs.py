@@ -201,9 +201,10 @@ class VerifyGraphs:
     forward of b * (k + 1) rows, the logits at every position, acceptance (greedy, or rejection sampling without
     top-k / top-p: tail_mode), the DeltaNet commit, the slots' next tokens and draw counters, and the proposal of
     the next k drafts into the slots' draft buffers; its output is the emitted tokens [b, k + 1] (-1 after them),
-    which the engine reads before it plans the next step (speculation runs without overlap).
+    which reach the host through the runner's pinned ring (runner.sample_step).
 
-    The host copies the rows (slot, start position) into the static rows in one transfer. Padded rows name the
+    The host copies the rows (slot, start position, behind: runner.verify_starts) into the static rows in one
+    transfer. Padded rows name the
     scratch slot at position 0: its block table holds only the scratch KV block, its drafts the draft buffers' last
     row (runner.draft_rows), its sampling settings are greedy and its slot_end 0 (no draft may be accepted), so a
     padded row reads and writes scratch state only. Verify steps the graphs do not hold (another draft_k, top-k /
@@ -212,7 +213,7 @@ class VerifyGraphs:
 
     def __init__(self, runner, pool=None, capture: bool = True):
         self.runner = runner
-        self.rows = self._padded_rows().to(runner.device)  # [2, max_num_seqs]: slot, start position
+        self.rows = self._padded_rows().to(runner.device)  # [3, max_num_seqs]: slot, start position, behind
         self.sizes = verify_sizes(runner.max_num_seqs)
         self._size_for = [min(s for s in self.sizes if s >= n) for n in range(self.sizes[-1] + 1)]
         self.max_k = runner.spec_max_k
@@ -223,8 +224,8 @@ class VerifyGraphs:
             self._capture_all()
 
     def _padded_rows(self) -> torch.Tensor:
-        return torch.tensor([[self.runner.scratch_slot] * self.runner.max_num_seqs, [0] * self.runner.max_num_seqs],
-                            dtype=torch.int64)
+        n = self.runner.max_num_seqs
+        return torch.tensor([[self.runner.scratch_slot] * n, [0] * n, [0] * n], dtype=torch.int64)
 
     def holds(self, plan, sampling: SamplingStep) -> bool:
         """Whether a verify step (the runner has checked it: decode rows from the device, no checkpoint) replays a
@@ -234,7 +235,7 @@ class VerifyGraphs:
 
     def _step(self, b: int, k: int, mode: str, host: dict) -> torch.Tensor:
         runner = self.runner
-        batch, num_drafts = runner.verify_inputs(self.rows[0, :b], self.rows[1, :b], k + 1, **host)
+        batch, num_drafts = runner.verify_inputs(self.rows[0, :b], self.rows[1, :b], self.rows[2, :b], k + 1, **host)
         return runner.verify_forward(batch, num_drafts, SamplingStep(greedy_only=mode == "greedy"), k)
 
     @torch.inference_mode()
@@ -260,17 +261,18 @@ class VerifyGraphs:
             log.info("captured %d verify CUDA graphs (batch sizes %s, k 1..%d, %s) in %.1f s", len(self.graphs),
                      self.sizes, self.max_k, "/".join(TAIL_MODES), time.time() - t0)
 
-    def run(self, slots: list[int], starts: list[int], k: int, mode: str) -> torch.Tensor:
-        """The emitted tokens [n, k + 1] of a verify step of n rows (slot, start: the newest token's position), by
-        one copy of the rows and a replay of the smallest graph that holds them (a view of the graph's output:
-        read it before the next replay). The caller has set and checked the rows' block tables."""
+    def run(self, slots: list[int], starts: list[int], behind: int, k: int, mode: str) -> torch.Tensor:
+        """The emitted tokens [n, k + 1] of a verify step of n rows (slot, start: the newest token's position, as the
+        host knows it when `behind`), by one copy of the rows and a replay of the smallest graph that holds them (a
+        view of the graph's output: read it before the next replay). The caller has set and checked the rows' block
+        tables."""
         n = len(slots)
         b = self._size_for[n]
         pad = b - n
         slot = self.runner.scratch_slot
-        host = torch.tensor([*slots, *[slot] * pad, *starts, *[0] * pad], dtype=torch.int64,
-                            pin_memory=self.runner._pin)
-        self.rows[:, :b].copy_(host.view(2, b), non_blocking=True)
+        host = torch.tensor([*slots, *[slot] * pad, *starts, *[0] * pad, *[behind] * n, *[0] * pad],
+                            dtype=torch.int64, pin_memory=self.runner._pin)
+        self.rows[:, :b].copy_(host.view(3, b), non_blocking=True)
         if self.captured:
             graph, tokens = self.graphs[b, k, mode]
             graph.replay()

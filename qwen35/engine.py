@@ -21,10 +21,12 @@ max_tokens-th token; an ended request is freed there. A request that does not st
 stream=False)) gives no output until it ends, then one with everything.
 
 Speculative decoding (--speculative-tokens, scheduler/speculation.py): the scheduler sets each plan's spec_k (drafts
-verified) and draft_k (drafts proposed at its end); a verify step emits a run of tokens per row, which
-Scheduler.update takes in order. step() waits for a verify step's tokens before it plans the next (the next plan's
-positions depend on how many drafts were accepted): it takes them, and those of the step queued before it, at once.
-Plain steps keep the overlap (one that proposes drafts too: it emits one token per row, which the scheduler counts).
+verified) and draft_k (drafts proposed at its end); a verify step emits a run of tokens per row ([n, spec_k + 1],
+-1 after the run, through the same pinned ring), which Scheduler.update takes in order. The next plan's positions
+depend on how many drafts were accepted, so with a verify step in flight step() queues the next step before it
+takes that one's runs only when the next is a verify step of the same rows (Scheduler.verifies_next: planned
+behind, plan.spec_behind, the device adding each slot's accepted drafts to the host's positions); before any other
+step it takes the runs first.
 
 Requests are checked once, where they come in (check_request: the server, the offline LLM); the engine trusts
 what add_request gets. Failure policy: what one request brings (its parameters, its text) fails that request
@@ -62,21 +64,20 @@ log = logging.getLogger("qwen35.engine")
 class _Launched:
     """A step queued on the device: the requests of its logits rows, and their tokens on the way to the host."""
     sampled: list[Request]
-    tokens: torch.Tensor | list | None  # [n] int64 on the host (pinned on a GPU), written by the device (feed
-    # kernel); a verify step's: a list of runs per row, read already
+    tokens: torch.Tensor | None  # [n] int64 on the host (pinned on a GPU), written by the device (feed kernel);
+    # a verify step's [n, spec_k + 1], each row's run then -1
     ready: torch.cuda.Event | None  # recorded after the step (its tokens written: GPU only)
-
-    @property
-    def verified(self) -> bool:
-        """A verify step's: its tokens (a run per row) are on the host already."""
-        return isinstance(self.tokens, list)
+    spec_k: int = 0  # a verify step's drafts per row
 
     def host_tokens(self) -> list[int] | list[list[int]]:
-        if self.verified:
-            return self.tokens
+        """The tokens (a verify step's: a run per row), once the device has written them."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.tokens.tolist() if self.tokens is not None else []
+        if self.tokens is None:
+            return []
+        if self.spec_k:
+            return [[t for t in row if t >= 0] for row in self.tokens.tolist()]
+        return self.tokens.tolist()
 
 
 class LLMEngine:
@@ -157,7 +158,7 @@ class LLMEngine:
             # kernel writes them there, in the tail graph or after eager sampling), no copy queued by the host.
             self._stream = torch.cuda.current_stream(self.device)
             self._ready = [torch.cuda.Event() for _ in range(2)]
-        self.overlap = args.overlap  # (verify steps are waited for: module docstring)
+        self.overlap = args.overlap
         self._in_flight: _Launched | None = None
         self._failed: list[RequestOutput] = []  # requests that failed while their step was being queued
         self.total_prompt_tokens = 0      # prompt tokens prefilled
@@ -209,15 +210,21 @@ class LLMEngine:
         return self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """Queue the next step, then take the tokens of the step queued before it (overlap) or of this one (and,
-        after a verify step, whose tokens are on the host already, of both)."""
+        """Queue the next step, then take the tokens of the step queued before it (overlap) or of this one. A verify
+        step in flight is taken first unless the next step verifies the same rows (module docstring)."""
         t0 = time.perf_counter()
-        launched = self._launch()
-        if self.overlap and not (launched is not None and launched.verified):
-            done, self._in_flight = [self._in_flight], launched
+        outputs, before = [], self._in_flight
+        behind = before is not None and before.spec_k > 0
+        if behind and not (self.overlap and self.scheduler.verifies_next()):
+            outputs, before, behind = self._postprocess(before), None, False
+        launched = self._launch(behind)
+        if self.overlap:
+            done, self._in_flight = [before], launched
         else:
-            done, self._in_flight = [self._in_flight, launched], None
-        outputs = [out for d in done if d is not None for out in self._postprocess(d)]
+            done, self._in_flight = [before, launched], None
+        for d in done:
+            if d is not None:
+                outputs += self._postprocess(d, followed=behind and d is before)
         if self._failed:
             outputs, self._failed = outputs + self._failed, []
         self.last_step_time = time.perf_counter() - t0
@@ -236,9 +243,10 @@ class LLMEngine:
         return CostTable.shipped(torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type,
                                  parallel.tp_size())
 
-    def _launch(self) -> _Launched | None:
-        """Schedule the next step and queue it on every rank: forward, sampling, tokens to the input buffer."""
-        step = self.scheduler.schedule()
+    def _launch(self, behind: bool) -> _Launched | None:
+        """Schedule the next step (`behind` a verify step's runs: Scheduler.schedule) and queue it on every rank:
+        forward, sampling, tokens to the input buffer."""
+        step = self.scheduler.schedule(behind)
         plan = step.plan
         if not plan.num_seqs:
             return None
@@ -248,8 +256,6 @@ class LLMEngine:
             timer.launch(k)
         sampling = self._sampling_step(step, self._bind(step) if step.admitted else [])
         _send(plan, sampling)
-        if plan.spec_k:
-            return self._verify(step, sampling, k)
         half = k % 2 if self._pin and step.sampled else None  # the ring half the step's tokens land in
         if timer is None:
             tokens = self._run_step(plan, sampling, half)
@@ -258,28 +264,12 @@ class LLMEngine:
         self.total_prompt_tokens += step.num_prompt_tokens
         self.num_steps = k
         if not self._pin:
-            return _Launched(step.sampled, tokens, None)
+            return _Launched(step.sampled, tokens, None, plan.spec_k)
         ready = self._ready[k % 2] if timer is None else timer.ready_event(k, self._ready[k % 2])
         ready.record(self._stream)
-        host = self.runner.host_view(half, len(step.sampled)) if tokens is not None else None
-        return _Launched(step.sampled, host, ready)
-
-    def _verify(self, step: ScheduledStep, sampling: SamplingStep, k: int) -> _Launched:
-        """_launch's end for a verify step: run it and wait for its tokens, a run per row; count the drafted and
-        accepted ones."""
-        plan, timer = step.plan, self.timer
-        if timer is None:
-            tokens = self._run_step(plan, sampling)
-        else:
-            tokens = timer.forward(self._run_step, plan, sampling, None)
-        self.total_prompt_tokens += step.num_prompt_tokens
-        self.num_steps = k
-        runs = [[t for t in row if t >= 0] for row in tokens.tolist()]  # (waits for the step)
-        # drafts that could count: a row near its max_tokens has room for fewer (before update moves it on)
-        rooms = [max(0, min(plan.spec_k, r.max_tokens - r.num_scheduled)) for r in step.sampled]
-        self.speculation.record(sum(rooms), sum(min(len(run) - 1, room) for run, room in zip(runs, rooms)),
-                                plan.spec_k)
-        return _Launched(step.sampled, runs, None)
+        host = self.runner.host_view(half, len(step.sampled), plan.spec_k and plan.spec_k + 1) \
+            if tokens is not None else None
+        return _Launched(step.sampled, host, ready, plan.spec_k)
 
     def _bind(self, step: ScheduledStep) -> list[tuple[int, tuple[float, float, float], int]]:
         """The sampling state of the requests admitted in `step`, for every rank's sampler: (slot, (temperature,
@@ -322,10 +312,18 @@ class LLMEngine:
         self.sampler.admit(sampling)
         return self.runner.sample_step(plan, sampling, half)
 
-    def _postprocess(self, launched: _Launched) -> list[RequestOutput]:
-        """A step's tokens, once on the host, to their requests (Scheduler.update: where requests end)."""
+    def _postprocess(self, launched: _Launched, followed: bool = False) -> list[RequestOutput]:
+        """A step's tokens, once on the host, to their requests (Scheduler.update: where requests end; `followed`:
+        a verify step planned behind them is queued); a verify step's drafted and accepted counts."""
         tokens = launched.host_tokens() if self.timer is None else self.timer.wait(launched)
-        return self.scheduler.update(launched.sampled, tokens)
+        if launched.spec_k:
+            # drafts that could count: a row near its max_tokens has room for fewer; none for an ended request
+            k = launched.spec_k
+            rooms = [0 if r.finish_reason is not None else max(0, min(k, r.max_tokens - len(r.output_ids) - 1))
+                     for r in launched.sampled]
+            self.speculation.record(sum(rooms), sum(min(len(run) - 1, room) for run, room in zip(tokens, rooms)),
+                                    k)
+        return self.scheduler.update(launched.sampled, tokens, followed)
 
     def heartbeat(self) -> None:
         """Tell idle worker ranks we are alive (their broadcast wait would otherwise hit the group timeout)."""

@@ -16,7 +16,8 @@ their log-sum-exp ([slots, K]). A verify step (spec_k > 0, every row a decode ro
 and its spec_k drafts, takes this rank's shard of the logits at every position, accepts (layers/spec_sampling.py:
 greedy, or rejection sampling at the rows' draw numbers; vocab-parallel with the fast kernels), commits the DeltaNet
 layers to the accepted tokens (layers/deltanet_verify.py), feeds each slot its last emitted token and moves its draw
-counter on by the tokens emitted. Any step with draft_k > 0 then proposes draft_k drafts for the rows it sampled
+counter on by the tokens emitted, and keeps per slot the drafts it accepted (`accepted`: a verify step planned
+before the host has read them, plan.spec_behind, starts that much past the host's positions). Any step with draft_k > 0 then proposes draft_k drafts for the rows it sampled
 (qwen35/mtp.py propose) into the slots' buffers. All of it queued on every rank, no host sync. With CUDA graphs, a
 verify step that proposes as many drafts as it verifies (the steady state) replays a graph of the whole step
 (cuda_graphs.VerifyGraphs); other verify steps, and plain steps that propose (after a prefill, when k changes), run
@@ -182,8 +183,9 @@ class ModelRunner:
         slots = self.scratch_slot + 1
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         # with speculation, spare columns of the scratch KV block past every table: a verify row's draft positions
-        # past its blocks read there (prepare_verify)
-        spare = -(-(self.spec_max_k + 1) // self.block_size) + 1 if self.spec_max_k else 0
+        # past its blocks read there (prepare_verify); a row planned a verify step behind may start up to K past the
+        # host's last position
+        spare = -(-(2 * self.spec_max_k + 1) // self.block_size) + 1 if self.spec_max_k else 0
         self.block_table = torch.zeros(slots, self.max_blocks_per_seq + spare, dtype=torch.int32, device=self.device)
         self.block_table[:, self.max_blocks_per_seq:] = self.num_kv_blocks
         self.block_table[self.scratch_slot] = self.num_kv_blocks  # padded graph rows: the scratch KV block only
@@ -195,7 +197,7 @@ class ModelRunner:
         self.logit_slots = torch.zeros(0, dtype=torch.int64, device=self.device)  # of the last step's logits rows
         # speculation (module docstring): the drafts per slot, what they were drawn from (sampled rows: made when
         # first needed: vocab / tp x 4 B per draft, ~1 MB at TP=1 at full size), and per slot the last position
-        # its block table covers (draft positions are clamped to it)
+        # its block table covers (draft positions are clamped to it) and the drafts it accepted at its last verify step
         # (one more row: the scratch slot's, which padded rows of verify graphs read and write: draft_rows)
         self.drafts = torch.zeros(self.num_state_slots + 1, self.spec_max_k, dtype=torch.int64, device=self.device) \
             if self.spec_max_k else None
@@ -204,6 +206,7 @@ class ModelRunner:
         self._draft, self._verify = bind_spec_sampling()
         self._verify_rows = bind_verify_rows()
         self.slot_end = torch.zeros(slots, dtype=torch.int64, device=self.device) if self.spec_max_k else None
+        self.accepted = torch.zeros(slots, dtype=torch.int64, device=self.device) if self.spec_max_k else None
 
     # ---------------------------------------------------------------- forward
     def _set_tables(self, plan: StepPlan) -> None:
@@ -360,7 +363,8 @@ class ModelRunner:
             raise ValueError(f"the sampler holds {sampler.params.shape[0]} slots; the runner names "
                              f"{self.scratch_slot + 1} (its scratch slot included)")
         self.sampler = sampler
-        self.host_ring = [torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=True)
+        width = self.max_num_seqs * (self.spec_max_k + 1)  # (a verify step's tokens: spec_k + 1 a row)
+        self.host_ring = [torch.empty(width, dtype=torch.int64, pin_memory=True)
                           for _ in range(RING_HALVES)] if host_ring else None
         self._host_views: dict[tuple[int, int], torch.Tensor] = {}
         if self.graphs is not None:
@@ -369,11 +373,13 @@ class ModelRunner:
                 from qwen35.cuda_graphs import VerifyGraphs
                 self.verify_graphs = VerifyGraphs(self, pool=self.graphs.pool)
 
-    def host_view(self, half: int, n: int) -> torch.Tensor:
-        """Rank 0: the first n entries of host_ring[half], where a step's n tokens land (one view per shape, kept)."""
-        view = self._host_views.get((half, n))
+    def host_view(self, half: int, n: int, T: int = 0) -> torch.Tensor:
+        """Rank 0: the first n entries of host_ring[half], where a step's n tokens land; a verify step's [n, T] (one
+        view per shape, kept)."""
+        view = self._host_views.get((half, n, T))
         if view is None:
-            view = self._host_views[half, n] = self.host_ring[half][:n]
+            view = self._host_views[half, n, T] = self.host_ring[half][:n * T].view(n, T) if T \
+                else self.host_ring[half][:n]
         return view
 
     @torch.inference_mode()
@@ -383,10 +389,14 @@ class ModelRunner:
         rank) fed to their slots' next inputs and, on rank 0, into host_ring[half][:n]. A pure-decode step that a
         graph runs, with sampling a tail holds (cuda_graphs.tail_mode), is two replays. Queued, no host sync.
         A verify step (plan.spec_k) returns [n, spec_k + 1] instead: each row's emitted tokens, then -1
-        (verify_step); a step with plan.draft_k also proposes drafts for its sampled rows (module docstring)."""
+        (verify_step), into host_view(half, n, spec_k + 1); a step with plan.draft_k also proposes drafts for its
+        sampled rows (module docstring)."""
         self._check_spec(plan)
         if plan.spec_k:
-            return self.verify_step(plan, sampling)
+            tokens = self.verify_step(plan, sampling)
+            if half is not None:
+                self.host_view(half, plan.num_seqs, plan.spec_k + 1).copy_(tokens, non_blocking=True)
+            return tokens
         hidden, batch = self._forward(plan)
         if batch is None and self.graphs.tails:  # a graph ran it
             mode = tail_mode(sampling)
@@ -413,6 +423,8 @@ class ModelRunner:
                                 and not plan.checkpoints):
             raise ValueError("bad step plan: a verify step (spec_k > 0) takes decode rows fed from the device only, "
                              "each wanting logits, and no checkpoint")
+        if plan.spec_behind and not plan.spec_k:
+            raise ValueError("bad step plan: only a verify step (spec_k > 0) is planned a verify step behind")
 
     def _sample_batch(self, slots: torch.Tensor, sampling) -> SampleBatch | None:
         """The rows' sampling settings at their current draw numbers (None: every row greedy)."""
@@ -445,26 +457,38 @@ class ModelRunner:
         rows of a verify graph) the buffers' last row."""
         return slots.clamp(max=self.num_state_slots)
 
+    def verify_starts(self, plan: StepPlan) -> tuple[list[int], int]:
+        """The verify step's start positions and behind flag as its inputs take them: the plan's, except where the
+        torch kernels read the positions on the host (start_pos_cpu) and the plan is a verify step behind, whose
+        positions are then worked out here (reading `accepted`: a host sync, the CPU tests' path)."""
+        starts = plan.start_pos
+        if not plan.spec_behind or backend.use_fast():
+            return starts, plan.spec_behind
+        return [s + a for s, a in zip(starts, self.accepted[plan.state_slots].tolist())], 0
+
     def prepare_verify(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor]:
         """A verify step's inputs (verify_inputs) from the plan's rows, with the host lists the torch kernels read."""
         self._set_tables(plan)
         B, T = plan.num_seqs, plan.spec_k + 1
-        slots, starts = plan.state_slots, plan.start_pos
-        self._check_rows(slots, starts, [1] * B, [s + 1 for s in starts])  # (the newest token's position)
-        host = torch.tensor([*slots, *starts], dtype=torch.int64, pin_memory=self._pin)
-        slots_d, starts_d = host.to(self.device, non_blocking=True).view(2, B)
-        return self.verify_inputs(slots_d, starts_d, T, start_pos_cpu=list(starts), state_slots_cpu=list(slots))
+        slots = plan.state_slots
+        self._check_rows(slots, plan.start_pos, [1] * B, [s + 1 for s in plan.start_pos])  # (the newest token's)
+        starts, behind = self.verify_starts(plan)
+        host = torch.tensor([*slots, *starts, *[behind] * B], dtype=torch.int64, pin_memory=self._pin)
+        slots_d, starts_d, behind_d = host.to(self.device, non_blocking=True).view(3, B)
+        return self.verify_inputs(slots_d, starts_d, behind_d, T, start_pos_cpu=list(starts),
+                                  state_slots_cpu=list(slots))
 
-    def verify_inputs(self, slots: torch.Tensor, starts: torch.Tensor, T: int,
+    def verify_inputs(self, slots: torch.Tensor, starts: torch.Tensor, behind: torch.Tensor, T: int,
                       **host) -> tuple[ForwardBatch, torch.Tensor]:
         """A verify step's inputs as device ops of static shapes only (a CUDA graph holds them: cuda_graphs.
         VerifyGraphs): row b's T tokens at rows b*T .. b*T + T - 1 (layers/verify_rows.py), and per row the drafts it
         may accept [B]: those whose positions have KV blocks (a row near its end has fewer; the scheduler drops tokens
-        past max_tokens). slots, starts: [B] int64 on the device; `host`: the ForwardBatch host lists the torch
-        kernels read (the fast kernels read none; a graph knows none when it is captured)."""
+        past max_tokens). slots, starts, behind: [B] int64 on the device (layers/verify_rows.py); `host`: the
+        ForwardBatch host lists the torch kernels read (the fast kernels read none; a graph knows none when it is
+        captured)."""
         B = slots.shape[0]
-        r = self._verify_rows(slots, starts, T, self.slot_end, self.block_table, self.slot_tokens, self.drafts,
-                              self.block_size, self.num_kv_blocks)
+        r = self._verify_rows(slots, starts, behind, T, self.slot_end, self.block_table, self.slot_tokens,
+                              self.drafts, self.accepted, self.block_size, self.num_kv_blocks)
         self.logit_slots = slots
         fields = dict(
             input_ids=r.input_ids, positions=r.positions, slot_mapping=r.slot_mapping, cu_seqlens=r.cu_seqlens,
@@ -485,7 +509,8 @@ class ModelRunner:
             n = plan.num_seqs
             self._set_tables(plan)
             self._check_rows(plan.state_slots, plan.start_pos, [1] * n, [s + 1 for s in plan.start_pos])
-            tokens = graphs.run(plan.state_slots, plan.start_pos, plan.spec_k, tail_mode(sampling))
+            starts, behind = self.verify_starts(plan)
+            tokens = graphs.run(plan.state_slots, starts, behind, plan.spec_k, tail_mode(sampling))
             self.logit_slots = graphs.rows[0, :n]
             self.verify_counts["graph"] += 1
             return tokens
@@ -496,7 +521,8 @@ class ModelRunner:
     def verify_forward(self, batch: ForwardBatch, num_drafts: torch.Tensor, sampling, draft_k: int) -> torch.Tensor:
         """The device work of a verify step (verify_inputs' batch and drafts per row): the forward, the logits at
         every position, acceptance, the DeltaNet commit, each slot fed its last emitted token and its draw counter
-        moved on, then draft_k drafts proposed for every row. Returns the emitted tokens [B, T] (-1 after them)."""
+        moved on, the drafts each accepted kept (`accepted`), then draft_k drafts proposed for every row. Returns the
+        emitted tokens [B, T] (-1 after them)."""
         hidden = self.model(batch)
         B, T = batch.state_slots.shape[0], batch.verify_tokens
         logits = self.model.compute_logits(hidden, gather="none")  # this rank's vocabulary shard
@@ -512,6 +538,7 @@ class ModelRunner:
         last = verdict.tokens.gather(1, (counts - 1)[:, None])[:, 0]
         self.slot_tokens[slots] = last
         self.sampler.draws[slots] += counts
+        self.accepted[slots] = counts - 1
         if draft_k:
             last_rows = torch.arange(0, B * T, T, device=self.device) + counts - 1
             self._propose(batch, hidden, last, last_rows, draft_k, sampling)

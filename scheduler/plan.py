@@ -13,12 +13,15 @@ row has after `position` tokens into that slot, in the same launch.
 
 Speculative decoding (scheduler/speculation.py) adds two step-wide integers: spec_k, the drafts every row of a
 verify step feeds after its newest token (the runner holds both on the device; 0: a plain step), and draft_k, the
-drafts the step proposes at its end for each row it samples (read by the next step's verify; 0: none).
+drafts the step proposes at its end for each row it samples (read by the next step's verify; 0: none), and a flag,
+spec_behind: this verify step was planned before the host read the tokens of the verify step before it (the
+engine's overlap), so each row starts past its start_pos by the drafts its slot accepted there (the runner keeps
+them on the device).
 
 On the wire a plan is a list of integers (encode / decode, exact round trip; the engine sends it with
 dist.parallel.broadcast_ints): no pickling per step.
     header   version, command, rows, host tokens, table entries, state copies, block copies, checkpoints, spec_k,
-             draft_k
+             draft_k, spec_behind
     columns  the rows' slots, start_pos, numbers of host tokens, want_logits, numbers of table entries
     then     the host tokens of every row, the table entries of every row, the state copies, the block copies,
              the checkpoints
@@ -37,8 +40,8 @@ def can_checkpoint(start: int, n: int, pos: int, chunk: int) -> bool:
 
 
 COMMANDS = ("step", "idle", "exit")
-VERSION = 4
-HEADER = 10
+VERSION = 5
+HEADER = 11
 ROW = 5
 
 
@@ -58,9 +61,11 @@ class StepPlan:
     # control: "step" runs the forward; "exit" makes worker ranks leave their loop; "idle" is a heartbeat an idle
     # server sends so that worker ranks waiting for the next plan do not hit the process-group timeout
     command: str = "step"
-    # speculative decoding (module docstring): drafts verified per row in this step, drafts proposed at its end
+    # speculative decoding (module docstring): drafts verified per row in this step, drafts proposed at its end,
+    # and whether its rows' start positions are one verify step behind (1) or exact (0)
     spec_k: int = 0
     draft_k: int = 0
+    spec_behind: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -84,7 +89,8 @@ class StepPlan:
         toks, tabs = self.token_ids, self.block_tables
         n_tok, n_tab = list(map(len, toks)), list(map(len, tabs))
         out = [VERSION, COMMANDS.index(self.command), len(self.state_slots), sum(n_tok), sum(n_tab),
-               len(self.copy_states), len(self.copy_blocks), len(self.checkpoints), self.spec_k, self.draft_k]
+               len(self.copy_states), len(self.copy_blocks), len(self.checkpoints), self.spec_k, self.draft_k,
+               self.spec_behind]
         out += self.state_slots
         out += self.start_pos
         out += n_tok
@@ -101,12 +107,12 @@ class StepPlan:
     def decode(cls, v: list[int]) -> "StepPlan":
         if len(v) < HEADER:
             raise ValueError(f"not a step plan ({len(v)} values)")
-        version, command, rows, n_tok, n_tab, n_cs, n_cb, n_ck, spec_k, draft_k = v[:HEADER]
+        version, command, rows, n_tok, n_tab, n_cs, n_cb, n_ck, spec_k, draft_k, behind = v[:HEADER]
         if version != VERSION or len(v) != HEADER + ROW * rows + n_tok + n_tab + 2 * (n_cs + n_cb) + 3 * n_ck:
             raise ValueError(f"not a step plan of version {VERSION} ({len(v)} values, header {v[:HEADER]})")
         col = [v[HEADER + i * rows:HEADER + (i + 1) * rows] for i in range(ROW)]
         plan = cls(state_slots=col[0], start_pos=col[1], want_logits=list(map(bool, col[3])),
-                   command=COMMANDS[command], spec_k=spec_k, draft_k=draft_k)
+                   command=COMMANDS[command], spec_k=spec_k, draft_k=draft_k, spec_behind=behind)
         at = HEADER + ROW * rows
         for lens, total, out in ((col[2], n_tok, plan.token_ids), (col[4], n_tab, plan.block_tables)):
             if not total:  # every row empty (a decode step's tokens, most steps' tables)

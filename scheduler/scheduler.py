@@ -30,8 +30,11 @@ past the row's KV blocks, and update() drops tokens past max_tokens);
 every step that samples proposes drafts for the next one (plan.draft_k, the policy's choice for the running
 batch). A mixed step's decode rows take one token. A verify row counts one token when scheduled, like any decode
 row; update() then takes a run of tokens per row (the accepted drafts and one more) and moves the request's counts
-on by the extra ones, so the engine waits for each verify step's tokens before it plans the next (plain steps keep
-the overlap: a verify step may follow a plain step still in flight, whose one token per row is counted).
+on by the extra ones. So a step planned before a verify step's runs are taken has its rows' positions behind by
+them: only a verify step of the same rows may be planned so (schedule(behind=True), when verifies_next() says the
+next step is one; plan.spec_behind tells the runner, which keeps the accepted counts on the device); the engine
+takes the runs first before any other step. A request that a run ends while such a step is queued has had its
+slot moved past its tokens: it is freed without a reply snapshot (update(..., followed=True)).
 
 Ordering with the overlap: the device runs the plans in order, each plan's copies before its forward. A snapshot
 written by plan N is read by hits from plan N+1 on; copies that must follow plan N's forward (a partial block, a
@@ -311,8 +314,18 @@ class Scheduler:
         return snap.block if snap is not None else None
 
     # ---- one step ----------------------------------------------------------------------------------------------
-    def schedule(self) -> ScheduledStep:
-        """The next step's plan; every token in it counts as computed from now on."""
+    def verifies_next(self) -> bool:
+        """Whether the next schedule() gives a verify step of the decode rows alone (the same rows as the step
+        before, or fewer): what decides it in _speculate, checked before (no prefill to continue, nobody waiting)."""
+        decode = self._decode
+        return bool(self.speculation is not None and self._drafted and decode.reqs and not self._prefilling
+                    and not self.waiting and not _stops_suppressed(decode.reqs, 0))
+
+    def schedule(self, behind: bool = False) -> ScheduledStep:
+        """The next step's plan; every token in it counts as computed from now on. `behind`: the runs of the verify
+        step before are not taken yet (only when verifies_next(): the plan is a verify step, spec_behind set)."""
+        if behind and not self.verifies_next():
+            raise RuntimeError("a step planned behind a verify step's runs must be a verify step (verifies_next)")
         self.step_no += 1
         budget = self.max_num_batched_tokens
         decode = self._decode
@@ -348,6 +361,7 @@ class Scheduler:
             decode.next_end()
         if self.speculation is not None:
             self._speculate(step, n)
+            step.plan.spec_behind = int(behind)
         return step
 
     def _speculate(self, step: ScheduledStep, n: int) -> None:
@@ -355,16 +369,12 @@ class Scheduler:
         and draft_k (the policy's choice, when the step samples anything)."""
         plan = step.plan
         k = self._drafted if n and plan.num_seqs == n else 0
-        for req in step.rows if k else ():
-            # no draft position may need a suppressed id (a row near its max_tokens takes fewer drafts: the runner
-            # accepts none past its blocks, update drops tokens past max_tokens)
-            if req.min_tokens and req.num_scheduled - 1 < req.min_tokens:
-                k = 0
-                break
-        plan.spec_k = k
+        # no draft position may need a suppressed id (a row near its max_tokens takes fewer drafts: the runner
+        # accepts none past its blocks, update drops tokens past max_tokens)
+        plan.spec_k = 0 if _stops_suppressed(step.rows, 1) else k
         # no drafts where the next step cannot verify them (a row's stop ids still suppressed there): a plain
         # pure-decode step that proposes runs eagerly, one that does not replays a decode graph
-        blocked = any(req.min_tokens and req.num_scheduled < req.min_tokens for req in step.sampled)
+        blocked = _stops_suppressed(step.sampled, 0)
         plan.draft_k = self._drafted = self.speculation.next_k(len(self.running)) if step.sampled and not blocked \
             else 0
 
@@ -429,7 +439,7 @@ class Scheduler:
             step.sampled.append(req)
 
     # ---- a step's tokens: where requests end -----------------------------------------------------------------
-    def update(self, rows: list[Request], tokens: list[int]) -> list[RequestOutput]:
+    def update(self, rows: list[Request], tokens: list[int], followed: bool = False) -> list[RequestOutput]:
         """A step's sampled tokens reach their requests (`rows`: the requests of its logits rows, in order), and the
         one place a request ends: on a stop token once min_tokens completion tokens exist (the token is kept, its
         text is not), on a stop string in its text from then on (the string and what follows are cut), or with its
@@ -437,9 +447,9 @@ class Scheduler:
         does not stream gives none until it ends), then those of requests whose own token handling raised: each of
         these fails alone (finish_reason "error").
         With speculation, `tokens` holds a run per row instead (a list: the step's accepted drafts and one more;
-        _update_runs)."""
+        _update_runs); `followed`: a verify step planned behind these runs is queued (module docstring)."""
         if tokens and isinstance(tokens[0], list):
-            return self._update_runs(rows, tokens)
+            return self._update_runs(rows, tokens, followed)
         outputs, failed, dropped = [], [], 0
         add = outputs.append
         for req, token in zip(rows, tokens):
@@ -487,15 +497,17 @@ class Scheduler:
             elif n >= req.max_tokens:
                 req.finish("length")
 
-    def _settle(self, req: Request, out: RequestOutput | None, outputs: list[RequestOutput]) -> None:
-        """After a request took its tokens of a step: freed if they ended it, its output (if any) added."""
+    def _settle(self, req: Request, out: RequestOutput | None, outputs: list[RequestOutput],
+                reply: bool = True) -> None:
+        """After a request took its tokens of a step: freed if they ended it (free's `reply`), its output (if any)
+        added."""
         if req.finish_reason is not None:
-            self.free(req)
+            self.free(req, reply=reply)
             del self.requests[req.request_id]
         if out is not None:
             outputs.append(out)
 
-    def _update_runs(self, rows: list[Request], runs: list[list[int]]) -> list[RequestOutput]:
+    def _update_runs(self, rows: list[Request], runs: list[list[int]], followed: bool) -> list[RequestOutput]:
         """update() for a step with a run of tokens per row: the runs' extra tokens (past the one counted when the
         row was scheduled) first move the request's counts on (they were fed to its caches: accepted drafts), then
         each token is taken as update() takes one, in order, until one ends the request (the rest are dropped)."""
@@ -522,7 +534,7 @@ class Scheduler:
             except Exception as e:
                 failed.append(self.fail(req, e))
                 continue
-            self._settle(req, out, outputs)
+            self._settle(req, out, outputs, reply=not followed)
         self.completion_tokens += taken
         return outputs + failed
 
@@ -547,10 +559,10 @@ class Scheduler:
         return req.take_output()
 
     # ---- leaving ---------------------------------------------------------------------------------------------
-    def free(self, *reqs: Request) -> None:
+    def free(self, *reqs: Request, reply: bool = True) -> None:
         """Take requests out of the scheduler wherever they are and return what they hold (nothing twice), one after
         the other. One that ended on a stop (finish_reason "stop") is first snapshotted after what it fed, for a
-        resent conversation."""
+        resent conversation (`reply`: unless a queued step has moved its slot past that)."""
         running = [r for r in reqs if r.status is RequestStatus.RUNNING]
         if len(running) == 1:
             self.running.remove(running[0])
@@ -567,7 +579,7 @@ class Scheduler:
             if req.status is RequestStatus.WAITING:
                 self.waiting.remove(req)
             elif req.status is RequestStatus.RUNNING:
-                kept = self._snapshot_reply(req) if cache and req.finish_reason == "stop" else None
+                kept = self._snapshot_reply(req) if reply and cache and req.finish_reason == "stop" else None
                 slots.append(req.state_slot)  # (admission alone takes slots: freed together, in this order)
                 # its blocks but those of its cached chain (block k is the chain's node k + 1) and the one kept
                 path = req.cache_path
@@ -597,6 +609,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+
+def _stops_suppressed(reqs: list[Request], scheduled: int) -> bool:
+    """Whether a request's stop ids are still suppressed at a position it would sample (min_tokens not reached):
+    `scheduled` of its counted tokens are the step's own."""
+    return any(req.min_tokens and req.num_scheduled - scheduled < req.min_tokens for req in reqs)
 
 
 def sampling_hints(rows: list[Request], first: int = 0) -> tuple[bool, bool, bool, list[tuple[int, Request]]]:

@@ -524,3 +524,59 @@ def test_plan_decoding_refuses_what_is_not_a_plan():
     for bad in (packed[:-1], packed + packed[:1], [99, 0, 0, 0, 0, 0, 0], [99, 0, 0, 0, 0, 0, 0, 0]):
         with pytest.raises(ValueError, match="not a step plan"):
             StepPlan.decode(bad)
+
+
+# ---- speculative decoding: a verify step planned behind the runs of the one before ----------------------------
+class _NoText:
+    pending = False
+
+    def add(self, token_id):
+        return ""
+
+    def flush(self):
+        return ""
+
+
+def _two_verify_steps():
+    """A cached scheduler with k = 2 and two requests (a stops on token 99) after their prefill: a verify step, and
+    the next one planned behind its runs."""
+    from scheduler.speculation import SpecPolicy
+    s = cached(speculation=SpecPolicy(2))
+    a = Request("a", list(range(100, 110)), SamplingParams(max_tokens=20, stop_token_ids=[99]), detokenizer=_NoText())
+    b = Request("b", list(range(200, 210)), SamplingParams(max_tokens=20), detokenizer=_NoText())
+    s.add(a)
+    s.add(b)
+    for _ in range(3):  # both prefills (cut at a snapshot), one token each, drafts proposed
+        step = s.schedule()
+        s.update(step.sampled, [5 if r is a else 6 for r in step.sampled])
+        if s.verifies_next():
+            break
+    second = s.schedule()
+    assert second.plan.spec_k == 2 and not second.plan.spec_behind
+    assert s.verifies_next()
+    third = s.schedule(behind=True)
+    assert third.plan.spec_k == 2 and third.plan.spec_behind == 1
+    assert third.plan.state_slots == second.plan.state_slots
+    assert third.plan.start_pos == [p + 1 for p in second.plan.start_pos]  # (the runs' extra tokens not known yet)
+    return s, a, b, second, third
+
+
+@pytest.mark.parametrize("followed", [False, True])
+def test_verify_step_planned_behind(followed):
+    """A request whose run ends on a stop while a verify step planned behind that run is queued (update(...,
+    followed=True)) is freed without a reply snapshot: the queued step has moved its slot past the reply (with
+    followed=False, as when the engine takes the runs first, the snapshot is taken). The runs then move the host's
+    positions on; the queued step's row of the ended request is dropped. Nothing but a verify step is planned
+    behind: with a request waiting, verifies_next() is False and schedule(behind=True) refuses."""
+    s, a, b, second, third = _two_verify_steps()
+    before = len(snapshots(s))
+    s.update(second.sampled, [[7, 8, 99], [7, 8, 9]], followed=followed)  # a stops on its run's last token
+    assert a.finish_reason == "stop" and a.output_ids == [5, 7, 8, 99]
+    assert len(snapshots(s)) == before + (0 if followed else 1)
+    s.update(third.sampled, [[1, 2, 3], [4, 5, 6]])
+    assert b.output_ids == [6, 7, 8, 9, 4, 5, 6] and a.output_ids == [5, 7, 8, 99]
+    assert s.schedule().plan.start_pos == [10 + 6]  # b: prompt and every token but the newest fed
+    s.add(Request("c", [1, 2, 3], SamplingParams(max_tokens=2), detokenizer=_NoText()))
+    assert not s.verifies_next()
+    with pytest.raises(RuntimeError, match="verify step"):
+        s.schedule(behind=True)

@@ -9,6 +9,8 @@ on the tiny preset, fp32, CPU, torch kernels.
 - TP=2 over gloo (k = 2, dummy-spec): greedy and seeded sampled outputs == TP=1's.
 - GPU (bf16, fast kernels, dummy-spec): greedy outputs identical with k = 2 and auto and without speculation; at
   TP=2 on two GPUs with k = 2.
+- with every request admitted at once, verify steps queued before the runs of the one before are read (behind):
+  outputs equal, and a conversation resent after a stop inside such a run too.
 - /metrics reports the drafted and accepted counters; one request through the HTTP server gives the same text as
   without speculation.
 """
@@ -75,6 +77,31 @@ def test_greedy_outputs_equal_speculation_off(tiny_dir, references, load_format,
     assert expected["stop_id"][2] == "stop" and expected["stop_str"][2] == "stop"
     assert not eng.has_unfinished() and stats["num_running"] == 0
     assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
+
+
+def test_verify_steps_planned_behind_their_runs(tiny_dir, references, monkeypatch):
+    """Every request admitted at once (k = 2, dummy-spec), so most verify steps are queued before the runs of the one
+    before are read (plan.spec_behind): outputs equal speculation off, stops inside accepted runs included. A reply
+    that ended on a stop while such a step was queued leaves no snapshot (its slot had moved past it: stops at three
+    neighbouring tokens, one of them a run's last), and the resent conversations (prompt, reply and more) give what
+    an engine without speculation gives."""
+    expected = references["dummy-spec"]
+    eng = make(tiny_dir, 2, max_num_seqs=12)
+    behind, schedule = [], eng.scheduler.schedule
+    monkeypatch.setattr(eng.scheduler, "schedule", lambda b=False: behind.append(b) or schedule(b))
+    reqs = [r for r in requests(expected) if r[0] != "min"]  # (its min_tokens would hold verify steps back)
+    ids = expected["long0"][0]
+    ends = [j for j in (6, 7, 8) if ids[j] not in ids[:j]]
+    stops = [(f"stop{j}", PROMPTS[0], SamplingParams(max_tokens=24, stop_token_ids=[ids[j]])) for j in ends]
+    got, _ = run(eng, reqs + stops)
+    assert {rid: got[rid] for rid, _, _ in reqs} == {rid: expected[rid] for rid, _, _ in reqs}
+    assert [(got[f"stop{j}"][0], got[f"stop{j}"][2]) for j in ends] == [(ids[:j + 1], "stop") for j in ends]
+    assert len(ends) >= 2 and sum(behind) >= 5 and not all(behind), behind  # (24 tokens at most, ~3 a step)
+    resent = [(f"resent{j}", PROMPTS[0] + ids[:j + 1] + [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+              for j in ends]
+    again, _ = run(eng, resent)
+    assert again == run(make(tiny_dir, 0), resent)[0]
+    assert eng.stats()["kv_blocks_used"] == 0 and eng.stats()["state_slots_used"] == 0
 
 
 def test_http_server_with_speculation(tiny_dir, tmp_path):
