@@ -1,21 +1,26 @@
 """Gated DeltaNet on a speculative verify step: T tokens per sequence (its newest token, then its drafts) read the
-sequence's conv tail and recurrent state without writing them; after acceptance, `commit` replays each sequence's
-first counts[b] tokens from the unchanged state and writes the state and the tail once, for every layer at once.
+sequence's conv tail and recurrent state; the state is written once, after the first token (the newest one, always
+accepted), the tail not at all. After acceptance, `commit` replays each sequence's accepted drafts (tokens 1 ..
+counts[b] - 1) from that state and writes it once (a sequence that accepted none is not touched), and moves every
+tail on by counts[b], for every layer at once.
 
 Why a replay and not a state per draft position: at full size a sequence's states are ~60 MB (TP=1), so writing
 T of them per step costs more memory traffic than reading the one state again for the replay; and the inputs the
 replay needs are the T rows of the fused projection proj = u | z | b | a that the verify step computed (each layer
-keeps a reference to them until commit: a VerifyStep).
+keeps a reference to them until commit: a VerifyStep). Writing the state after the first token costs the verify
+step little (its programs wait on their serial token updates more than on memory: ~30% of the copy rate at batch
+64 on an H200) and spares the commit the sequences that accepted no draft (40% of them at acceptance 0.6).
 
 Both ops compute, token by token, exactly what T calls of layers/deltanet.py decode_torch compute (the same conv
 window per token, the same delta-rule update and readout): the outputs of verify equal T single decode steps, and
-after commit(counts) the state and tail equal counts[b] single decode steps (exact in fp32, torch pair).
+after verify the state equals one single decode step and after commit(counts) the state and tail equal counts[b]
+single decode steps (exact in fp32, torch pair).
 
 Rows are contiguous per sequence: sequence b's tokens are rows b*T .. b*T + T - 1 of proj.
     verify_torch / verify_fast (proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps, T,
-                                row) -> y [B*T, Hv*dv]; nothing written to the caches
+                                row) -> y [B*T, Hv*dv]; ssm_state[slots] advanced by the first token
     commit_torch / commit_fast (steps: list[VerifyStep], counts) -> None; for every layer, conv_state[slots] and
-                                ssm_state[slots] advanced by counts[b] tokens (1 <= counts[b] <= T)
+                                ssm_state[slots] advanced by counts[b] tokens (1 <= counts[b] <= T) in all
 No host sync in either (counts stay on the device): masks by t < counts[b].
 
 The fast pair is one launch a layer for verify (the gated norm inside it) and one launch for the commit of every
@@ -60,7 +65,8 @@ def _windows(proj, conv_state, slots, conv_dim, Hv, dv, T):
 
 def verify_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float, T: int,
                  row: int = 0):
-    """Outputs of T tokens per sequence on its state (module docstring), the caches untouched (row: the fast op's)."""
+    """Outputs of T tokens per sequence on its state (module docstring); the state written after the first token, the
+    tail untouched (row: the fast op's)."""
     Hk, Hv, dk, dv, conv_dim = _dims(conv_state, ssm_state)
     K = conv_weight.shape[-1]
     u, z, b, a, seq = _windows(proj, conv_state, slots, conv_dim, Hv, dv, T)
@@ -72,14 +78,16 @@ def verify_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias
         g, beta = gates_torch(a[:, t], b[:, t], A_log, dt_bias)
         q, k, v = conv_column_qkv(seq[..., t:t + K], conv_weight, Hk, Hv, dk, dv)
         state = delta_rule_step(state, k, v, g, beta)
+        if t == 0:
+            ssm_state[slots] = state
         o = torch.einsum("bhkv,bhk->bhv", state, q).to(u.dtype)
         y.append(gated_rms_norm_torch(o, z[:, t], norm_weight, eps).flatten(1))
     return torch.stack(y, dim=1).flatten(0, 1)
 
 
 def commit_torch(steps: list[VerifyStep], counts: torch.Tensor) -> None:
-    """Advance each layer's states and conv tails by each sequence's first counts[b] tokens of its verify step
-    (replayed), layer by layer."""
+    """Advance each layer's states (after its verify step's first token) by each sequence's accepted drafts, tokens 1
+    .. counts[b] - 1 (replayed), and its conv tails by counts[b] tokens, layer by layer."""
     for s in steps:
         _commit_layer_torch(s.proj, s.conv_state, s.ssm_state, s.slots, s.conv_weight, s.A_log, s.dt_bias, counts,
                             s.T)
@@ -90,7 +98,7 @@ def _commit_layer_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, 
     K = conv_weight.shape[-1]
     u, z, b, a, seq = _windows(proj, conv_state, slots, conv_dim, Hv, dv, T)
     state = ssm_state[slots]
-    for t in range(T):
+    for t in range(1, T):
         g, beta = gates_torch(a[:, t], b[:, t], A_log, dt_bias)
         _, k, v = conv_column_qkv(seq[..., t:t + K], conv_weight, Hk, Hv, dk, dv)
         new = delta_rule_step(state, k, v, g, beta)
@@ -114,7 +122,7 @@ def _fields(t: VerifyStep) -> tuple:
 def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float, T: int,
                 row: int = 0):
     """verify_torch in one launch: the T tokens of each (sequence, value-head block) in one program (the state slab
-    in registers, read once, never written; the conv windows from the cached tail and the proj rows), each token's
+    in registers, read once, written after the first token; the conv windows from the cached tail and the proj rows), each token's
     readout stored; the last program of each (sequence, qk-head) group to arrive applies the gated RMSNorm to its
     heads' rows (as decode_fast's). Program (0, 0) writes this layer's addresses into row `row` of the commit
     table, for commit_fast."""
@@ -144,9 +152,9 @@ def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
 
 
 def commit_fast(steps: list[VerifyStep], counts: torch.Tensor) -> None:
-    """commit_torch in one launch for every layer: program (h * n_split + j, b, l) replays the first counts[b]
-    tokens of its slab of layer l (its tensors from row l of the commit table, which layer l's verify_fast wrote:
-    steps[l].row must be l) and writes the slab once, then moves on its own v channels of the conv tail; the last
+    """commit_torch in one launch for every layer: program (h * n_split + j, b, l) replays tokens 1 .. counts[b] - 1
+    of its slab of layer l (its tensors from row l of the commit table, which layer l's verify_fast wrote:
+    steps[l].row must be l) and writes the slab once (neither where counts[b] is 1), then moves on its own v channels of the conv tail; the last
     program of each (layer, sequence, qk-head) group to arrive moves on the group's q/k channels (every program of
     the group has read them by then). The layers must share shapes, strides and dtypes, the slots and T."""
     if not steps:
@@ -251,7 +259,8 @@ if triton is not None:
                        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        BV_HEAD: tl.constexpr, FIELDS: tl.constexpr):
         """Value columns [j*BV, (j+1)*BV) of value head h of sequence b, program (h * N_SPLIT + j, b), its T tokens
-        in order (the decode kernel's step per token): the slab is read, never written; each token's readout o
+        in order (the decode kernel's step per token): the slab is read, written after the first token (always
+        accepted: the commit replays the rest); each token's readout o
         (rounded) goes to row b*T + t of y. The last program of the (b, qk-head) group to arrive normalises and
         gates the group's heads in all T rows (_gated_norm_group) and resets the counter."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
@@ -275,6 +284,8 @@ if triton is not None:
         for t in range(T):
             S = _token_update(S, prow0, sp_b, t, tail, conv_w_ptr, h, hk, kk, vv, km, vm, sc_c, sc_t, sw_c, sw_t,
                               k_off, v_off, b_off, a_off, decay_scale, bias, l2_eps, KERNEL, DK, DV, dtype)
+            if t == 0:
+                tl.store(ptrs, S, mask=km[:, None] & vm[None, :])
             q = _window_silu(prow0, sp_b, t, tail, conv_w_ptr, hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL,
                              dtype)
             q = q * tl.rsqrt(tl.sum(q * q, 0) + l2_eps) * scale
@@ -306,8 +317,8 @@ if triton is not None:
                        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        TAIL_P: tl.constexpr, FIELDS: tl.constexpr):
         """Value columns [j*BV, (j+1)*BV) of value head h of sequence b in layer l, program (h * N_SPLIT + j, b, l):
-        layer l's tensors from row l of the commit table (the *0 arguments give their types); tokens t >= counts[b]
-        leave the slab as it was; the slab is written once; then this program's v tail channels move on (only it
+        layer l's tensors from row l of the commit table (the *0 arguments give their types); where counts[b] > 1,
+        tokens 1 .. counts[b] - 1 update the slab (as the verify left it, after token 0), which is written once; then this program's v tail channels move on (only it
         reads them), and the last program of the (l, b, qk-head) group to arrive moves on the group's q and k
         channels and resets the counter."""
         prior_done()  # (backend.pdl: the kernels before this one have finished, the table written)
@@ -324,15 +335,17 @@ if triton is not None:
         dtype = proj0.dtype.element_ty
         kk, vv = tl.arange(0, BK), j * BV + tl.arange(0, BV)
         km, vm = kk < DK, vv < DV
-        tail, ptrs, S, prow0, decay_scale, bias = _slab(proj_ptr, conv_ptr, state_ptr, slots_ptr, A_log_ptr,
-                                                        dt_bias_ptr, b, h, kk, vv, km, vm, T, sp_b, sc_slot, ss_slot,
-                                                        ss_h, ss_k, ss_v)
         n = tl.load(counts_ptr + b)
-        for t in range(T):
-            new = _token_update(S, prow0, sp_b, t, tail, conv_w_ptr, h, hk, kk, vv, km, vm, sc_c, sc_t, sw_c, sw_t,
-                                k_off, v_off, b_off, a_off, decay_scale, bias, l2_eps, KERNEL, DK, DV, dtype)
-            S = tl.where(t < n, new, S)
-        tl.store(ptrs, S, mask=km[:, None] & vm[None, :])
+        if n > 1:  # (a sequence that accepted no draft: its slab is as the verify left it)
+            tail, ptrs, S, prow0, decay_scale, bias = _slab(proj_ptr, conv_ptr, state_ptr, slots_ptr, A_log_ptr,
+                                                            dt_bias_ptr, b, h, kk, vv, km, vm, T, sp_b, sc_slot,
+                                                            ss_slot, ss_h, ss_k, ss_v)
+            for t in range(1, n):  # (the accepted drafts only: the rejected ones cost nothing)
+                S = _token_update(S, prow0, sp_b, t, tail, conv_w_ptr, h, hk, kk, vv, km, vm, sc_c, sc_t, sw_c,
+                                  sw_t, k_off, v_off, b_off, a_off, decay_scale, bias, l2_eps, KERNEL, DK, DV, dtype)
+            tl.store(ptrs, S, mask=km[:, None] & vm[None, :])
+        tail = conv_ptr + tl.load(slots_ptr + b).to(tl.int64) * sc_slot
+        prow0 = proj_ptr + b * T * sp_b
         _move_tail(prow0, sp_b, tail, v_off + h * DV + vv, vm, n, sc_c, sc_t, KERNEL - 1, TAIL_P)
         # arrive: the barrier orders every thread's loads and stores above before the (one-thread) release
         tl.debug_barrier()

@@ -491,10 +491,10 @@ def test_gpu_queueing_a_step_never_waits_for_the_device(tiny_dir):
         run(eng, [(f"warm{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])  # kernels compiled, graphs warm
         launch = eng._launch
 
-        def strict():
+        def strict(*args):
             torch.cuda.set_sync_debug_mode("error")
             try:
-                return launch()
+                return launch(*args)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 

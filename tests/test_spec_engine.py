@@ -209,3 +209,29 @@ def test_gpu_tp2_outputs_equal_speculation_off(tiny_dir, cache_dir, tmp_path):
     for rid in ("g0", "g2"):
         assert got[2][rid] == got[0][rid], rid
     assert len(got[2]["seeded"]) == len(got[0]["seeded"]) == SEEDED.max_tokens
+
+
+@pytest.mark.gpu
+def test_gpu_verify_steps_queued_behind_never_wait(tiny_dir, monkeypatch):
+    """On a GPU (bf16, fast kernels, verify graphs), every request admitted at once with k = 2: queueing a step, a
+    verify step planned behind the runs of the one before included, never waits for the device (torch's sync debug
+    mode turns any wait into an error); the outputs equal those without speculation."""
+    kw = dict(device="cuda", dtype="bfloat16", kernels="fast", max_num_seqs=8)
+    reqs = [(f"g{i}", p, SamplingParams(max_tokens=24, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+    off, _ = run(make(tiny_dir, 0, **kw), reqs)
+    eng = make(tiny_dir, 2, **kw)
+    run(eng, [(f"warm{i}", p, SamplingParams(max_tokens=8, ignore_eos=True)) for i, p in enumerate(PROMPTS)])
+    behind, launch = [], eng._launch
+
+    def strict(b):
+        behind.append(b)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(b)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(eng, "_launch", strict)
+    on, _ = run(eng, reqs)
+    assert on == off
+    assert sum(behind) >= 4 and eng.stats()["spec_verify_graph_steps"] > 0, behind

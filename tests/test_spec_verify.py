@@ -1,8 +1,9 @@
 """Speculative verify steps (layers/deltanet_verify.py, ForwardBatch.verify_tokens): a verify step of T tokens per
 sequence computes what T single decode steps compute, and rollback leaves nothing of the rejected tokens behind.
 
-- ops: verify_torch's outputs == T decode_torch steps and the caches untouched; commit_torch(counts) leaves the
-  state and the conv tail of counts[b] decode steps; both exact (torch.equal) in fp32: the same ops token by token.
+- ops: verify_torch's outputs == T decode_torch steps, the state that of one decode step (the newest token, always
+  accepted) and the tail untouched; commit_torch(counts) after it leaves the state and the conv tail of counts[b]
+  decode steps; both exact (torch.equal) in fp32: the same ops token by token.
   Odd dims (dk 5, dv 6, 3 value heads on 1 key head), conv kernels 2 and 4, T = 1..4, counts 1..T, slots out of
   order.
 - fast == torch through Triton's interpreter (the same shapes, T = 1..4, fp32): outputs and states
@@ -81,9 +82,10 @@ def test_verify_and_commit_equal_single_decode_steps(dims, T):
     expected, after = decode_steps(layer, proj, slots, T, conv0.clone(), ssm0.clone())
     y = verify_torch(proj, layer.conv_state, layer.ssm_state, slots, *args(layer), layer.norm.weight, EPS, T)
     assert torch.equal(y, expected)
-    assert torch.equal(layer.conv_state, conv0) and torch.equal(layer.ssm_state, ssm0)  # nothing written
+    assert torch.equal(layer.conv_state, conv0) and torch.equal(layer.ssm_state, after[0][1])  # the first token's
     for counts in ([1, T, 1], [T, (T + 1) // 2, max(1, T - 1)]):
         conv, ssm = conv0.clone(), ssm0.clone()
+        verify_torch(proj, conv, ssm, slots, *args(layer), layer.norm.weight, EPS, T)
         commit_torch([step(layer, proj, conv, ssm, slots, T)], torch.tensor(counts))
         for b, (slot, n) in enumerate(zip(slots.tolist(), counts)):
             assert torch.equal(conv[slot], after[n - 1][0][slot]), (b, n)
@@ -102,13 +104,15 @@ def test_fast_equals_torch(dims, T, block_v, monkeypatch):
     slots = torch.tensor([5, 1, 6])
     proj = proj_rows(layer, 3 * T, seed=10 + T)
     conv0, ssm0 = layer.conv_state.clone(), layer.ssm_state.clone()
-    want = verify_torch(proj, conv0, ssm0, slots, *args(layer), layer.norm.weight, EPS, T)
+    conv_t, ssm_t = conv0.clone(), ssm0.clone()
+    want = verify_torch(proj, conv_t, ssm_t, slots, *args(layer), layer.norm.weight, EPS, T)
     got = verify_fast(proj, layer.conv_state, layer.ssm_state, slots, *args(layer), layer.norm.weight, EPS, T)
     assert (got - want).abs().max().item() <= TOL_FAST
-    assert torch.equal(layer.conv_state, conv0) and torch.equal(layer.ssm_state, ssm0)
+    assert torch.equal(layer.conv_state, conv0) and (layer.ssm_state - ssm_t).abs().max().item() <= TOL_FAST
     for counts in ([1, T, 1], [T, (T + 1) // 2, max(1, T - 1)]):
         conv_t, ssm_t, conv_f, ssm_f = conv0.clone(), ssm0.clone(), conv0.clone(), ssm0.clone()
         n = torch.tensor(counts)
+        verify_torch(proj, conv_t, ssm_t, slots, *args(layer), layer.norm.weight, EPS, T)
         commit_torch([step(layer, proj, conv_t, ssm_t, slots, T)], n)
         verify_fast(proj, conv_f, ssm_f, slots, *args(layer), layer.norm.weight, EPS, T)  # (the commit table's row)
         commit_fast([step(layer, proj, conv_f, ssm_f, slots, T)], n)
@@ -134,12 +138,14 @@ def test_commit_fast_commits_every_layer_in_one_launch(monkeypatch):
     want = []
     for m, proj, (conv0, ssm0) in zip(layers, projs, start):
         conv, ssm = conv0.clone(), ssm0.clone()
+        verify_torch(proj, conv, ssm, slots, *args(m), m.norm.weight, EPS, T)
         commit_torch([step(m, proj, conv, ssm, slots, T)], n)
         want.append((conv, ssm))
     steps = []
     for row, (m, proj) in enumerate(zip(layers, projs)):
         verify_fast(proj, m.conv_state, m.ssm_state, slots, *args(m), m.norm.weight, EPS, T, row)
         steps.append(step(m, proj, m.conv_state, m.ssm_state, slots, T, row))
+    verified = [m.ssm_state.clone() for m in layers]
     with pytest.raises(RuntimeError, match="row 1"):
         commit_fast([steps[0], steps[2]], n)  # layer 2's step where row 1 is expected
     other = make_layer(2, 2, 4, 3, 2)
@@ -147,9 +153,10 @@ def test_commit_fast_commits_every_layer_in_one_launch(monkeypatch):
     verify_fast(proj_o, other.conv_state, other.ssm_state, slots, *args(other), other.norm.weight, EPS, T, 1)
     with pytest.raises(ValueError, match="one launch commits layers of one kind"):
         commit_fast([steps[0], step(other, proj_o, other.conv_state, other.ssm_state, slots, T, 1)], n)
-    assert all(torch.equal(m.ssm_state, s[1]) for m, s in zip(layers, start))  # nothing written by the refusals
+    assert all(torch.equal(m.ssm_state, s) for m, s in zip(layers, verified))  # nothing written by the refusals
     verify_fast(projs[1], layers[1].conv_state, layers[1].ssm_state, slots, *args(layers[1]), layers[1].norm.weight,
-                EPS, T, 1)  # (row 1 names layer 1 again)
+                EPS, T, 1)  # (row 1 names layer 1 again; its state put back as the first verify left it)
+    layers[1].ssm_state.copy_(verified[1])
     grids, kernel = [], dv._commit_kernel
 
     class Counted:  # _commit_kernel[grid](...), each grid noted

@@ -6,8 +6,8 @@
 Per batch B and setting k (0: speculation off; K: K drafts every decode step; auto: the policy of
 scheduler/speculation.py): B requests of --input-len random prompt tokens, sampled at temperature 1 (the temperature
 the synthetic acceptance is made for), ignore_eos, --output-len tokens each, all added at once; the prefill steps
-are not timed, then every step until all have finished is. Reported per row: wall ms per step (host included: the
-host waits for each verify step; plain steps keep the overlap), completion tokens per sequence per step, the
+are not timed, then every step until all have finished is. Reported per row: wall ms per step (host included; the
+engine overlaps the host's work with the device's as in serving: verify -> verify steps too), completion tokens per sequence per step, the
 effective ms per emitted token (per sequence: wall / tokens each sequence emitted), the acceptance measured in that
 run (accepted / drafted drafts that could count), and how many verify steps replayed a CUDA graph and how many ran
 eagerly (the runner's counts: rank 0's). Nothing is assumed: the acceptance is what the drafts got.
