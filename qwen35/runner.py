@@ -473,8 +473,10 @@ class ModelRunner:
         slots = plan.state_slots
         self._check_rows(slots, plan.start_pos, [1] * B, [s + 1 for s in plan.start_pos])  # (the newest token's)
         starts, behind = self.verify_starts(plan)
-        host = torch.tensor([*slots, *starts, *[behind] * B], dtype=torch.int64, pin_memory=self._pin)
-        slots_d, starts_d, behind_d = host.to(self.device, non_blocking=True).view(3, B)
+        pad = [0] * (B % 2)  # each row 16-byte aligned, as the graphs' rows are: the kernels compile once for both
+        host = torch.tensor([*slots, *pad, *starts, *pad, *[behind] * B, *pad], dtype=torch.int64,
+                            pin_memory=self._pin)
+        slots_d, starts_d, behind_d = host.to(self.device, non_blocking=True).view(3, B + len(pad))[:, :B]
         return self.verify_inputs(slots_d, starts_d, behind_d, T, start_pos_cpu=list(starts),
                                   state_slots_cpu=list(slots))
 

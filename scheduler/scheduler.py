@@ -510,7 +510,10 @@ class Scheduler:
     def _update_runs(self, rows: list[Request], runs: list[list[int]], followed: bool) -> list[RequestOutput]:
         """update() for a step with a run of tokens per row: the runs' extra tokens (past the one counted when the
         row was scheduled) first move the request's counts on (they were fed to its caches: accepted drafts), then
-        each token is taken as update() takes one, in order, until one ends the request (the rest are dropped)."""
+        each token is taken as update() takes one, in order, until one ends the request (the rest are dropped).
+        `followed`: a request whose last token the queued step now schedules leaves the scheduler here, as schedule()
+        lets one go (its tokens end it in the next update): it has no row in a later step, whose positions would run
+        past its blocks."""
         decode, extra = self._decode, {}
         for req, run in zip(rows, runs):
             if len(run) > 1 and req.finish_reason is None and req.status is RequestStatus.RUNNING:
@@ -519,6 +522,10 @@ class Scheduler:
                 req.num_scheduled += len(run) - 1
         if extra:
             decode.start = [s + extra.get(r, 0) for s, r in zip(decode.start, decode.reqs)]
+            if followed:
+                done = [r for r in extra if r.num_scheduled >= r.params.max_tokens]
+                if done:
+                    self.free(*done, reply=False)
             decode.next_end()
         outputs, failed, taken = [], [], 0
         for req, run in zip(rows, runs):

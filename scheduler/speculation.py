@@ -7,7 +7,9 @@ scheduler asks `next_k(batch)` when it plans a step (the drafts that step propos
 most that many (none while a row's stop ids are suppressed: Scheduler).
 
 `auto`: with acceptance a per draft (the probability that a draft is accepted given the ones before it were: an
-exponential average of the a that explains each verify step's accepted / drafted; ACCEPTANCE_PRIOR before any), a
+exponential average of the a that explains each verify step's accepted / drafted, a step of d drafts weighing
+min(1 - ACCEPTANCE_DECAY, 1 - exp(-d / ACCEPTANCE_MEMORY)), so that a step of one row and one draft moves it as
+little as one draft says; ACCEPTANCE_PRIOR before any), a
 step of k drafts per row emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per row on average; auto takes the k in
 0..AUTO_MAX_K with the least step_ms(batch, k) / E(k) (k = 0: a plain step; ties go to the smaller k), keeping the
 k it chose last unless another is expected to cost SWITCH_MARGIN less: a verify step replays a CUDA graph only when
@@ -28,6 +30,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -36,7 +39,12 @@ log = logging.getLogger("qwen35.speculation")
 AUTO_MAX_K = 3            # the most drafts `auto` chooses
 MAX_K = 8                 # the most drafts a fixed --speculative-tokens may ask for
 ACCEPTANCE_PRIOR = 0.6    # the acceptance `auto` assumes before it has measured any
-ACCEPTANCE_DECAY = 0.9    # weight of the past in the running acceptance (per verify step)
+ACCEPTANCE_DECAY = 0.9    # weight of the past in the running acceptance, per verify step at most (and per step at
+# k = 0, pulling it back towards the prior)
+ACCEPTANCE_MEMORY = 100   # drafts: a verify step of d drafts keeps at least exp(-d / this) of the running acceptance.
+# With 0.9 a step at any batch, a batch-1 step's 0-or-1 moved it by +-0.1 and k flipped every ~10 steps there, each
+# flip a verify step outside the graphs (tests/test_spec_policy.py: 184 flips in 2,000 simulated batch-1 steps at an
+# acceptance of 0.6 with the TP=1 table)
 # the placeholder (module docstring): (tokens in the step, cost relative to a batch-1 plain step)
 # (1024: the 256-512 segment continued, so that steps of up to 256 rows x (AUTO_MAX_K + 1) tokens grow as before)
 PLACEHOLDER = [(1, 1.0), (2, 1.32), (4, 1.82), (8, 2.4), (16, 3.0), (32, 3.6), (64, 4.3), (128, 5.6), (256, 8.4),
@@ -184,7 +192,8 @@ class SpecPolicy:
         self.drafted += drafted
         self.accepted += accepted
         a = per_draft_acceptance(accepted / drafted, k)
-        self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * a
+        keep = max(ACCEPTANCE_DECAY, math.exp(-drafted / ACCEPTANCE_MEMORY))
+        self.acceptance = keep * self.acceptance + (1 - keep) * a
 
 
 def expected_tokens(k: int, acceptance: float) -> float:

@@ -537,13 +537,13 @@ class _NoText:
         return ""
 
 
-def _two_verify_steps():
+def _two_verify_steps(b_max_tokens=20):
     """A cached scheduler with k = 2 and two requests (a stops on token 99) after their prefill: a verify step, and
     the next one planned behind its runs."""
     from scheduler.speculation import SpecPolicy
     s = cached(speculation=SpecPolicy(2))
     a = Request("a", list(range(100, 110)), SamplingParams(max_tokens=20, stop_token_ids=[99]), detokenizer=_NoText())
-    b = Request("b", list(range(200, 210)), SamplingParams(max_tokens=20), detokenizer=_NoText())
+    b = Request("b", list(range(200, 210)), SamplingParams(max_tokens=b_max_tokens), detokenizer=_NoText())
     s.add(a)
     s.add(b)
     for _ in range(3):  # both prefills (cut at a snapshot), one token each, drafts proposed
@@ -580,3 +580,17 @@ def test_verify_step_planned_behind(followed):
     assert not s.verifies_next()
     with pytest.raises(RuntimeError, match="verify step"):
         s.schedule(behind=True)
+
+
+def test_a_run_that_schedules_the_last_token_of_a_request_ends_its_rows():
+    """Planned behind: b (max_tokens 5) has 1 token, its verify step in flight accepts both drafts (3 tokens), and the
+    step queued behind it holds b's 5th token. Taking the runs lets b go at once (no row of b in any later plan, whose
+    positions would run past its blocks: the server crashed on that at a block boundary, 2026-11-29); the queued
+    step's first token then ends it."""
+    s, a, b, second, third = _two_verify_steps(b_max_tokens=5)
+    s.update(second.sampled, [[7, 8], [7, 8, 9]], followed=True)
+    assert b.num_scheduled == 5 and b not in s.running and b.finish_reason is None
+    nxt = s.schedule(behind=True)
+    assert nxt.plan.state_slots == [a.state_slot] and nxt.plan.spec_behind
+    s.update(third.sampled, [[1, 2, 3], [4, 5, 6]], followed=True)
+    assert b.finish_reason == "length" and b.output_ids == [6, 7, 8, 9, 4] and "b" not in s.requests
