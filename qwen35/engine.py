@@ -355,8 +355,9 @@ class LLMEngine:
         """A Triton compile after start: a kernel variant the warm-up did not meet (a gap in
         ModelRunner.warm_up_plans, or --no-warm-up), paid by the requests of this step (~1 s)."""
         self.late_compiles += 1
+        # (the whole description: its specialisations, at the end, say which variant the warm-up missed)
         log.warning("Triton compiled a kernel after start (%d so far; ~1 s in the middle of serving): %s",
-                    self.late_compiles, kernel[:400])
+                    self.late_compiles, kernel)
 
     def shutdown(self) -> None:
         """Rank 0: release the worker ranks from run_worker_loop()."""

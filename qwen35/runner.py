@@ -255,12 +255,17 @@ class ModelRunner:
         parts = host.to(self.device, non_blocking=True).split(padded)
         slots_d, starts_d, ctx_d, cu_d, logits_idx, self.logit_slots, tokens, checkpoints = (
             part[:n] for part, n in zip(parts, sizes))
-        width = -(-max(ctx) // bs)
-        tables = self.block_table[slots_d, :width]
         host = dict(cu_seqlens=cu_d.to(torch.int32), start_pos=starts_d.to(torch.int32), logits_indices=logits_idx,
                     seq_lens_cpu=lens, start_pos_cpu=list(starts), state_slots_cpu=list(slots))
-        if decode:  # (one token per row: a row without tokens feeds one)
-            return decode_batch(self, slots_d, starts_d, None if all(from_device) else tokens, tables, **host)
+        width = -(-max(ctx) // bs)
+        tables = self.block_table[slots_d, :width]
+        if decode:  # (one token per row: a row without tokens feeds one); where decode graphs run, over the slots'
+            # whole tables as the graphs take them: the decode attention's split count goes by the table width, so
+            # tables cut to the batch's context made a kernel variant per power of two of it, compiled mid-serving by
+            # the eager decode steps (those that propose drafts: 3 compiles in a minute of serving, 1x H200,
+            # 2026-11-29)
+            return decode_batch(self, slots_d, starts_d, None if all(from_device) else tokens,
+                                None if self.graphs is not None else tables, **host)
         # per token its row and position, made on the device (torch's CPU ops took ~20 ms at 8 x 1024 tokens)
         n = cu[-1]
         seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=self.device), cu_d.diff(),
