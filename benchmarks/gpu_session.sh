@@ -32,6 +32,8 @@
 #             standard exp:290,1024 lengths)
 #   baseserver  the same from .base/ (throughput_base_tpN.json): `base record baseserver server` is a before/after
 #             of the decode rows and the HTTP score on one machine
+#   specserver  the HTTP workload on dummy-spec weights (acceptance 0.6) without speculation, then with
+#             --speculative-tokens SPEC_SERVER_K (default auto): throughput_spec_k{0,K}_tpN.json, one machine
 #   pack      everything under $OUT but the JSON files into $OUT/logs.tgz
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -171,6 +173,18 @@ for stage in "$@"; do
           ${THROUGHPUT_ARGS:---levels 1,2,4,8,16,32,64 --num-requests 64 --ignore-eos} \
           --device-info "$DEV, TP=$NGPU, dummy weights" --out "$OUT/throughput${tag:+_$tag}_tp$NGPU.json" 2>&1 | tail -14
         ./start.sh --stop --port 8000) ;;
+    specserver)  # speculation served: the same workload against a server without it and one with SPEC_SERVER_K
+      for k in 0 ${SPEC_SERVER_K:-auto}; do
+        ./start.sh --port 8000 --model qwen3.5-35b-a3b --load-format dummy-spec --spec-acceptance 0.6 \
+          --speculative-tokens "$k" --tp "$NGPU" --log "$OUT/specserver_k$k.log" --timeout 600 ${SERVER_ARGS:-} \
+          || { tail -30 "$OUT/specserver_k$k.log"; exit 1; }
+        python3 -m benchmarks.throughput --url http://127.0.0.1:8000 \
+          ${THROUGHPUT_ARGS:---levels 1,2,4,8,16,32,64 --num-requests 64 --ignore-eos} \
+          --device-info "$DEV, TP=$NGPU, dummy-spec weights (acceptance 0.6), --speculative-tokens $k" \
+          --out "$OUT/throughput_spec_k${k}_tp$NGPU.json" 2>&1 | tail -6
+        grep -c "compiled a kernel after start" "$OUT/specserver_k$k.log" | sed 's/^/Triton compiles after start: /'
+        ./start.sh --stop --port 8000
+      done ;;
     pack) (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz $(ls | grep -v '\.json$') \
              && ls | grep -v -e '\.json$' -e '^logs.tgz$' | xargs -r rm -rf) ;;
     *) echo "unknown stage $stage" ;;
