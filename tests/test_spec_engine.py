@@ -10,7 +10,8 @@ on the tiny preset, fp32, CPU, torch kernels.
 - GPU (bf16, fast kernels, dummy-spec): greedy outputs identical with k = 2 and auto and without speculation; at
   TP=2 on two GPUs with k = 2.
 - with every request admitted at once, verify steps queued before the runs of the one before are read (behind):
-  outputs equal, stops inside runs and on a run's last token included.
+  outputs equal, stops inside runs and on a run's last token included; requests ending exactly at a block's end
+  never get a row past their blocks.
 - /metrics reports the drafted and accepted counters; one request through the HTTP server gives the same text as
   without speculation.
 """
@@ -97,6 +98,23 @@ def test_verify_steps_planned_behind_their_runs(tiny_dir, references, monkeypatc
     assert [(got[f"stop{j}"][0], got[f"stop{j}"][2]) for j in ends] == [(ids[:j + 1], "stop") for j in ends]
     assert len(ends) >= 2 and sum(behind) >= 5 and not all(behind), behind  # (24 tokens at most, ~3 a step)
     assert eng.stats()["kv_blocks_used"] == 0 and eng.stats()["state_slots_used"] == 0
+
+
+def test_rows_end_at_block_boundaries_with_verify_steps_behind(tiny_dir):
+    """Requests whose last position ends a KV block exactly (prompt + max_tokens - 1 a multiple of the block size),
+    all admitted at once with k = 2 on dummy-spec weights (long accepted runs): verify steps planned behind never
+    plan a row past a request's blocks (the runner refuses such a plan: a server died on one, 2026-11-29), and the
+    greedy outputs equal speculation off."""
+    rng, bs = random.Random(5), 8
+    reqs = []
+    for i, max_tokens in enumerate(range(18, 24)):  # (every phase of the runs' ends: 3 tokens a verify step here)
+        n = bs * (i + 2) + 1 - max_tokens % bs
+        reqs.append((f"b{i}", [rng.randrange(0, 240_000) for _ in range(n)],
+                     SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    assert all((len(p) + sp.max_tokens - 1) % bs == 0 for _, p, sp in reqs)
+    off, _ = run(make(tiny_dir, 0, max_num_seqs=6, block_size=bs), reqs)
+    on, _ = run(make(tiny_dir, 2, max_num_seqs=6, block_size=bs), reqs)
+    assert on == off
 
 
 def test_http_server_with_speculation(tiny_dir, tmp_path):
