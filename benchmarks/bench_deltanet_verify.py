@@ -1,7 +1,8 @@
-"""GPU micro-benchmark of the DeltaNet ops of a speculative verify step (layers/deltanet_verify.py) at the Qwen3.5-35B-A3B
-shapes of one rank: verify_fast (one layer: T tokens per sequence read the state, never write it) and commit_fast
-(every DeltaNet layer in one launch: each sequence's accepted tokens replayed, the state written once), by CUDA-graph
-replay, against the bytes each must move (fp32 state slabs; the proj rows, tails and outputs are small).
+"""GPU micro-benchmark of the DeltaNet ops of a speculative verify step (layers/deltanet_verify.py) at the
+Qwen3.5-35B-A3B shapes of one rank: verify_fast (one layer: T tokens per sequence read the state and write it after the
+first) and commit_fast (every DeltaNet layer in one launch: each sequence's accepted tokens replayed, the state written
+once), by CUDA-graph replay, against the bytes each must move (fp32 state slabs; the proj rows, tails and outputs are
+small).
 
     python -m benchmarks.bench_deltanet_verify [--tp 1] [--batches 1,8,32,64] [--T 2,3,4] [--accepted 0.6]
                                                [--sweep] [--out results.json]

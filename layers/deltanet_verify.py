@@ -121,11 +121,11 @@ def _fields(t: VerifyStep) -> tuple:
 
 def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float, T: int,
                 row: int = 0):
-    """verify_torch in one launch: the T tokens of each (sequence, value-head block) in one program (the state slab
-    in registers, read once, written after the first token; the conv windows from the cached tail and the proj rows), each token's
-    readout stored; the last program of each (sequence, qk-head) group to arrive applies the gated RMSNorm to its
-    heads' rows (as decode_fast's). Program (0, 0) writes this layer's addresses into row `row` of the commit
-    table, for commit_fast."""
+    """verify_torch in one launch: the T tokens of each (sequence, value-head block) in one program (the state slab in
+    registers, read once, written after the first token; the conv windows from the cached tail and the proj rows), each
+    token's readout stored; the last program of each (sequence, qk-head) group to arrive applies the gated RMSNorm to
+    its heads' rows (as decode_fast's). Program (0, 0) writes this layer's addresses into row `row` of the commit table,
+    for commit_fast."""
     Hk, Hv, dk, dv, conv_dim = _dims(conv_state, ssm_state)
     y = torch.empty(proj.shape[0], Hv * dv, dtype=proj.dtype, device=proj.device)
     step = VerifyStep(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, T, row)
@@ -152,11 +152,11 @@ def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
 
 
 def commit_fast(steps: list[VerifyStep], counts: torch.Tensor) -> None:
-    """commit_torch in one launch for every layer: program (h * n_split + j, b, l) replays tokens 1 .. counts[b] - 1
-    of its slab of layer l (its tensors from row l of the commit table, which layer l's verify_fast wrote:
-    steps[l].row must be l) and writes the slab once (neither where counts[b] is 1), then moves on its own v channels of the conv tail; the last
-    program of each (layer, sequence, qk-head) group to arrive moves on the group's q/k channels (every program of
-    the group has read them by then). The layers must share shapes, strides and dtypes, the slots and T."""
+    """commit_torch in one launch for every layer: program (h * n_split + j, b, l) replays tokens 1 .. counts[b] - 1 of
+    its slab of layer l (its tensors from row l of the commit table, which layer l's verify_fast wrote: steps[l].row
+    must be l) and writes the slab once (neither where counts[b] is 1), then moves on its own v channels of the conv
+    tail; the last program of each (layer, sequence, qk-head) group to arrive moves on the group's q/k channels (every
+    program of the group has read them by then). The layers must share shapes, strides and dtypes, the slots and T."""
     if not steps:
         return
     first = steps[0]
@@ -318,9 +318,9 @@ if triton is not None:
                        TAIL_P: tl.constexpr, FIELDS: tl.constexpr):
         """Value columns [j*BV, (j+1)*BV) of value head h of sequence b in layer l, program (h * N_SPLIT + j, b, l):
         layer l's tensors from row l of the commit table (the *0 arguments give their types); where counts[b] > 1,
-        tokens 1 .. counts[b] - 1 update the slab (as the verify left it, after token 0), which is written once; then this program's v tail channels move on (only it
-        reads them), and the last program of the (l, b, qk-head) group to arrive moves on the group's q and k
-        channels and resets the counter."""
+        tokens 1 .. counts[b] - 1 update the slab (as the verify left it, after token 0), which is written once; then
+        this program's v tail channels move on (only it reads them), and the last program of the (l, b, qk-head) group
+        to arrive moves on the group's q and k channels and resets the counter."""
         prior_done()  # (backend.pdl: the kernels before this one have finished, the table written)
         pid, b, l = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
         entry = table_ptr + l * FIELDS

@@ -8,8 +8,8 @@ their RoPE position is clamped to slot_end, and they may accept no draft (num_dr
 
 A row planned while the host is one verify step behind (behind[b] = 1: the engine queued this step before it read
 the last one's tokens) starts past the host's position by the drafts its slot accepted at that step (accepted[s],
-written by the step itself: runner.verify_forward); every other row starts where the host says. The torch one is ~30 small
-kernels inside every verify graph (~2 us each in a replay); the fast one is one launch, a program per row.
+written by the step itself: runner.verify_forward); every other row starts where the host says. The torch one is
+~30 small kernels inside every verify graph (~2 us each in a replay); the fast one is one launch, a program per row.
 """
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ class VerifyRows(NamedTuple):
 def verify_rows_torch(slots: torch.Tensor, starts: torch.Tensor, behind: torch.Tensor, T: int,
                       slot_end: torch.Tensor, block_table: torch.Tensor, slot_tokens: torch.Tensor,
                       drafts: torch.Tensor, accepted: torch.Tensor, block_size: int, scratch_block: int) -> VerifyRows:
-    """slots, starts, behind: [B] int64 (the host's start positions; behind 0 or 1); slot_end [slots] int64 (the last position each slot's blocks cover); block_table
-    [slots, width] (spare columns past every table, so a draft position past the blocks reads in bounds);
-    slot_tokens [slots] int64 (each slot's newest token); drafts [draft rows, K] int64 (a slot's row is its own, the
-    scratch slot's the last: slots clamped to draft rows - 1); accepted [slots] int64 (the drafts each slot
-    accepted at its last verify step)."""
+    """slots, starts, behind: [B] int64 (the host's start positions; behind 0 or 1); slot_end [slots] int64 (the last
+    position each slot's blocks cover); block_table [slots, width] (spare columns past every table, so a draft position
+    past the blocks reads in bounds); slot_tokens [slots] int64 (each slot's newest token); drafts [draft rows, K] int64
+    (a slot's row is its own, the scratch slot's the last: slots clamped to draft rows - 1); accepted [slots] int64 (the
+    drafts each slot accepted at its last verify step)."""
     B, device = slots.shape[0], slots.device
     starts = starts + behind * accepted[slots]
     end = slot_end[slots]

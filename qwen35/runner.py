@@ -9,19 +9,19 @@ integers (from pinned memory, asynchronous: the host never waits for the device)
 can queue step N+1 while the device still runs step N. `execute` returns a step's logits (the logits-level API,
 benchmarks, tests); `sample_step` is the engine's step: forward, sampling and the tokens fed back, on every rank.
 
-Speculative decoding (plan.spec_k, plan.draft_k; scheduler/speculation.py): per slot the runner also keeps the
-drafts proposed for it at the end of the step before ([slots, K] int64) and, for sampled rows, what they were drawn
-from: this rank's vocabulary shard of the head's logits ([slots, K, vocab / tp] float32, made when first needed) and
-their log-sum-exp ([slots, K]). A verify step (spec_k > 0, every row a decode row) feeds each row its newest token
-and its spec_k drafts, takes this rank's shard of the logits at every position, accepts (layers/spec_sampling.py:
-greedy, or rejection sampling at the rows' draw numbers; vocab-parallel with the fast kernels), commits the DeltaNet
-layers to the accepted tokens (layers/deltanet_verify.py), feeds each slot its last emitted token and moves its draw
-counter on by the tokens emitted, and keeps per slot the drafts it accepted (`accepted`: a verify step planned
-before the host has read them, plan.spec_behind, starts that much past the host's positions). Any step with draft_k > 0 then proposes draft_k drafts for the rows it sampled
-(qwen35/mtp.py propose) into the slots' buffers. All of it queued on every rank, no host sync. With CUDA graphs, a
-verify step that proposes as many drafts as it verifies (the steady state) replays a graph of the whole step
-(cuda_graphs.VerifyGraphs); other verify steps, and plain steps that propose (after a prefill, when k changes), run
-eagerly.
+Speculative decoding (plan.spec_k, plan.draft_k; scheduler/speculation.py): per slot the runner also keeps the drafts
+proposed for it at the end of the step before ([slots, K] int64) and, for sampled rows, what they were drawn from: this
+rank's vocabulary shard of the head's logits ([slots, K, vocab / tp] float32, made when first needed) and their
+log-sum-exp ([slots, K]). A verify step (spec_k > 0, every row a decode row) feeds each row its newest token and its
+spec_k drafts, takes this rank's shard of the logits at every position, accepts (layers/spec_sampling.py: greedy, or
+rejection sampling at the rows' draw numbers; vocab-parallel with the fast kernels), commits the DeltaNet layers to the
+accepted tokens (layers/deltanet_verify.py), feeds each slot its last emitted token and moves its draw counter on by the
+tokens emitted, and keeps per slot the drafts it accepted (`accepted`: a verify step planned before the host has read
+them, plan.spec_behind, starts that much past the host's positions). Any step with draft_k > 0 then proposes draft_k
+drafts for the rows it sampled (qwen35/mtp.py propose) into the slots' buffers. All of it queued on every rank, no host
+sync. With CUDA graphs, a verify step that proposes as many drafts as it verifies (the steady state) replays a graph of
+the whole step (cuda_graphs.VerifyGraphs); other verify steps, and plain steps that propose (after a prefill, when k
+changes), run eagerly.
 """
 from __future__ import annotations
 
