@@ -7,10 +7,11 @@ cost table. Host-only arithmetic, no model.
   (a verify step of k + 1 tokens costs k + 1 plain steps and emits fewer tokens);
 - the placeholder: k > 0 at batch 1, acceptance 0.6; 0 at acceptance 0.05; the measured tables that ship load, by
   GPU name and TP;
-- the running acceptance follows what verify steps report (record), and relaxes back towards the prior while auto keeps
-choosing 0; with the shipped TP=1 H200 table and drafts accepted at random at 0.6, k stays put at batch 1, 2 and 64 (a k
-change makes a verify step run outside the graphs; per step, batch 1's noisy 0-or-1 outcomes had flipped k 184 times in
-2,000 steps); a fixed K is returned as it is; bad settings are clear errors; a bench results JSON is a table.
+- the running acceptance follows what verify steps report (record), and relaxes back towards the prior while auto
+  keeps choosing 0; with the shipped TP=1 H200 table and drafts accepted at random at 0.6, k stays put at batch 1, 2
+  and 64 (a k change makes a verify step run outside the graphs; per step, batch 1's noisy 0-or-1 outcomes had
+  flipped k 184 times in 2,000 steps); a fixed K is returned as it is; bad settings are clear errors; a bench
+  results JSON is a table.
 """
 import json
 
