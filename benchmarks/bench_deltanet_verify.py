@@ -14,6 +14,7 @@ columns per program x warps; the defaults come from deltanet.decode_launch) at e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
@@ -76,16 +77,16 @@ def timed(layers: Layers, steps) -> tuple[float, float]:
     return t_verify, t_commit
 
 
+@contextlib.contextmanager
 def with_launch(setting):
-    """Context: deltanet_verify's launches take `setting` (block_v, warps) whatever the rows (None: the default)."""
-    class _Ctx:
-        def __enter__(self):
-            self.saved = dvf.decode_launch
-            if setting is not None:
-                dvf.decode_launch = lambda dk, dv, rows=1: (min(setting[0], dv), setting[1])
-        def __exit__(self, *exc):  # noqa: E301
-            dvf.decode_launch = self.saved
-    return _Ctx()
+    """deltanet_verify's launches take `setting` (block_v, warps) whatever the rows (None: the default)."""
+    saved = dvf.decode_launch
+    if setting is not None:
+        dvf.decode_launch = lambda dk, dv, rows=1: (min(setting[0], dv), setting[1])
+    try:
+        yield
+    finally:
+        dvf.decode_launch = saved
 
 
 def main():

@@ -257,15 +257,13 @@ class ModelRunner:
             part[:n] for part, n in zip(parts, sizes))
         host = dict(cu_seqlens=cu_d.to(torch.int32), start_pos=starts_d.to(torch.int32), logits_indices=logits_idx,
                     seq_lens_cpu=lens, start_pos_cpu=list(starts), state_slots_cpu=list(slots))
-        width = -(-max(ctx) // bs)
-        tables = self.block_table[slots_d, :width]
-        if decode:  # (one token per row: a row without tokens feeds one); where decode graphs run, over the slots'
-            # whole tables as the graphs take them: the decode attention's split count goes by the table width, so
-            # tables cut to the batch's context made a kernel variant per power of two of it, compiled mid-serving by
-            # the eager decode steps (those that propose drafts: 3 compiles in a minute of serving, 1x H200,
-            # 2026-11-29)
-            return decode_batch(self, slots_d, starts_d, None if all(from_device) else tokens,
-                                None if self.graphs is not None else tables, **host)
+        # the rows' block tables cut to the batch's context; a decode step where decode graphs run takes the slots'
+        # whole tables (None) as the graphs do: the decode attention's split count goes by the table width, so cut
+        # tables made a kernel variant per power of two of it, compiled mid-serving by the eager decode steps (those
+        # that propose drafts: 3 compiles in a minute of serving, 1x H200, 2026-11-29)
+        tables = None if decode and self.graphs is not None else self.block_table[slots_d, :-(-max(ctx) // bs)]
+        if decode:  # (one token per row: a row without tokens feeds one)
+            return decode_batch(self, slots_d, starts_d, None if all(from_device) else tokens, tables, **host)
         # per token its row and position, made on the device (torch's CPU ops took ~20 ms at 8 x 1024 tokens)
         n = cu[-1]
         seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=self.device), cu_d.diff(),
@@ -478,7 +476,8 @@ class ModelRunner:
         slots = plan.state_slots
         self._check_rows(slots, plan.start_pos, [1] * B, [s + 1 for s in plan.start_pos])  # (the newest token's)
         starts, behind = self.verify_starts(plan)
-        pad = [0] * (B % 2)  # each row 16-byte aligned, as the graphs' rows are: the kernels compile once for both
+        # each row 16-byte aligned, as the graphs' rows are: the kernels compile once for both
+        pad = [0] * (backend.aligned_sizes([B], torch.int64)[0] - B)
         host = torch.tensor([*slots, *pad, *starts, *pad, *[behind] * B, *pad], dtype=torch.int64,
                             pin_memory=self._pin)
         slots_d, starts_d, behind_d = host.to(self.device, non_blocking=True).view(3, B + len(pad))[:, :B]
