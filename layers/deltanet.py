@@ -76,18 +76,43 @@ def gates_fast(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: t
 def split_qkv(c: torch.Tensor, num_k_heads: int, num_v_heads: int, dk: int, dv: int):
     """Conv output [n, C] -> q (l2-normed, scaled by dk^-0.5), k (l2-normed), v in fp32, per value head: [n, Hv, d]."""
     n = c.shape[0]
-    q, k, v = c.split([num_k_heads * dk, num_k_heads * dk, num_v_heads * dv], -1)
+    q, kv = c.split([num_k_heads * dk, num_k_heads * dk + num_v_heads * dv], -1)
     rep = num_v_heads // num_k_heads
     q = (l2norm(q.float().view(n, -1, dk)) * dk ** -0.5).repeat_interleave(rep, dim=1)
-    k = l2norm(k.float().view(n, -1, dk)).repeat_interleave(rep, dim=1)
-    return q, k, v.float().view(n, -1, dv)
+    return (q, *split_kv(kv, num_k_heads, num_v_heads, dk, dv))
+
+
+def split_kv(kv: torch.Tensor, num_k_heads: int, num_v_heads: int, dk: int, dv: int):
+    """The k and v channels of a conv output [n, Hk*dk + Hv*dv] -> k (l2-normed), v in fp32: [n, Hv, d]."""
+    n = kv.shape[0]
+    k, v = kv.split([num_k_heads * dk, num_v_heads * dv], -1)
+    k = l2norm(k.float().view(n, -1, dk)).repeat_interleave(num_v_heads // num_k_heads, dim=1)
+    return k, v.float().view(n, -1, dv)
+
+
+def conv_column(window: torch.Tensor, conv_weight: torch.Tensor) -> torch.Tensor:
+    """The conv's output column over `window` [B, C, K] (each channel's K tap inputs, oldest first): accumulated in
+    fp32 and rounded like a conv1d in the window's dtype, then SiLU: [B, C] in the window's dtype."""
+    return F.silu((window.float() * conv_weight[:, 0, :].float()).sum(-1).to(window.dtype))
 
 
 def conv_column_qkv(window: torch.Tensor, conv_weight: torch.Tensor, Hk: int, Hv: int, dk: int, dv: int):
-    """q, k, v (split_qkv) of the conv's output column over `window` [B, C, K] (each channel's K tap inputs, oldest
-    first): accumulated in fp32 and rounded like a conv1d in the window's dtype, then SiLU."""
-    c = F.silu((window.float() * conv_weight[:, 0, :].float()).sum(-1).to(window.dtype))
-    return split_qkv(c, Hk, Hv, dk, dv)
+    """q, k, v (split_qkv) of conv_column(window)."""
+    return split_qkv(conv_column(window, conv_weight), Hk, Hv, dk, dv)
+
+
+def replay_torch(state: torch.Tensor, rows: torch.Tensor, n: torch.Tensor, A_log: torch.Tensor,
+                 dt_bias: torch.Tensor, Hk: int, dk: int) -> torch.Tensor:
+    """B states [B, Hv, dk, dv] (fp32) after the first n[b] of their replay rows [B, K, Hk*dk + Hv*dv + 2*Hv]
+    (layers/deltanet_verify.py: a verify step's accepted drafts, held back from the state): each row the token's
+    conv output at its k and v channels, then its b and a, so the update is the token's own, bit for bit."""
+    Hv, dv = state.shape[1], state.shape[3]
+    for t in range(rows.shape[1]):
+        kv, b, a = rows[:, t].split([Hk * dk + Hv * dv, Hv, Hv], -1)
+        k, v = split_kv(kv, Hk, Hv, dk, dv)
+        g, beta = gates_torch(a, b, A_log, dt_bias)
+        state = torch.where((t < n)[:, None, None, None], delta_rule_step(state, k, v, g, beta), state)
+    return state
 
 
 def delta_rule_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
@@ -117,20 +142,26 @@ def _dims(conv_state: torch.Tensor, ssm_state: torch.Tensor):
 
 
 def decode_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float,
-                 out: torch.Tensor | None = None):
+                 out: torch.Tensor | None = None, replay: torch.Tensor | None = None,
+                 pending: torch.Tensor | None = None):
     """One token for each of B sequences on existing states -> y [B, Hv*dv] in proj's dtype, ready for out_proj
     (written into `out`, a contiguous [B, Hv*dv] view, where given).
 
     proj [B, conv_dim + Hv*dv + 2*Hv] is the fused projection u | z | b | a; conv_state [slots, conv_dim, K-1]
     (raw inputs, oldest first) and ssm_state [slots, Hv, dk, dv] (fp32) are updated in place at `slots` [B].
-    All sequences at once, no host sync (CUDA-graph safe)."""
+    With speculation, each state first takes its slot's pending replay rows (replay [slots, K, ...], pending
+    [slots]: layers/deltanet_verify.py; pending is left for the caller to clear). All sequences at once, no host
+    sync (CUDA-graph safe)."""
     Hk, Hv, dk, dv, conv_dim = _dims(conv_state, ssm_state)
     u, z, b, a = split_proj(proj, conv_dim, Hv, dv)
     g, beta = gates_torch(a, b, A_log, dt_bias)
     window = torch.cat([conv_state[slots], u.unsqueeze(-1)], dim=-1)              # [B, C, K]
     conv_state[slots] = window[..., 1:]
     q, k, v = conv_column_qkv(window, conv_weight, Hk, Hv, dk, dv)                 # the conv's last column
-    state = delta_rule_step(ssm_state[slots], k, v, g, beta)                        # [B, H, dk, dv]
+    state = ssm_state[slots]
+    if replay is not None:
+        state = replay_torch(state, replay[slots], pending[slots], A_log, dt_bias, Hk, dk)
+    state = delta_rule_step(state, k, v, g, beta)                                   # [B, H, dk, dv]
     ssm_state[slots] = state
     o = torch.einsum("bhkv,bhk->bhv", state, q).to(u.dtype)
     y = gated_rms_norm_torch(o, z, norm_weight, eps).flatten(1)
@@ -138,7 +169,8 @@ def decode_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias
 
 
 def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float,
-                out: torch.Tensor | None = None):
+                out: torch.Tensor | None = None, replay: torch.Tensor | None = None,
+                pending: torch.Tensor | None = None):
     """decode_torch in one Triton kernel. Program (h * n_split + j, b) owns value columns [j*BV, (j+1)*BV) of value
     head h of sequence b: the [dk, BV] slab of its fp32 state, read once and written once in place (the delta rule is
     column-separable given k, q, beta, the decay and the slab's v columns). Each program computes in-program the conv
@@ -152,7 +184,8 @@ def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     release/acquire, after a CTA barrier); the one that arrives last shifts the q/k tail, normalises and gates the
     group's REP heads of y, and resets the counter to zero for the next launch. Its own v tail columns each program
     shifts itself, so every tail channel is written exactly once. No float atomics: the results do not depend on the
-    order the programs run in, and the launch settings depend on shapes only (CUDA-graph safe)."""
+    order the programs run in, and the launch settings depend on shapes only (CUDA-graph safe). With `replay`, each
+    program first moves its slab through its slot's pending replay rows (decode_torch), a variant of its own."""
     Hk, Hv, dk, dv, conv_dim = _dims(conv_state, ssm_state)
     B = proj.shape[0]
     y = torch.empty(B, Hv * dv, dtype=proj.dtype, device=proj.device) if out is None else out
@@ -166,12 +199,31 @@ def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     rep = Hv // Hk
     _decode_kernel[(Hv * n_split, B)](
         proj, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias, norm_weight, y,
-        backend.arrival_counters(B * Hk, proj.device),
+        backend.arrival_counters(B * Hk, proj.device), *replay_args(replay, pending, proj, Hk, Hv, dk, dv),
         proj.stride(0), *conv_state.stride(), conv_weight.stride(0), conv_weight.stride(2), *ssm_state.stride(),
         y.stride(0), Hk * dk, 2 * Hk * dk, z_off, b_off, b_off + Hv, dk ** -0.5, L2_EPS, eps,
         KERNEL=conv_weight.shape[-1], REP=rep, REP_P2=triton.next_power_of_2(rep), N_SPLIT=n_split, DK=dk, DV=dv,
-        BK=BK, BV=BV, BV_HEAD=triton.next_power_of_2(dv), num_warps=warps, **pdl())
+        BK=BK, BV=BV, BV_HEAD=triton.next_power_of_2(dv), REPLAY=replay is not None, num_warps=warps, **pdl())
     return y
+
+
+def replay_width(Hk: int, Hv: int, dk: int, dv: int) -> int:
+    """A replay row's entries (replay_torch): k and v channels of the conv output, b, a."""
+    return Hk * dk + Hv * dv + 2 * Hv
+
+
+def replay_args(replay: torch.Tensor | None, pending: torch.Tensor | None, like: torch.Tensor, Hk: int, Hv: int,
+                dk: int, dv: int) -> tuple:
+    """The replay arguments of the decode, verify and settle kernels: (rows, pending, slot stride, row stride, and
+    the v, b, a offsets in a row: replay_torch's layout); stand-ins (never read) without replay."""
+    if replay is None:
+        return like, like, 0, 0, 0, 0, 0
+    if replay.shape[-1] != replay_width(Hk, Hv, dk, dv) or replay.stride(2) != 1:
+        raise ValueError(f"replay rows of {replay.shape[-1]} entries (stride {replay.stride(2)}); this layer's are "
+                         f"{replay_width(Hk, Hv, dk, dv)}, contiguous")
+    v_off = Hk * dk
+    b_off = v_off + Hv * dv
+    return replay, pending, replay.stride(0), replay.stride(1), v_off, b_off, b_off + Hv
 
 
 def decode_launch(dk: int, dv: int, rows: int = 1) -> tuple[int, int]:
@@ -214,16 +266,21 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps, device=device)
         self.out_proj = Linear(vd, hidden, cols=[(v_start * dv, self.num_v_heads * dv)], dtype=dtype, device=device)
         # per-slot caches, allocated by the runner:
-        # conv_state [slots, conv_dim, kernel-1] (raw pre-conv inputs), ssm_state [slots, Hv_local, dk, dv] fp32
+        # conv_state [slots, conv_dim, kernel-1] (raw pre-conv inputs), ssm_state [slots, Hv_local, dk, dv] fp32;
+        # with speculation, replay [slots, K, replay_width] (model dtype) and pending [slots] int64, shared by the
+        # layers: a verify step's accepted drafts, held back from the state (layers/deltanet_verify.py)
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        self.replay: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None
         fast = backend.use_fast()
         self._in_linear = linear_fast if fast else linear_torch
         self._decode_op = decode_fast if fast else decode_torch
         self._mixed = self.mixed_fast if fast else self.mixed_torch
-        from layers.deltanet_verify import commit_fast, commit_torch, verify_fast, verify_torch
+        from layers.deltanet_verify import commit_fast, commit_torch, settle_fast, settle_torch, verify_fast, verify_torch
         self._verify_op = verify_fast if fast else verify_torch
         self._commit_op = commit_fast if fast else commit_torch
+        self._settle_op = settle_fast if fast else settle_torch
         self._pending = None  # a verify step (deltanet_verify.VerifyStep), kept for commit
         self.commit_row = 0  # this layer's place among the model's DeltaNet layers (commit: the model sets it)
 
@@ -236,19 +293,27 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(y)
 
     def verify(self, proj: torch.Tensor, slots: torch.Tensor, T: int) -> torch.Tensor:
-        """A verify step (T tokens per sequence, rows contiguous): outputs without touching the caches; the caches
-        move on at commit (layers/deltanet_verify.py)."""
+        """A verify step (T tokens per sequence, rows contiguous): outputs, the state after the pending drafts and the
+        first token, the other tokens' replay rows; the tails move on at commit (layers/deltanet_verify.py)."""
         from layers.deltanet_verify import VerifyStep
-        self._pending = VerifyStep(proj, self.conv_state, self.ssm_state, slots, self.conv1d.weight, self.A_log,
-                                   self.dt_bias, T, self.commit_row)
+        if self.replay is None or self.replay.shape[1] < T - 1:
+            raise RuntimeError(f"a verify step of {T} tokens needs replay rows for {T - 1} drafts per slot "
+                               f"(this layer holds {0 if self.replay is None else self.replay.shape[1]})")
+        self._pending = VerifyStep(proj, self.conv_state, slots, T, self.commit_row)
         return self._verify_op(proj, self.conv_state, self.ssm_state, slots, self.conv1d.weight, self.A_log,
-                               self.dt_bias, self.norm.weight, self.norm.eps, T, self.commit_row)
+                               self.dt_bias, self.norm.weight, self.norm.eps, T, self.replay, self.pending,
+                               self.commit_row)
 
     def decode(self, proj: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The decode op of this layer's kernel set on its caches and weights: proj [B, ...] -> y [B, Hv*dv] (into
-        `out` where given)."""
+        `out` where given), each state after its slot's pending drafts."""
         return self._decode_op(proj, self.conv_state, self.ssm_state, slots, self.conv1d.weight, self.A_log,
-                               self.dt_bias, self.norm.weight, self.norm.eps, out)
+                               self.dt_bias, self.norm.weight, self.norm.eps, out, self.replay, self.pending)
+
+    def settle(self, slots: torch.Tensor) -> None:
+        """Move the states of `slots` through their pending drafts (the caller then clears pending: settle)."""
+        if self.replay is not None:
+            self._settle_op(self.ssm_state, slots, self.replay, self.pending, self.A_log, self.dt_bias)
 
     def mixed_torch(self, proj: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Reference for any step, sequence by sequence: the chunked rule for new sequences and chunks, the recurrent
@@ -266,7 +331,7 @@ class GatedDeltaNet(nn.Module):
             sl = slice(offset, offset + n)
             cuts = sorted(marks.get(row, ()))
             q, k, v = self._qkv(self._conv(u[sl], slot, start == 0, [(pos - start, dst) for pos, dst in cuts]))
-            state = self._zero_state(proj.device) if start == 0 else self.ssm_state[slot]
+            state = self._zero_state(proj.device) if start == 0 else self._settled_state(slot)
             if n == 1 and start > 0:
                 o[sl], state = recurrent_gated_delta_rule(q, k, v, g[sl], beta[sl], state)
             else:
@@ -325,6 +390,15 @@ class GatedDeltaNet(nn.Module):
     def _qkv(self, c: torch.Tensor):
         return split_qkv(c, self.num_k_heads, self.num_v_heads, self.dk, self.dv)
 
+    def _settled_state(self, slot: int) -> torch.Tensor:
+        """A slot's state after its pending drafts (mixed_torch: a decode row; other rows have none pending)."""
+        state = self.ssm_state[slot]
+        if self.replay is None:
+            return state
+        at = torch.tensor([slot], device=state.device)
+        return replay_torch(state[None], self.replay[at], self.pending[at], self.A_log, self.dt_bias,
+                            self.num_k_heads, self.dk)[0]
+
     def _zero_state(self, device) -> torch.Tensor:
         return torch.zeros(self.num_v_heads, self.dk, self.dv, dtype=torch.float32, device=device)
 
@@ -354,9 +428,9 @@ class MixedSplit(NamedTuple):
 
 
 def commit(layers: list[GatedDeltaNet], counts: torch.Tensor) -> None:
-    """After a verify step: advance every layer's caches by each sequence's first counts[b] tokens ([B] int64, on
-    the device); with the fast kernels one launch for all of them (layers[i].commit_row must be i: the model's
-    DeltaNet layers in order)."""
+    """After a verify step: move every layer's conv tails on by each sequence's first counts[b] tokens ([B] int64,
+    on the device); with the fast kernels one launch for all of them (layers[i].commit_row must be i: the model's
+    DeltaNet layers in order). The states take the accepted drafts later (pending = counts - 1: the caller's)."""
     steps = []
     for m in layers:
         if m._pending is None:
@@ -365,6 +439,33 @@ def commit(layers: list[GatedDeltaNet], counts: torch.Tensor) -> None:
         m._pending = None
     if steps:
         layers[0]._commit_op(steps, counts)
+
+
+def allocate_replay(layers: list[GatedDeltaNet], slots: int, drafts: int, dtype, device) -> torch.Tensor:
+    """Speculation's per-slot buffers for `drafts` drafts a verify step: each layer's replay rows and the pending
+    counts the layers share (returned); all zero."""
+    pending = torch.zeros(slots, dtype=torch.int64, device=device)
+    for m in layers:
+        m.replay = torch.zeros(slots, drafts, replay_width(m.num_k_heads, m.num_v_heads, m.dk, m.dv), dtype=dtype,
+                               device=device)
+        m.pending = pending
+    return pending
+
+
+def settle(layers: list[GatedDeltaNet], slots: torch.Tensor) -> None:
+    """Move the states of `slots` through their pending drafts in every layer and clear them (before a state is
+    copied: a prefix-cache snapshot)."""
+    if layers and layers[0].pending is not None and slots.numel():
+        for m in layers:
+            m.settle(slots)
+        layers[0].pending[slots] = 0
+
+
+def replayed(layers: list[GatedDeltaNet], batch: ForwardBatch) -> None:
+    """After a step that is not a verify step: every layer has moved the states of its rows' slots through their
+    pending drafts (decode rows; other rows have none), so those are cleared."""
+    if layers and layers[0].pending is not None and not batch.verify_tokens:
+        layers[0].pending[batch.state_slots] = 0
 
 
 def mixed_split(batch: ForwardBatch, device: torch.device) -> MixedSplit | None:
@@ -474,12 +575,34 @@ if triton is not None:
         tl.store(tail + ch * ss_c + (KERNEL - 2) * ss_t, tl.load(prow + ch, mask=mask), mask=mask)
 
     @triton.jit
+    def _rule(S, k, v, decay, beta):
+        """The gated delta rule on a slab: S = exp(g) S; S += k (beta (v - S^T k))^T (k l2-normed, fp32)."""
+        S = S * decay
+        delta = (v - tl.sum(S * k[:, None], 0)) * beta
+        return S + k[:, None] * delta[None, :]
+
+    @triton.jit
+    def _replay(S, rows, sr_t, n, h, hk, kk, vv, km, vm, decay_scale, bias, l2_eps, rv_off, rb_off, ra_off,
+                DK: tl.constexpr, DV: tl.constexpr):
+        """The slab after the first n of its slot's replay rows (replay_torch: each a token's k and v conv channels,
+        b and a, as its own step computed them; the same update, bit for bit)."""
+        for t in range(n):
+            row = rows + t * sr_t
+            k = tl.load(row + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
+            v = tl.load(row + rv_off + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + l2_eps)
+            decay = tl.exp(decay_scale * _softplus(tl.load(row + ra_off + h).to(tl.float32) + bias))
+            S = _rule(S, k, v, decay, _beta(tl.load(row + rb_off + h)))
+        return S
+
+    @triton.jit
     def _decode_kernel(proj_ptr, conv_ptr, conv_w_ptr, state_ptr, slots_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, y_ptr,
-                       count_ptr, sp_b, sc_slot, sc_c, sc_t, sw_c, sw_t, ss_slot, ss_h, ss_k, ss_v, sy_b,
+                       count_ptr, replay_ptr, pending_ptr, sr_slot, sr_t, rv_off, rb_off, ra_off,
+                       sp_b, sc_slot, sc_c, sc_t, sw_c, sw_t, ss_slot, ss_h, ss_k, ss_v, sy_b,
                        k_off, v_off, z_off, b_off, a_off, scale, l2_eps, eps,
                        KERNEL: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, N_SPLIT: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       BV_HEAD: tl.constexpr):
+                       BV_HEAD: tl.constexpr, REPLAY: tl.constexpr):
         """Value columns [j*BV, (j+1)*BV) of value head h of sequence b, program (h * N_SPLIT + j, b):
             q, k, v = silu(conv step) of the proj row's u (q, k of qk-head h // REP, v of these columns);
             q, k = l2norm(q) * scale, l2norm(k);  g = -exp(A_log) softplus(a + dt_bias);  beta = sigmoid(b) (model
@@ -505,12 +628,14 @@ if triton is not None:
         v = _conv_silu(prow, tail, conv_w_ptr, v_off + h * DV + vv, vm, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
         q = q * tl.rsqrt(tl.sum(q * q, 0) + l2_eps) * scale
         k = k * tl.rsqrt(tl.sum(k * k, 0) + l2_eps)
-        x = tl.load(prow + a_off + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-        decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * _softplus(x))
+        decay_scale = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        decay = tl.exp(decay_scale * _softplus(tl.load(prow + a_off + h).to(tl.float32) + bias))
         beta = _beta(tl.load(prow + b_off + h))
-        S = S * decay
-        delta = (v - tl.sum(S * k[:, None], 0)) * beta
-        S = S + k[:, None] * delta[None, :]
+        if REPLAY:  # (after this token's inputs: their loads are in flight with the slab's)
+            S = _replay(S, replay_ptr + slot * sr_slot, sr_t, tl.load(pending_ptr + slot), h, hk, kk, vv, km, vm,
+                        decay_scale, bias, l2_eps, rv_off, rb_off, ra_off, DK, DV)
+        S = _rule(S, k, v, decay, beta)
         tl.store(ptrs, S, mask=smask)
         o = round_to(tl.sum(S * q[:, None], 0), dtype)
         tl.store(y_ptr + b * sy_b + h * DV + vv, o.to(dtype), mask=vm)

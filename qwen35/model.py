@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dist import push
+from layers import deltanet
 from layers.attention import GatedAttention
 from layers.deltanet import GatedDeltaNet
 from layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -68,7 +69,8 @@ class Qwen35Model(nn.Module):
                             plain=not cfg.zero_centred_norms)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.mtp = None  # the multi-token-prediction head, when one is attached (qwen35/mtp.py attach_mtp)
-        for row, m in enumerate(m for m in self.modules() if isinstance(m, GatedDeltaNet)):
+        self.gdn_layers = [m for m in self.modules() if isinstance(m, GatedDeltaNet)]  # (a list: not submodules)
+        for row, m in enumerate(self.gdn_layers):
             m.commit_row = row  # (layers/deltanet.py commit: the DeltaNet layers in model order)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -79,6 +81,7 @@ class Qwen35Model(nn.Module):
             x, residual = layer(x, residual, batch)
         hidden = self.norm.all_reduce_add(x, residual)[0]
         push.end_step()  # (empties the last boundary's inbox slot, dist/push.py)
+        deltanet.replayed(self.gdn_layers, batch)  # (speculation: the drafts the states took are no longer pending)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor, gather: str = "driver") -> torch.Tensor | None:

@@ -14,8 +14,8 @@ proposed for it at the end of the step before ([slots, K] int64) and, for sample
 rank's vocabulary shard of the head's logits ([slots, K, vocab / tp] float32, made when first needed) and their
 log-sum-exp ([slots, K]). A verify step (spec_k > 0, every row a decode row) feeds each row its newest token and its
 spec_k drafts, takes this rank's shard of the logits at every position, accepts (layers/spec_sampling.py: greedy, or
-rejection sampling at the rows' draw numbers; vocab-parallel with the fast kernels), commits the DeltaNet layers to the
-accepted tokens (layers/deltanet_verify.py), feeds each slot its last emitted token and moves its draw counter on by the
+rejection sampling at the rows' draw numbers; vocab-parallel with the fast kernels), moves the DeltaNet conv tails on
+and leaves the accepted drafts pending for the states' next step (`pending`, layers/deltanet_verify.py), feeds each slot its last emitted token and moves its draw counter on by the
 tokens emitted, and keeps per slot the drafts it accepted (`accepted`: a verify step planned before the host has read
 them, plan.spec_behind, starts that much past the host's positions). Any step with draft_k > 0 then proposes draft_k
 drafts for the rows it sampled (qwen35/mtp.py propose) into the slots' buffers. All of it queued on every rank, no host
@@ -149,6 +149,9 @@ class ModelRunner:
         for m in gdn:
             m.conv_state = torch.zeros(slots, m.conv_dim, m.kernel - 1, dtype=self.dtype, device=self.device)
             m.ssm_state = torch.zeros(slots, m.num_v_heads, m.dk, m.dv, dtype=torch.float32, device=self.device)
+        # with speculation, per slot the accepted drafts its states have not taken yet (layers/deltanet_verify.py)
+        self.pending = deltanet.allocate_replay(gdn, slots, self.spec_max_k, self.dtype, self.device) \
+            if self.spec_max_k else None
         self.num_state_slots = self.max_num_seqs
         self.snapshot_slots = list(range(self.max_num_seqs, self.max_num_seqs + self.num_snapshot_slots))
         self.scratch_slot = slots - 1
@@ -173,7 +176,8 @@ class ModelRunner:
             m.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.num_kv_blocks = num_kv_blocks
         if parallel.is_driver():
-            per_slot = sum(m.conv_state[0].nbytes + m.ssm_state[0].nbytes for m in gdn)
+            per_slot = sum(m.conv_state[0].nbytes + m.ssm_state[0].nbytes + (m.replay[0].nbytes if m.replay is not None
+                                                                               else 0) for m in gdn)
             log.info("caches: %d KV blocks of %d tokens (%.1f MiB), %d DeltaNet state slots + %d prefix-cache "
                      "snapshots (%.1f MiB each)", num_kv_blocks, self.block_size, num_kv_blocks * per_block / 2**20,
                      self.num_state_slots, self.num_snapshot_slots, per_slot / 2**20)
@@ -314,9 +318,16 @@ class ModelRunner:
 
     def _apply_copies(self, plan: StepPlan) -> None:
         """Prefix-cache copies, with the effect of running them in plan order (a snapshot may be taken and read in
-        the same plan), in as few waves of one gather + one scatter per cache tensor as that order allows."""
+        the same plan), in as few waves of one gather + one scatter per cache tensor as that order allows. With
+        speculation the states copied take their pending drafts first (a reply's snapshot after a verify step), so
+        no copy has any pending."""
+        if self.pending is not None and plan.copy_states:
+            sources = sorted({src for src, _ in plan.copy_states if 0 <= src < self.scratch_slot})
+            deltanet.settle(self.gdn_layers, torch.tensor(sources, dtype=torch.int64, pin_memory=self._pin).to(
+                self.device, non_blocking=True))
+        states = [t for m in self.gdn_layers for t in (m.conv_state, m.ssm_state)]
         for pairs, limit, tensors in ((plan.copy_states, self.scratch_slot,
-                                       [t for m in self.gdn_layers for t in (m.conv_state, m.ssm_state)]),
+                                       states + ([self.pending] if self.pending is not None else [])),
                                       (plan.copy_blocks, self.num_kv_blocks,
                                        [t for m in self.attn_layers for t in (m.k_cache, m.v_cache)])):
             if any(not (0 <= i < limit) for pair in pairs for i in pair):
@@ -545,6 +556,8 @@ class ModelRunner:
         self.slot_tokens[slots] = last
         self.sampler.draws[slots] += counts
         self.accepted[slots] = counts - 1
+        if self.pending is not None:  # (the states take the accepted drafts at the slots' next step)
+            self.pending[slots] = counts - 1
         if draft_k:
             last_rows = torch.arange(0, B * T, T, device=self.device) + counts - 1
             self._propose(batch, hidden, last, last_rows, draft_k, sampling)
@@ -650,6 +663,7 @@ class ModelRunner:
             slots = torch.full((rows,), self.scratch_slot, dtype=torch.int64, device=self.device)
             m.verify(proj, slots, T)
             deltanet.commit([m], torch.ones(rows, dtype=torch.int64, device=self.device))
+            m.settle(slots)
 
     def _warm_up_spec_sampling(self, num_real_tokens: int) -> None:
         """One row's draft and verdict, greedy and sampled, on zero logits (every variant of the sampling passes;

@@ -33,12 +33,12 @@ BLOCK = 16
 SLOTS = [2, 0, 3]
 
 
-def make_runner(load_format: str, k, acceptance: float = 0.7, seqs: int = 4) -> ModelRunner:
+def make_runner(load_format: str, k, acceptance: float = 0.7, seqs: int = 4, snapshots: int = 0) -> ModelRunner:
     cfg = ModelConfig.from_dict(small_vocab(VOCAB))
     args = EngineArgs(model="", load_format=load_format, spec_acceptance=acceptance, device="cpu", dtype="float32",
                       kernels="torch", block_size=BLOCK, max_num_seqs=seqs, max_model_len=256, mtp=True,
                       speculative_tokens=k, seed=1)
-    runner = ModelRunner(cfg, args)
+    runner = ModelRunner(cfg, args, num_snapshot_slots=snapshots)
     runner.attach_sampler(Sampler(VOCAB - 64, VOCAB, runner.scratch_slot + 1, "cpu"), host_ring=False)
     return runner
 
@@ -108,6 +108,42 @@ def test_greedy_verify_steps_give_plain_decoding_tokens(load_format, k):
         assert min(emitted) == k + 1  # greedy drafts of the synthetic weights are always right
     else:
         assert sum(emitted) / len(emitted) < 1.5  # random weights: nearly every draft rejected
+
+
+def test_copied_states_take_their_pending_drafts_first():
+    """After a verify step the DeltaNet states hold back the accepted drafts (runner.pending); a prefix-cache copy of
+    a slot (a reply's snapshot) copies the state with them taken: the snapshot and the slot equal plain decoding's
+    state after the same tokens (TOL: the verify step's attention against the decode attention, fp32), nothing is
+    left pending, and the next verify step's tokens are still plain decoding's."""
+    from types import SimpleNamespace
+    ps, k = prompts(3), 2
+    plain = make_runner("dummy-spec", 0)
+    admit(plain, [(0, 0, 1)] * 3)
+    expected = plain_tokens(plain, ps, 1 + k + 1)  # the prefill's token, then k + 1 decode steps (their inputs fed)
+    spec = make_runner("dummy-spec", k, snapshots=1)
+    admit(spec, [(0, 0, 1)] * 3)
+    out = [[t] for t in spec.sample_step(prefill_plan(ps, k), SamplingStep()).tolist()]
+    starts = [len(p) for p in ps]
+    for _ in range(2):
+        emitted = spec.sample_step(decode_plan(starts, k, k), SamplingStep()).tolist()
+        assert [sum(t >= 0 for t in r) for r in emitted] == [k + 1] * 3  # (every draft accepted: k pending a slot)
+        out = [o + r for o, r in zip(out, emitted)]
+        starts = [s + k + 1 for s in starts]
+        if len(out[0]) == 1 + k + 1:
+            assert out == expected and spec.pending[SLOTS].tolist() == [k] * 3
+            snap = spec.snapshot_slots[0]
+            spec._apply_copies(SimpleNamespace(copy_states=[(SLOTS[0], snap)], copy_blocks=[]))
+            assert spec.pending[[SLOTS[0], snap]].tolist() == [0, 0] and spec.pending[SLOTS[1:]].tolist() == [k, k]
+            for m_spec, m_plain in zip(spec.gdn_layers, plain.gdn_layers):
+                want = m_plain.ssm_state[SLOTS[0]]
+                for got in (m_spec.ssm_state[snap], m_spec.ssm_state[SLOTS[0]]):
+                    assert (got - want).abs().max().item() <= 1e-4
+                assert (m_spec.conv_state[snap] - m_plain.conv_state[SLOTS[0]]).abs().max().item() <= 1e-4
+                # (the other slots still hold theirs back)
+                assert (m_spec.ssm_state[SLOTS[1]] - m_plain.ssm_state[SLOTS[1]]).abs().max().item() > 1e-3
+    fresh = make_runner("dummy-spec", 0)
+    admit(fresh, [(0, 0, 1)] * 3)
+    assert out == plain_tokens(fresh, ps, 1 + 2 * (k + 1))
 
 
 def test_a_row_at_the_end_of_its_blocks_accepts_fewer_drafts():
