@@ -47,6 +47,24 @@ async def server_models(http: httpx.AsyncClient) -> list[dict]:
         raise SystemExit(f"GET {http.base_url}/v1/models failed: HTTP {r.status_code}: {r.text[:200]}") from e
 
 
+async def server_counters(http: httpx.AsyncClient) -> dict[str, float]:
+    """The server's /metrics gauges (qwen35_ prefix dropped); empty if it has none to give."""
+    try:
+        r = await http.get("/metrics")
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in r.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("qwen35_"):
+            try:
+                out[name[len("qwen35_"):]] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
 async def served_model(http: httpx.AsyncClient, requested: str | None) -> str:
     models = await server_models(http)  # also when a model is named: it checks the server and the key first
     return requested or models[0]["id"]

@@ -28,7 +28,7 @@ import random
 import statistics
 import sys
 
-from benchmarks.common import Counter, add_server_args, client, closed_loop, served_model
+from benchmarks.common import Counter, add_server_args, client, closed_loop, served_model, server_counters
 from qwen35.bench import workload
 
 WEIGHTS = {1: 1, 2: 1, 4: 2, 8: 2, 16: 4, 32: 4, 64: 8}
@@ -75,6 +75,10 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
 
+SERVER_COUNTERS = ("num_steps", "spec_drafted_tokens", "spec_accepted_tokens", "spec_verify_graph_steps",
+                   "spec_verify_eager_steps")
+
+
 async def run(args) -> dict:
     counter = Counter(args.tokenizer)
     levels = [int(c) for c in args.levels.split(",")]
@@ -88,7 +92,9 @@ async def run(args) -> dict:
         rows = []
         for c in levels:
             await closed_loop(http, warmup, min(c, NUM_WARMUP))
+            before = await server_counters(http)
             results, wall = await closed_loop(http, payloads, c)
+            after = await server_counters(http)
             ok = [r for r in results if r.ok]
             prompt_tokens = sum(prompt_counts[r.index] for r in ok)
             completion_tokens = sum(counter.text(r.content) for r in ok)
@@ -108,6 +114,8 @@ async def run(args) -> dict:
                               "max": round(max(latencies, default=0.0), 3)},
                 "spot_checks": {"passed": sum(spots), "total": len(spots)},
                 "first_errors": [r.error for r in results if not r.ok][:3],
+                # what the server counted over the level (its steps; speculation's drafts, acceptances, verify steps)
+                "server_counters": {k: after[k] - before[k] for k in SERVER_COUNTERS if k in after and k in before},
             }
             rows.append(row)
             print(f"c={c:>3}: {row['tok_s']:>10.1f} tok/s  wall {wall:7.2f} s  tokens {prompt_tokens} prompt + "

@@ -110,6 +110,8 @@ def test_throughput_end_to_end(url, tmp_path):
         assert lv["server_usage"]["prompt_tokens"] == lv["prompt_tokens"]  # the client's count agrees
         assert 2 * 1030 < lv["prompt_tokens"] < 2 * 1045 + 2 * 40, lv  # 2 random prompts + 2 spot checks
         assert lv["spot_checks"]["total"] == 2
+        counted = lv["server_counters"]  # (the server's /metrics over the level: its steps, no speculation)
+        assert counted["num_steps"] >= 4 * 12 // lv["concurrency"] and counted["spec_drafted_tokens"] == 0, counted
     assert res["meta"]["device_info"] == "ci cpu" and res["meta"]["settings"]["output_lengths"] == [12] * 4
     assert res["weighted_score"] == pytest.approx(sum(lv["tok_s"] for lv in res["levels"]), rel=1e-3)
     assert "c=  1:" in r.stdout and "weighted score" in r.stdout
