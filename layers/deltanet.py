@@ -458,14 +458,14 @@ def settle(layers: list[GatedDeltaNet], slots: torch.Tensor) -> None:
     if layers and layers[0].pending is not None and slots.numel():
         for m in layers:
             m.settle(slots)
-        layers[0].pending[slots] = 0
+        layers[0].pending.index_fill_(0, slots, 0)
 
 
 def replayed(layers: list[GatedDeltaNet], batch: ForwardBatch) -> None:
     """After a step that is not a verify step: every layer has moved the states of its rows' slots through their
     pending drafts (decode rows; other rows have none), so those are cleared."""
     if layers and layers[0].pending is not None and not batch.verify_tokens:
-        layers[0].pending[batch.state_slots] = 0
+        layers[0].pending.index_fill_(0, batch.state_slots, 0)  # (no host scalar: a CUDA graph captures it)
 
 
 def mixed_split(batch: ForwardBatch, device: torch.device) -> MixedSplit | None:
