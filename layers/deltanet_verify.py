@@ -145,14 +145,13 @@ def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     b_off = z_off + Hv * dv
     _verify_kernel[(Hv * n_split, B)](
         proj, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias, norm_weight, y,
-        backend.arrival_counters(B * Hk, proj.device), table, row,
+        backend.arrival_counters(B * Hk, proj.device), table, row, T,
         *replay_args(replay, pending, proj, Hk, Hv, dk, dv),
         proj.stride(0), *conv_state.stride(), conv_weight.stride(0), conv_weight.stride(2), *ssm_state.stride(),
         y.stride(0), Hk * dk, 2 * Hk * dk, z_off, b_off, b_off + Hv, dk ** -0.5, L2_EPS, eps,
         KERNEL=conv_weight.shape[-1], REP=rep, REP_P2=triton.next_power_of_2(rep), N_SPLIT=n_split, DK=dk, DV=dv,
-        BK=triton.next_power_of_2(dk), BV=BV, BV_HEAD=triton.next_power_of_2(dv), FIELDS=TABLE_FIELDS, T=T,
-        T_P2=triton.next_power_of_2(T), R_P2=triton.next_power_of_2(max(replay.shape[1], 1)), num_warps=warps,
-        **pdl())
+        BK=triton.next_power_of_2(dk), BV=BV, BV_HEAD=triton.next_power_of_2(dv), FIELDS=TABLE_FIELDS,
+        num_warps=warps, **pdl())
     return y
 
 
@@ -225,6 +224,21 @@ if triton is not None:
         return round_to(y * tl.sigmoid(y), DTYPE)
 
     @triton.jit
+    def _token_inputs(prow0, sp_b, t, tail, conv_w_ptr, h, hk, kk, vv, km, vm, sc_c, sc_t, sw_c, sw_t, k_off,
+                      v_off, b_off, a_off, decay_scale, bias, l2_eps, KERNEL: tl.constexpr, DK: tl.constexpr,
+                      DV: tl.constexpr, DTYPE: tl.constexpr):
+        """What token t's update of a slab reads (decode_kernel's): k (l2-normed) and v from the conv windows, the
+        decay and beta from the row's a and b."""
+        prow = prow0 + t * sp_b
+        k = _window_silu(prow0, sp_b, t, tail, conv_w_ptr, k_off + hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL,
+                         DTYPE)
+        v = _window_silu(prow0, sp_b, t, tail, conv_w_ptr, v_off + h * DV + vv, vm, sc_c, sc_t, sw_c, sw_t, KERNEL,
+                         DTYPE)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + l2_eps)
+        decay = tl.exp(decay_scale * _softplus(tl.load(prow + a_off + h).to(tl.float32) + bias))
+        return k, v, decay, _beta(tl.load(prow + b_off + h))
+
+    @triton.jit
     def _move_tail(prow0, sp_b, tail, ch, mask, n, sc_c, sc_t, TAIL: tl.constexpr, TAIL_P: tl.constexpr):
         """Channels `ch` of a sequence's conv tail after n tokens: entries n .. n + TAIL - 1 of [old tail (TAIL),
         its T inputs], all read (a barrier) before any is written (in place)."""
@@ -238,45 +252,17 @@ if triton is not None:
         tl.store(tail + ch[:, None] * sc_c + i[None, :] * sc_t, vals, mask=m)
 
     @triton.jit
-    def _windows_silu(prow0, sp_b, tail, w_ptr, ch, mask, tt, T, ss_c, ss_t, sw_c, sw_t, KERNEL: tl.constexpr,
-                      DTYPE: tl.constexpr):
-        """_window_silu of tokens tt (a tile [len(tt), len(ch)], rows t >= T zero): every token's loads at once."""
-        acc = tl.zeros((tt.shape[0], ch.shape[0]), dtype=tl.float32)
-        m = (tt < T)[:, None] & mask[None, :]
-        for j in tl.static_range(KERNEL):
-            s = tt[:, None] + j
-            old = tl.load(tail + ch[None, :] * ss_c + s * ss_t, mask=m & (s < KERNEL - 1), other=0.0).to(tl.float32)
-            new = tl.load(prow0 + (s - (KERNEL - 1)).to(tl.int64) * sp_b + ch[None, :], mask=m & (s >= KERNEL - 1),
-                          other=0.0).to(tl.float32)
-            acc += (old + new) * tl.load(w_ptr + ch * sw_c + j * sw_t, mask=mask, other=0.0).to(tl.float32)[None, :]
-        y = round_to(acc, DTYPE)
-        return round_to(y * tl.sigmoid(y), DTYPE)
-
-    @triton.jit
-    def _row(X, tt, t):
-        """Row t of a tile [len(tt), n] (a select and a sum over the small token axis)."""
-        return tl.sum(tl.where((tt == t)[:, None], X, 0.0), 0)
-
-    @triton.jit
-    def _at(x, tt, t):
-        """Entry t of a vector over tokens."""
-        return tl.sum(tl.where(tt == t, x, 0.0), 0)
-
-    @triton.jit
     def _verify_kernel(proj_ptr, conv_ptr, conv_w_ptr, state_ptr, slots_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr,
-                       y_ptr, count_ptr, table_ptr, row, replay_ptr, pending_ptr, sr_slot, sr_t, rv_off, rb_off,
+                       y_ptr, count_ptr, table_ptr, row, T, replay_ptr, pending_ptr, sr_slot, sr_t, rv_off, rb_off,
                        ra_off, sp_b, sc_slot, sc_c, sc_t, sw_c, sw_t, ss_slot, ss_h, ss_k, ss_v, sy_b, k_off, v_off,
                        z_off, b_off, a_off, scale, l2_eps, eps,
                        KERNEL: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, N_SPLIT: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       BV_HEAD: tl.constexpr, FIELDS: tl.constexpr, T: tl.constexpr, T_P2: tl.constexpr,
-                       R_P2: tl.constexpr):
+                       BV_HEAD: tl.constexpr, FIELDS: tl.constexpr):
         """Value columns [j*BV, (j+1)*BV) of value head h of sequence b, program (h * N_SPLIT + j, b): the slab is
         read, moved through the slot's pending drafts, then its T tokens in order (the decode kernel's step per
         token), written after the first token (always accepted); each token's readout o (rounded) goes to row b*T + t
-        of y, tokens 1.. T-1's v columns to the slot's replay rows 0 .. T-2. Every input of those updates (the
-        pending rows, the T tokens' conv windows, gates and queries) is loaded first, as tiles over tokens: the
-        updates are a serial chain, and the loads inside it were its latency. The last program of the (b, qk-head)
+        of y, tokens 1.. T-1's v columns to the slot's replay rows 0 .. T-2. The last program of the (b, qk-head)
         group to arrive normalises and gates the group's heads in all T rows (_gated_norm_group), writes the group's
         k, b and a entries of the replay rows and resets the counter."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
@@ -299,50 +285,30 @@ if triton is not None:
         tail = conv_ptr + slot * sc_slot
         prow0 = proj_ptr + b * T * sp_b
         rows = replay_ptr + slot * sr_slot
-        # the pending rows (replay_torch's layout: raw k, v, b, a)
-        rr = tl.arange(0, R_P2)
-        rm = rr < n
-        r_row = rows + rr * sr_t
-        Rk = tl.load(r_row[:, None] + hk * DK + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        Rv = tl.load(r_row[:, None] + rv_off + h * DV + vv[None, :], mask=rm[:, None] & vm[None, :],
-                     other=0.0).to(tl.float32)
-        Rdecay = tl.exp(decay_scale * _softplus(tl.load(r_row + ra_off + h, mask=rm, other=0.0).to(tl.float32) + bias))
-        Rbeta = _beta(tl.load(r_row + rb_off + h, mask=rm, other=0.0))
-        Rk = Rk * tl.rsqrt(tl.sum(Rk * Rk, 1) + l2_eps)[:, None]
-        # the step's tokens
-        tt = tl.arange(0, T_P2)
-        Kt = _windows_silu(prow0, sp_b, tail, conv_w_ptr, k_off + hk * DK + kk, km, tt, T, sc_c, sc_t, sw_c, sw_t,
-                           KERNEL, dtype)
-        Vt = _windows_silu(prow0, sp_b, tail, conv_w_ptr, v_off + h * DV + vv, vm, tt, T, sc_c, sc_t, sw_c, sw_t,
-                           KERNEL, dtype)
-        Qt = _windows_silu(prow0, sp_b, tail, conv_w_ptr, hk * DK + kk, km, tt, T, sc_c, sc_t, sw_c, sw_t, KERNEL,
-                           dtype)
-        Kt = Kt * tl.rsqrt(tl.sum(Kt * Kt, 1) + l2_eps)[:, None]
-        Qt = Qt * (tl.rsqrt(tl.sum(Qt * Qt, 1) + l2_eps) * scale)[:, None]
-        tmask = tt < T
-        Tdecay = tl.exp(decay_scale * _softplus(tl.load(prow0 + tt * sp_b + a_off + h, mask=tmask, other=0.0)
-                                                .to(tl.float32) + bias))
-        Tbeta = _beta(tl.load(prow0 + tt * sp_b + b_off + h, mask=tmask, other=0.0))
-        for t in tl.static_range(R_P2):
-            if t < n:
-                S = _rule(S, _row(Rk, rr, t), _row(Rv, rr, t), _at(Rdecay, rr, t), _at(Rbeta, rr, t))
+        S = _replay(S, rows, sr_t, n, h, hk, kk, vv, km, vm, decay_scale, bias, l2_eps, rv_off, rb_off, ra_off, DK,
+                    DV)
         tl.debug_barrier()  # (every thread's replay loads before the stores into the same rows below)
-        for t in tl.static_range(T):
-            v = _row(Vt, tt, t)
-            S = _rule(S, _row(Kt, tt, t), v, _at(Tdecay, tt, t), _at(Tbeta, tt, t))
+        for t in range(T):
+            k, v, decay, beta = _token_inputs(prow0, sp_b, t, tail, conv_w_ptr, h, hk, kk, vv, km, vm, sc_c, sc_t,
+                                              sw_c, sw_t, k_off, v_off, b_off, a_off, decay_scale, bias, l2_eps,
+                                              KERNEL, DK, DV, dtype)
+            S = _rule(S, k, v, decay, beta)
             if t == 0:
                 tl.store(ptrs, S, mask=km[:, None] & vm[None, :])
             else:
                 tl.store(rows + (t - 1) * sr_t + rv_off + h * DV + vv, v.to(dtype), mask=vm)
-            o = round_to(tl.sum(S * _row(Qt, tt, t)[:, None], 0), dtype)
+            q = _window_silu(prow0, sp_b, t, tail, conv_w_ptr, hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL,
+                             dtype)
+            q = q * tl.rsqrt(tl.sum(q * q, 0) + l2_eps) * scale
+            o = round_to(tl.sum(S * q[:, None], 0), dtype)
             tl.store(y_ptr + (b * T + t) * sy_b + h * DV + vv, o.to(dtype), mask=vm)
         # arrive: the barrier orders every thread's loads and stores above before the (one-thread) release
         tl.debug_barrier()
         count = count_ptr + b * (tl.num_programs(0) // (REP * N_SPLIT)) + hk
         if tl.atomic_add(count, 1, sem="acq_rel") == REP * N_SPLIT - 1:
-            heads = hk * REP + tl.arange(0, REP_P2)
-            hm = tl.arange(0, REP_P2) < REP
-            for t in tl.static_range(T):
+            rr = tl.arange(0, REP_P2)
+            heads = hk * REP + rr
+            for t in range(T):
                 _gated_norm_group(y_ptr + (b * T + t) * sy_b, prow0 + t * sp_b + z_off, norm_w_ptr, hk, eps, REP,
                                   REP_P2, DV, BV_HEAD)
                 if t > 0:
@@ -351,8 +317,8 @@ if triton is not None:
                                      sw_t, KERNEL, dtype)
                     tl.store(dst + hk * DK + kk, k.to(dtype), mask=km)
                     prow = prow0 + t * sp_b
-                    tl.store(dst + rb_off + heads, tl.load(prow + b_off + heads, mask=hm), mask=hm)
-                    tl.store(dst + ra_off + heads, tl.load(prow + a_off + heads, mask=hm), mask=hm)
+                    tl.store(dst + rb_off + heads, tl.load(prow + b_off + heads, mask=rr < REP), mask=rr < REP)
+                    tl.store(dst + ra_off + heads, tl.load(prow + a_off + heads, mask=rr < REP), mask=rr < REP)
             tl.store(count, 0)
 
     @triton.jit
