@@ -277,7 +277,8 @@ class GatedDeltaNet(nn.Module):
         self._in_linear = linear_fast if fast else linear_torch
         self._decode_op = decode_fast if fast else decode_torch
         self._mixed = self.mixed_fast if fast else self.mixed_torch
-        from layers.deltanet_verify import commit_fast, commit_torch, settle_fast, settle_torch, verify_fast, verify_torch
+        from layers.deltanet_verify import (commit_fast, commit_torch, settle_fast, settle_torch, verify_fast,
+                                            verify_torch)
         self._verify_op = verify_fast if fast else verify_torch
         self._commit_op = commit_fast if fast else commit_torch
         self._settle_op = settle_fast if fast else settle_torch

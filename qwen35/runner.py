@@ -15,9 +15,10 @@ rank's vocabulary shard of the head's logits ([slots, K, vocab / tp] float32, ma
 log-sum-exp ([slots, K]). A verify step (spec_k > 0, every row a decode row) feeds each row its newest token and its
 spec_k drafts, takes this rank's shard of the logits at every position, accepts (layers/spec_sampling.py: greedy, or
 rejection sampling at the rows' draw numbers; vocab-parallel with the fast kernels), moves the DeltaNet conv tails on
-and leaves the accepted drafts pending for the states' next step (`pending`, layers/deltanet_verify.py), feeds each slot its last emitted token and moves its draw counter on by the
-tokens emitted, and keeps per slot the drafts it accepted (`accepted`: a verify step planned before the host has read
-them, plan.spec_behind, starts that much past the host's positions). Any step with draft_k > 0 then proposes draft_k
+and leaves the accepted drafts pending for the states' next step (`pending`, layers/deltanet_verify.py), feeds each
+slot its last emitted token and moves its draw counter on by the tokens emitted, and keeps per slot the drafts it
+accepted (`accepted`: a verify step planned before the host has read them, plan.spec_behind, starts that much past
+the host's positions). Any step with draft_k > 0 then proposes draft_k
 drafts for the rows it sampled (qwen35/mtp.py propose) into the slots' buffers. All of it queued on every rank, no host
 sync. With CUDA graphs, a verify step that proposes as many drafts as it verifies (the steady state) replays a graph of
 the whole step (cuda_graphs.VerifyGraphs); other verify steps, and plain steps that propose (after a prefill, when k

@@ -7,9 +7,9 @@ sequence computes what T single decode steps compute, and rollback leaves nothin
   first's accepted tokens, and so do a decode_torch step with the replay and settle_torch; all exact (torch.equal)
   in fp32: the same ops token by token. Odd dims (dk 5, dv 6, 3 value heads on 1 key head), conv kernels 2 and 4,
   T = 1..4, counts 1..T, slots out of order.
-- fast == torch through Triton's interpreter (the same chain, fp32): outputs, states and replay rows within TOL_FAST
-  (fp32: the kernels' sums run in another order), conv tails bit-exact (data movement), slots outside the batch
-  untouched; with the value columns of a head split over programs (dv 10 in slabs of 4) and unsplit.
+- fast == torch through Triton's interpreter (the same chain, T = 2..4, fp32): outputs, states and replay rows
+  within TOL_FAST (fp32: the kernels' sums run in another order), conv tails bit-exact (data movement), slots outside
+  the batch untouched; with the value columns of a head split over programs (dv 10 in slabs of 4) and unsplit.
 - GPU (real Qwen3.5-35B-A3B shapes at TP=1 and TP=8 local, bf16 proj and tails, fp32 states): verify_fast == T
   decode_fast steps within the decode kernel's bf16 tolerances (rtol = atol = 2e-2, relative L2 <= 5e-3; the two
   kernels compute the same function with different launch shapes), commit_fast(counts) and settle_fast == counts
@@ -147,7 +147,7 @@ def close(a, b):
 
 
 @pytest.mark.parametrize("dims", [(1, 3, 5, 6, 4), (2, 2, 4, 10, 2)])
-@pytest.mark.parametrize("T", [1, 2, 3, 4])
+@pytest.mark.parametrize("T", [2, 3, 4])  # (a verify step has a draft or more; the torch chain covers T = 1)
 @pytest.mark.parametrize("block_v", [4, 64])
 def test_fast_equals_torch(dims, T, block_v, monkeypatch):
     monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", block_v)
@@ -376,8 +376,9 @@ def test_model_verify_step_equals_single_steps_and_rolls_back(tiny, T):
 
 @pytest.mark.timeout(900)
 def test_fast_kernels_compile_for_hopper():
-    """verify_fast's, commit_fast's, settle_fast's and the replaying decode_fast's launches (bf16 storage, the tiny preset's head dims: dk = dv = 16, 2 value
-    heads per key head) compile for sm_90 through Triton's compiler and ptxas (tests/hopper_compile.py)."""
+    """verify_fast's, commit_fast's, settle_fast's and the replaying decode_fast's launches (bf16 storage, the tiny
+    preset's head dims: dk = dv = 16, 2 value heads per key head) compile for sm_90 through Triton's compiler and ptxas
+    (tests/hopper_compile.py)."""
     from tests.hopper_compile import compile_all, hopper_backend_available, recorded
     if not hopper_backend_available():
         pytest.skip("this Triton has no NVIDIA backend to compile with")
