@@ -79,6 +79,16 @@ SERVER_COUNTERS = ("num_steps", "spec_drafted_tokens", "spec_accepted_tokens", "
                    "spec_verify_eager_steps")
 
 
+def _speculation(counted: dict) -> str:
+    """What the server's speculation did over a level, for the level's line (nothing when it drafted nothing)."""
+    drafted = counted.get("spec_drafted_tokens", 0)
+    if not drafted:
+        return ""
+    return (f"  drafts {counted.get('spec_accepted_tokens', 0):.0f}/{drafted:.0f} accepted, verify steps "
+            f"{counted.get('spec_verify_graph_steps', 0):.0f} graph + {counted.get('spec_verify_eager_steps', 0):.0f} "
+            f"eager of {counted.get('num_steps', 0):.0f}")
+
+
 async def run(args) -> dict:
     counter = Counter(args.tokenizer)
     levels = [int(c) for c in args.levels.split(",")]
@@ -120,7 +130,8 @@ async def run(args) -> dict:
             rows.append(row)
             print(f"c={c:>3}: {row['tok_s']:>10.1f} tok/s  wall {wall:7.2f} s  tokens {prompt_tokens} prompt + "
                   f"{completion_tokens} completion  latency p50 {row['latency_s']['p50']:.2f} s  "
-                  f"spot {sum(spots)}/{len(spots)}  errors {row['errors']}", flush=True)
+                  f"spot {sum(spots)}/{len(spots)}  errors {row['errors']}{_speculation(row['server_counters'])}",
+                  flush=True)
     weighted = [r for r in rows if r["concurrency"] in WEIGHTS]
     return {
         "meta": {

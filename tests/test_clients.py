@@ -97,6 +97,14 @@ def test_gsm8k_scoring():
     assert extract_flexible("no digits") is None
 
 
+def test_throughput_line_says_what_speculation_did():
+    """A level's line adds the server's drafts and verify steps when it drafted any (benchmarks.throughput)."""
+    assert throughput._speculation({"num_steps": 90, "spec_drafted_tokens": 0}) == ""
+    line = throughput._speculation({"num_steps": 90, "spec_drafted_tokens": 50.0, "spec_accepted_tokens": 31.0,
+                                    "spec_verify_graph_steps": 40.0, "spec_verify_eager_steps": 2.0})
+    assert line == "  drafts 31/50 accepted, verify steps 40 graph + 2 eager of 90"
+
+
 def test_throughput_end_to_end(url, tmp_path):
     out = tmp_path / "results.json"
     r = run_client("benchmarks.throughput", "--url", url, "--levels", "1,2", "--num-requests", "4",
