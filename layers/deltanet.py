@@ -212,6 +212,12 @@ def replay_width(Hk: int, Hv: int, dk: int, dv: int) -> int:
     return Hk * dk + Hv * dv + 2 * Hv
 
 
+def replay_key_heads(ssm_state: torch.Tensor, replay: torch.Tensor) -> int:
+    """Hk of a layer, read off its states [slots, Hv, dk, dv] and replay rows (replay_width inverted)."""
+    Hv, dk, dv = ssm_state.shape[1:]
+    return (replay.shape[-1] - Hv * (dv + 2)) // dk
+
+
 def replay_args(replay: torch.Tensor | None, pending: torch.Tensor | None, like: torch.Tensor, Hk: int, Hv: int,
                 dk: int, dv: int) -> tuple:
     """The replay arguments of the decode, verify and settle kernels: (rows, pending, slot stride, row stride, and

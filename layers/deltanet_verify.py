@@ -43,7 +43,7 @@ import torch
 from layers import backend
 from layers.backend import pdl, prior_done, round_to, tl, triton
 from layers.deltanet import (L2_EPS, _dims, conv_column, decode_launch, delta_rule_step, gates_torch, replay_args,
-                             replay_torch, split_proj, split_qkv)
+                             replay_key_heads, replay_torch, split_proj, split_qkv)
 from layers.norm import gated_rms_norm_torch
 
 
@@ -58,11 +58,15 @@ class VerifyStep(NamedTuple):
 
 
 def _windows(proj, conv_state, slots, conv_dim, Hv, dv, T):
-    """(u, z, b, a) as [B, T, ...] and the conv's input sequence [B, C, K-1 + T] (cached tail, then the T inputs)."""
+    """(u, z, b, a) as [B, T, ...] and the conv's input sequence (_conv_inputs)."""
     B = proj.shape[0] // T
     u, z, b, a = split_proj(proj.view(B, T, -1), conv_dim, Hv, dv)
-    seq = torch.cat([conv_state[slots], u.transpose(1, 2)], dim=-1)
-    return u, z, b, a, seq
+    return u, z, b, a, _conv_inputs(u, conv_state, slots)
+
+
+def _conv_inputs(u, conv_state, slots):
+    """The conv's input sequence [B, C, K-1 + T]: the cached tail, then the T inputs u [B, T, C]."""
+    return torch.cat([conv_state[slots], u.transpose(1, 2)], dim=-1)
 
 
 def verify_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias, norm_weight, eps: float, T: int,
@@ -95,20 +99,17 @@ def verify_torch(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias
 def commit_torch(steps: list[VerifyStep], counts: torch.Tensor) -> None:
     """Move each layer's conv tails on by counts[b] tokens of its verify step, layer by layer."""
     for s in steps:
-        K = s.conv_state.shape[-1] + 1
-        B = s.proj.shape[0] // s.T
-        u = s.proj.view(B, s.T, -1)[..., :s.conv_state.shape[1]]
-        seq = torch.cat([s.conv_state[s.slots], u.transpose(1, 2)], dim=-1)
+        B, tail = s.proj.shape[0] // s.T, s.conv_state.shape[-1]
+        seq = _conv_inputs(s.proj.view(B, s.T, -1)[..., :s.conv_state.shape[1]], s.conv_state, s.slots)
         # the tail after n tokens: inputs n .. n + K - 2 of the sequence [tail, T inputs]
-        at = counts[:, None] + torch.arange(K - 1, device=seq.device)[None, :]
+        at = counts[:, None] + torch.arange(tail, device=seq.device)[None, :]
         s.conv_state[s.slots] = seq.gather(2, at[:, None, :].expand(-1, seq.shape[1], -1))
 
 
 def settle_torch(ssm_state, slots, replay, pending, A_log, dt_bias) -> None:
     """One layer's states at `slots` moved through their pending drafts."""
-    Hk = (replay.shape[-1] - ssm_state.shape[1] * (ssm_state.shape[3] + 2)) // ssm_state.shape[2]
-    ssm_state[slots] = replay_torch(ssm_state[slots], replay[slots], pending[slots], A_log, dt_bias, Hk,
-                                    ssm_state.shape[2])
+    ssm_state[slots] = replay_torch(ssm_state[slots], replay[slots], pending[slots], A_log, dt_bias,
+                                    replay_key_heads(ssm_state, replay), ssm_state.shape[2])
 
 
 # ------------------------------------------------------------------------------------------------ fast
@@ -195,7 +196,7 @@ def settle_fast(ssm_state, slots, replay, pending, A_log, dt_bias) -> None:
     if not B:
         return
     Hv, dk, dv = ssm_state.shape[1:]
-    Hk = (replay.shape[-1] - Hv * (dv + 2)) // dk
+    Hk = replay_key_heads(ssm_state, replay)
     BV, warps = decode_launch(dk, dv, B)
     n_split = triton.cdiv(dv, BV)
     _settle_kernel[(Hv * n_split, B)](
