@@ -43,6 +43,11 @@ from layers.varlen import block_of, seq_tile
 # as tuned on the H100.
 MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 128
+# The merge loads CHUNK parts of every head at once (MERGE_ELEMENTS fp32 a warp, 64 registers a thread), where it had
+# waited on one part after another: 1x H200, 2026-11-29, the sweep at the current settings, L2 cold, batch 1: 11.0 ->
+# 10.1 us (32/8x64), 11.3 -> 10.4 (4/1x256), 12.2 -> 11.8 (8/1x256), 12.7 both (16/2x256); batch 8-64 from 0.2 us
+# slower to 1.0 faster.
+MERGE_ELEMENTS = 2048
 DECODE_CONFIG = {64: ((1, dict(tile=64, warps=4, stages=2, per_sm=2)),
                       (None, dict(tile=128, warps=4, stages=3, per_sm=2))),
                  128: ((None, dict(tile=64, warps=4, stages=3, per_sm=2)),),
@@ -436,9 +441,10 @@ def decode_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.devi
 
 def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate, splits: int,
                         tile: int = DECODE_TILE, min_tiles: int = MIN_TILES_PER_SPLIT, warps: int = 4,
-                        stages: int = 2) -> torch.Tensor:
+                        stages: int = 2, merge_chunk: int | None = None) -> torch.Tensor:
     """paged_decode_attention_fast with the split count and tile size given (tests run every split path; the
-    benchmark sweeps tiles, warps and stages)."""
+    benchmark sweeps tiles, warps and stages). merge_chunk: parts the merge loads at once (default: as many as
+    MERGE_ELEMENTS a warp allows)."""
     B, H, D = q.shape
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = H // n_kv
@@ -456,11 +462,14 @@ def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: 
         gate = q  # a placeholder, never read
     assert q.stride(2) == 1 and gate.stride(2) == 1
     counters = backend.arrival_counters(B * n_kv, q.device) if splits > 1 else out  # (placeholder: never read)
+    merge_g = triton.next_power_of_2(group)
+    block_s = triton.next_power_of_2(splits)
+    chunk = merge_chunk or max(1, min(block_s, MERGE_ELEMENTS * warps // (merge_g * block_d)))
     _decode_split_kernel[(B, n_kv, splits)](
         q, kc, vc, block_tables, context_lens, gate, out, lse, part, counters, scale, splits,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0), gate.stride(0), gate.stride(1),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        TILE=tile, MIN_TILES=min_tiles, BLOCK_S=triton.next_power_of_2(splits), ONE_SPLIT=splits == 1,
+        GROUP=group, BLOCK_G=max(16, merge_g), MERGE_G=merge_g, D=D, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        TILE=tile, MIN_TILES=min_tiles, BLOCK_S=block_s, CHUNK=chunk, ONE_SPLIT=splits == 1,
         HAS_GATE=has_gate, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
         **pdl())
     return out
@@ -485,8 +494,8 @@ if triton is not None:
                              count_ptr, scale, splits, sq_b, sq_h, s_slot, s_kvh, st_b, sg_b, sg_h,
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MIN_TILES: tl.constexpr,
-                             BLOCK_S: tl.constexpr, ONE_SPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
-                             PREC: tl.constexpr):
+                             BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, MERGE_G: tl.constexpr,
+                             ONE_SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, PREC: tl.constexpr):
         """Program (b, kv head, split): the GROUP query heads of one KV head over one contiguous part of sequence
         b's context, TILE tokens at a time (gathered through the block table), with an online softmax in fp32.
         One split: normalise, gate and store the output. Several: store the part's normalised output and its
@@ -545,29 +554,41 @@ if triton is not None:
             tl.debug_barrier()
             count = count_ptr + b * tl.num_programs(1) + kvh
             if tl.atomic_add(count, 1, sem="acq_rel") == splits - 1:
-                _merge_splits(lse_ptr, part_ptr, gate_ptr, out_ptr, b, heads, g < GROUP, d, mask, tl.cdiv(ctx, per),
-                              splits, H, sg_b, sg_h, D, BLOCK_G, BLOCK_D, BLOCK_S, HAS_GATE)
+                _merge_splits(lse_ptr, part_ptr, gate_ptr, out_ptr, b, kvh * GROUP, tl.cdiv(ctx, per), splits, H,
+                              sg_b, sg_h, GROUP, D, MERGE_G, BLOCK_D, BLOCK_S, CHUNK, HAS_GATE)
                 tl.store(count, 0)
 
     @triton.jit
-    def _merge_splits(lse_ptr, part_ptr, gate_ptr, out_ptr, b, heads, hmask, d, mask, n, splits, H, sg_b, sg_h,
-                      D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                      HAS_GATE: tl.constexpr):
-        """The output of query heads `heads` of sequence b: the n non-empty parts (their count follows from the
-        context length exactly as the parts were cut) weighted by exp(lse), in split order, then the gate. The
-        parts were stored by other programs: read from L2 (.cg)."""
-        base = (b * H + heads) * splits
+    def _merge_splits(lse_ptr, part_ptr, gate_ptr, out_ptr, b, head0, n, splits, H, sg_b, sg_h, GROUP: tl.constexpr,
+                      D: tl.constexpr, MERGE_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                      CHUNK: tl.constexpr, HAS_GATE: tl.constexpr):
+        """The output of query heads head0 .. head0 + GROUP - 1 of sequence b: the n non-empty parts (their count
+        follows from the context length exactly as the parts were cut) weighted by exp(lse), then the gate. The
+        parts were stored by other programs: read from L2 (.cg), CHUNK parts of every head in one load, so that a
+        merge of n parts waits on ceil(n / CHUNK) round trips, not n; the weighted parts are summed in a fixed order
+        whatever the order of arrival."""
+        g = tl.arange(0, MERGE_G)
+        d = tl.arange(0, BLOCK_D)
+        hmask = g < GROUP
+        mask = hmask[:, None] & (d < D)[None, :]
+        base = (b * H + head0 + g) * splits
         s_idx = tl.arange(0, BLOCK_S)
         lse = tl.load(lse_ptr + base[:, None] + s_idx[None, :], mask=hmask[:, None] & (s_idx < n)[None, :],
                       other=float("-inf"), cache_modifier=".cg")
         top = tl.where(hmask, tl.max(lse, 1), 0.0)  # (rows past the group: all -inf, kept finite)
         total = tl.sum(tl.exp(lse - top[:, None]), 1)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for s in range(0, n):
-            w = tl.exp(tl.load(lse_ptr + base + s, mask=hmask, other=float("-inf"), cache_modifier=".cg") - top)
-            acc += w[:, None] * tl.load(part_ptr + (base + s)[:, None] * D + d[None, :], mask=mask, other=0.0,
-                                        cache_modifier=".cg")
+        c = tl.arange(0, CHUNK)
+        acc = tl.zeros([MERGE_G, BLOCK_D], tl.float32)
+        for s0 in range(0, n, CHUNK):
+            s = s0 + c
+            live = hmask[:, None] & (s < n)[None, :]
+            w = tl.exp(tl.load(lse_ptr + base[:, None] + s[None, :], mask=live, other=float("-inf"),
+                               cache_modifier=".cg") - top[:, None])
+            parts = tl.load(part_ptr + (base[:, None, None] + s[None, :, None]) * D + d[None, None, :],
+                            mask=live[:, :, None] & (d < D)[None, None, :], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(w[:, :, None] * parts, 1)
         o = acc / tl.where(hmask, total, 1.0)[:, None]
+        heads = head0 + g
         dst = out_ptr + b * H * D + heads[:, None] * D + d[None, :]
         if HAS_GATE:
             gate = tl.load(gate_ptr + b * sg_b + heads[:, None] * sg_h + d[None, :], mask=mask, other=0.0)

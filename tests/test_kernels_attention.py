@@ -153,7 +153,8 @@ def test_decode_torch_equals_per_sequence_reference(heads, kv, D, block_size):
 @pytest.mark.parametrize("lens", [[37], [1, 9, 16], [3, 40, 1, 17, 8, 24, 33, 2]])
 def test_decode_fast_equals_torch(heads, kv, D, block_size, lens):
     """Every split path: one split (gate in the attention kernel), several (merged by the last program of each
-    sequence and KV head to arrive), and more splits than the context has tiles (empty splits); min_tiles 2 leaves
+    sequence and KV head to arrive, all parts in one load or 2 at a time), and more splits than the context has
+    tiles (empty splits); min_tiles 2 leaves
     short contexts fewer, longer splits. The arrival counters are back at zero after each launch (a CUDA graph
     replays it with no reset in between), and a second launch gives the same bits."""
     gen = torch.Generator().manual_seed(len(lens) * 100 + heads)
@@ -161,12 +162,13 @@ def test_decode_fast_equals_torch(heads, kv, D, block_size, lens):
     args = decode_inputs(heads, kv, D, block_size, lens, width, 48, gen)
     ref = A.paged_decode_attention_torch(*args[:5], D ** -0.5, args[5])
     assert ref.abs().max() > 0.1
-    for splits, min_tiles in [(1, 1), (2, 1), (3, 2), (7, 1)]:
-        out = A.paged_decode_launch(*args[:5], D ** -0.5, args[5], splits, tile=16, min_tiles=min_tiles)
-        assert max_diff(out, ref) <= TOL, (splits, min_tiles)
+    for splits, min_tiles, chunk in [(1, 1, None), (2, 1, None), (3, 2, None), (7, 1, None), (7, 1, 2)]:
+        out = A.paged_decode_launch(*args[:5], D ** -0.5, args[5], splits, tile=16, min_tiles=min_tiles,
+                                    merge_chunk=chunk)
+        assert max_diff(out, ref) <= TOL, (splits, min_tiles, chunk)
         assert all(not buf.any() for buf in backend._COUNTERS.values())
         assert torch.equal(A.paged_decode_launch(*args[:5], D ** -0.5, args[5], splits, tile=16,
-                                                 min_tiles=min_tiles), out)
+                                                 min_tiles=min_tiles, merge_chunk=chunk), out)
     assert max_diff(A.paged_decode_attention_fast(*args[:5], D ** -0.5, args[5]), ref) <= TOL
 
 
