@@ -58,6 +58,7 @@ from layers.backend import pdl, prior_done, rms_norm_row, round_to, tl, triton
 GEMV_MAX_M = 2
 GEMV_MAX_K = 16384
 GEMV_CONFIG = {"tile_1": 2048, "tile": 8192, "warps": 4, "norm_tile_1": 16384, "norm_warps_1": 8}
+CPU_MAX_PROGRAMS, CPU_MAX_TILE = 64, 1 << 18  # the GEMV's grid through the interpreter (gemv_block_n)
 # A PendingNorm input costs every program the norm of its rows before its sums, and saves the norm's own launch
 # (~2 us in a decode step's graph): `python -m benchmarks.bench_linear --rows 1,2 --norm --sweep` (1x H200,
 # 2026-11-26, L2-cold weights): at one row, with wider programs (norm_tile_1, norm_warps_1: fewer prologues) the
@@ -313,10 +314,22 @@ def _rows_and_output(x: torch.Tensor, M: int, N: int, K: int) -> tuple[torch.Ten
 
 def gemv_block_n(N: int, block_k: int, tile: int, device: torch.device, rows: int = 1) -> int:
     """Output columns per GEMV program: the most whose weights fit `tile` elements, halved while the grid (`rows`
-    programs a column block) has fewer than two programs per SM (the router's 257 columns at one row: one each)."""
+    programs a column block) has fewer than two programs per SM (the router's 257 columns at one row: one each);
+    on the CPU, _cpu_columns."""
     block_n = triton.next_power_of_2(tile // block_k) if tile >= block_k else 1
     while block_n > 1 and triton.cdiv(N, block_n) * rows < 2 * backend.sm_count(device):
         block_n //= 2
+    return _cpu_columns(N, block_n, block_k, device)
+
+
+def _cpu_columns(N: int, block_n: int, block_k: int, device: torch.device) -> int:
+    """block_n, or on the CPU (Triton's interpreter, which pays per program, not per element) doubled while the grid
+    has more than CPU_MAX_PROGRAMS programs, up to CPU_MAX_TILE weight elements a program: the tiny test model's LM
+    head (248,320 columns of 64) took 3,880-7,760 programs and 20-40 s a call. Test shapes of up to CPU_MAX_PROGRAMS
+    blocks keep their tiling, so the tests still cover several programs and ragged last blocks."""
+    if torch.device(device).type == "cpu":
+        while triton.cdiv(N, block_n) > CPU_MAX_PROGRAMS and 2 * block_n * block_k <= CPU_MAX_TILE:
+            block_n *= 2
     return block_n
 
 
@@ -361,8 +374,9 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     cols = _output_columns(N, gated)
     x2, y = _rows_and_output(x, M, cols, K)
     block_n, block_k, stages = rows_tile(N)
-    block_cols = _columns_per_program(block_n, gated, 16)  # (tl.dot's least N)
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    block_n = _cpu_columns(N, block_n, block_k, x.device)
+    block_cols = _columns_per_program(block_n, gated, 16)  # (tl.dot's least N)
     slot = box.claim(M) if box is not None else 0
     _rows_kernel[(triton.cdiv(cols, block_cols),)](
         x2, weight, weight if bias is None else bias, y, M, cols, K, x2.stride(0), weight.stride(0), y.stride(0),

@@ -14,6 +14,14 @@ from scheduler.plan import StepPlan
 from tests.hopper_compile import compile_all, hopper_backend_available, recorded
 
 TABLES = [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+
+@pytest.fixture(autouse=True)
+def gpu_tiling(monkeypatch):
+    """The GEMMs tiled as on a GPU (no wider programs for the interpreter: linear._cpu_columns), so that the
+    variants compiled here are the ones a GPU launches."""
+    from layers import linear
+    monkeypatch.setattr(linear, "CPU_MAX_PROGRAMS", 1 << 40)
 MOE_KERNELS = {"_gemv_kernel", "_decode_kernel", "_gate_up_persistent_kernel", "_down_combine_kernel",
                "_set_tables_kernel"}
 DENSE_KERNELS = {"_gemv_kernel", "_rows_kernel", "_silu_mul_kernel", "_decode_split_kernel", "_set_tables_kernel"}

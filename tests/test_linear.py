@@ -120,16 +120,27 @@ def test_gemv_tile_settings(tile, warps, monkeypatch):
 
 
 def test_gemv_block_n_from_shape(monkeypatch):
-    """The most columns whose weights fit the tile, halved until the grid has two programs per SM."""
+    """The most columns whose weights fit the tile, halved until the grid has two programs per SM (on a GPU: the
+    rule takes the device only to count SMs and to tell the CPU apart, so no GPU is needed here)."""
     monkeypatch.setattr(lin.backend, "sm_count", lambda device: 132)
+    gpu = torch.device("cuda")
+    assert lin.gemv_block_n(12352, 2048, 8192, gpu) == 4   # the DeltaNet in-projection: 3,088 programs
+    assert lin.gemv_block_n(12352, 2048, 2048, gpu) == 1   # at one row's tile: 12,352
+    assert lin.gemv_block_n(2048, 4096, 8192, gpu) == 2    # an out projection: 1,024
+    assert lin.gemv_block_n(257, 2048, 8192, gpu) == 1     # the router: 257
+    assert lin.gemv_block_n(2048, 16384, 8192, gpu) == 1   # K past the tile: one row a program
+    assert lin.gemv_block_n(257, 2048, 16384, gpu, rows=8) == 8  # the router's row grid at 8 rows: 264 programs
+    assert lin.gemv_block_n(257, 2048, 16384, gpu, rows=2) == 1  # at 2 rows: 514 (2 columns: 258, too few)
+
+
+def test_gemv_block_n_on_the_cpu_takes_few_programs():
+    """Through the interpreter a vocabulary's columns go in at most CPU_MAX_PROGRAMS programs (up to CPU_MAX_TILE
+    elements each); shapes of up to that many blocks keep the GPU's tiling."""
     cpu = torch.device("cpu")
-    assert lin.gemv_block_n(12352, 2048, 8192, cpu) == 4   # the DeltaNet in-projection: 3,088 programs
-    assert lin.gemv_block_n(12352, 2048, 2048, cpu) == 1   # at one row's tile: 12,352
-    assert lin.gemv_block_n(2048, 4096, 8192, cpu) == 2    # an out projection: 1,024
-    assert lin.gemv_block_n(257, 2048, 8192, cpu) == 1     # the router: 257
-    assert lin.gemv_block_n(2048, 16384, 8192, cpu) == 1   # K past the tile: one row a program
-    assert lin.gemv_block_n(257, 2048, 16384, cpu, rows=8) == 8  # the router's row grid at 8 rows: 264 programs
-    assert lin.gemv_block_n(257, 2048, 16384, cpu, rows=2) == 1  # at 2 rows: 514 (2 columns: 258, too few)
+    assert lin.gemv_block_n(248320, 64, 2048, cpu) == lin.CPU_MAX_TILE // 64  # the tiny model's LM head
+    assert lin.gemv_block_n(70, 1000, 2048, cpu) == 2                         # 35 programs, as on a GPU
+    assert lin.gemv_block_n(12352, 2048, 8192, cpu) == 128                     # 3,088 -> 97 programs (the tile)
+    assert lin.gemv_block_n(1 << 20, 1 << 14, 8192, cpu) == 16                 # the tile's bound
 
 
 def test_gemv_3d_strided_and_past_its_limits():
