@@ -58,7 +58,7 @@ from layers.backend import pdl, prior_done, rms_norm_row, round_to, tl, triton
 GEMV_MAX_M = 2
 GEMV_MAX_K = 16384
 GEMV_CONFIG = {"tile_1": 2048, "tile": 8192, "warps": 4, "norm_tile_1": 16384, "norm_warps_1": 8}
-CPU_MAX_PROGRAMS, CPU_MAX_TILE = 64, 1 << 18  # the GEMV's grid through the interpreter (gemv_block_n)
+CPU_MAX_PROGRAMS, CPU_MAX_TILE = 64, 1 << 18  # the GEMV's and rows kernel's grids on the CPU (_cpu_columns)
 # A PendingNorm input costs every program the norm of its rows before its sums, and saves the norm's own launch
 # (~2 us in a decode step's graph): `python -m benchmarks.bench_linear --rows 1,2 --norm --sweep` (1x H200,
 # 2026-11-26, L2-cold weights): at one row, with wider programs (norm_tile_1, norm_warps_1: fewer prologues) the

@@ -15,6 +15,11 @@ from tests.hopper_compile import compile_all, hopper_backend_available, recorded
 
 TABLES = [[1, 2, 3, 4], [5, 6, 7, 8]]
 
+MOE_KERNELS = {"_gemv_kernel", "_decode_kernel", "_gate_up_persistent_kernel", "_down_combine_kernel",
+               "_set_tables_kernel"}
+DENSE_KERNELS = {"_gemv_kernel", "_rows_kernel", "_silu_mul_kernel", "_decode_split_kernel", "_set_tables_kernel"}
+TINY_LLAMA = {**PRESETS["tiny-llama"], "vocab_size": 1024}  # (a small vocabulary: the interpreter runs the LM head)
+
 
 @pytest.fixture(autouse=True)
 def gpu_tiling(monkeypatch):
@@ -22,10 +27,6 @@ def gpu_tiling(monkeypatch):
     variants compiled here are the ones a GPU launches."""
     from layers import linear
     monkeypatch.setattr(linear, "CPU_MAX_PROGRAMS", 1 << 40)
-MOE_KERNELS = {"_gemv_kernel", "_decode_kernel", "_gate_up_persistent_kernel", "_down_combine_kernel",
-               "_set_tables_kernel"}
-DENSE_KERNELS = {"_gemv_kernel", "_rows_kernel", "_silu_mul_kernel", "_decode_split_kernel", "_set_tables_kernel"}
-TINY_LLAMA = {**PRESETS["tiny-llama"], "vocab_size": 1024}  # (a small vocabulary: the interpreter runs the LM head)
 
 
 def steps(three_tokens: bool) -> list[StepPlan]:

@@ -154,9 +154,9 @@ def test_decode_torch_equals_per_sequence_reference(heads, kv, D, block_size):
 def test_decode_fast_equals_torch(heads, kv, D, block_size, lens):
     """Every split path: one split (gate in the attention kernel), several (merged by the last program of each
     sequence and KV head to arrive, all parts in one load or 2 at a time), and more splits than the context has
-    tiles (empty splits); min_tiles 2 leaves
-    short contexts fewer, longer splits. The arrival counters are back at zero after each launch (a CUDA graph
-    replays it with no reset in between), and a second launch gives the same bits."""
+    tiles (empty splits); min_tiles 2 leaves short contexts fewer, longer splits. The arrival counters are back at
+    zero after each launch (a CUDA graph replays it with no reset in between), and a second launch gives the same
+    bits."""
     gen = torch.Generator().manual_seed(len(lens) * 100 + heads)
     width = math.ceil(max(lens) / block_size) + 2  # columns past every context
     args = decode_inputs(heads, kv, D, block_size, lens, width, 48, gen)
