@@ -111,8 +111,7 @@ class GatedAttention(nn.Module):
                                   self.k_cache, self.v_cache, self.eps, self.gated, self.plain_norm)
         gate = split_qkv(qkv, self.num_kv_heads, self.head_dim, self.gated)[1]  # None without the output gate
         if batch.is_decode or batch.verify_tokens:  # (a verify step's rows carry their own tables and lengths)
-            o = self._decode(q, self.k_cache, self.v_cache, batch.block_tables, batch.context_lens, self.scale, gate,
-                             max(1, batch.verify_tokens))
+            o = self._decode(q, self.k_cache, self.v_cache, batch.block_tables, batch.context_lens, self.scale, gate)
         else:
             o = self._prefill(q, self.k_cache, self.v_cache, batch, self.scale, gate)
         return self.o_proj(o)
@@ -190,6 +189,7 @@ if triton is not None:
         copied). Q: a query head's row count (2D with the gate rows after it, D without). Every rounding the torch
         oracle does in the model dtype is done here too: the norm's output (and its product with w when PLAIN),
         cos and sin, each product of the rotation and their sum."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         dtype = q_ptr.dtype.element_ty
@@ -198,33 +198,26 @@ if triton is not None:
         rotates = d < RD
         half = RD // 2
         partner = tl.where(d < half, d + half, d - half)  # the other half of the rotated pair (d < RD only)
-        # first what the kernel before this one does not write (backend.pdl): the norm's weights, the position's
-        # cos and sin, the cache slot
-        if h < H:
-            w_ptr = qw_ptr
-        else:
-            w_ptr = kw_ptr
-        if HAS_NORM:
-            w = tl.load(w_ptr + d, mask=in_head, other=0.0).to(tl.float32)
-            wp = tl.load(w_ptr + partner, mask=rotates, other=0.0).to(tl.float32)
-        pos = tl.load(pos_ptr + t)
-        c = round_to(tl.load(cos_ptr + pos * s_cos + d, mask=rotates, other=0.0), dtype)
-        s = round_to(tl.load(sin_ptr + pos * s_cos + d, mask=rotates, other=0.0), dtype)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        prior_done()  # (backend.pdl: the kernels before this one have finished; the qkv row is theirs)
         row = qkv_ptr + t * s_qkv
         if h < H:
             src = row + h * Q
+            w_ptr = qw_ptr
         else:
             src = row + H * Q + (h - H) * D
+            w_ptr = kw_ptr
         x = tl.load(src + d, mask=in_head, other=0.0).to(tl.float32)
         xp = tl.load(src + partner, mask=rotates, other=0.0).to(tl.float32)
         if HAS_NORM:
             inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+            w = tl.load(w_ptr + d, mask=in_head, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=rotates, other=0.0).to(tl.float32)
             y = _normed(x, inv, w, PLAIN, dtype)
             yp = _normed(xp, inv, wp, PLAIN, dtype)
         else:
             y, yp = x, xp
+        pos = tl.load(pos_ptr + t)
+        c = round_to(tl.load(cos_ptr + pos * s_cos + d, mask=rotates, other=0.0), dtype)
+        s = round_to(tl.load(sin_ptr + pos * s_cos + d, mask=rotates, other=0.0), dtype)
         rot = tl.where(d < half, -yp, yp)
         a = round_to(y * c, dtype)
         b = round_to(rot * s, dtype)
@@ -232,6 +225,7 @@ if triton is not None:
         if h < H:
             tl.store(q_ptr + (t * H + h) * D + d, out, mask=in_head)
         else:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
             dst = slot * s_slot + (h - H) * s_kvh + d
             tl.store(kc_ptr + dst, out, mask=in_head)
             v = tl.load(row + H * Q + KV * D + (h - H) * D + d, mask=in_head, other=0.0)
@@ -386,11 +380,10 @@ if triton is not None:
 
 
 # ------------------------------------------------------------------------------------------ decode attention
-def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate,
-                                 fresh: int = 1) -> torch.Tensor:
+def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate) -> torch.Tensor:
     """One query per sequence over its paged keys, all sequences at once (no host sync; fixed shapes for a given
     block-table width), gated: [B, H*D]. q, gate: [B, H, D] (gate None: no gate); block_tables: [B, max_blocks];
-    context_lens: [B] (keys 0..len-1 visible). fresh is the fast kernel's and unused here."""
+    context_lens: [B] (keys 0..len-1 visible)."""
     B, H, D = q.shape
     n_kv = k_cache.shape[2]
     k = k_cache[block_tables].flatten(1, 2)                       # [B, L, kv, D]
@@ -403,18 +396,16 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens
     return apply_output_gate(out.reshape(B, H, D).to(q.dtype), gate)
 
 
-def paged_decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate,
-                                fresh: int = 1) -> torch.Tensor:
+def paged_decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate) -> torch.Tensor:
     """Flash-decoding: each (sequence, KV head) context is cut into `decode_splits(...)` parts (a value that depends
     only on shapes), each part one program; the last program of a (sequence, KV head) to finish merges the parts of
     its query heads and applies the gate (if any), in the same launch. With one split each program applies the gate
-    itself. fresh: how many of each row's newest keys the launch before this one cached (1; a verify step's T),
-    which the kernel reads only after that launch has finished (backend.pdl), the rest of its first tile before."""
+    itself."""
     cfg = decode_config(q.shape[2], q.shape[0])
     splits = decode_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device,
                            cfg["tile"], cfg["per_sm"])
     return paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale, gate, splits, tile=cfg["tile"],
-                               warps=cfg["warps"], stages=cfg["stages"], fresh=fresh)
+                               warps=cfg["warps"], stages=cfg["stages"])
 
 
 def decode_variant_rows(max_rows: int, kv_heads: int, max_tokens: int, head_dim: int,
@@ -450,7 +441,7 @@ def decode_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.devi
 
 def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: float, gate, splits: int,
                         tile: int = DECODE_TILE, min_tiles: int = MIN_TILES_PER_SPLIT, warps: int = 4,
-                        stages: int = 2, merge_chunk: int | None = None, fresh: int = 1) -> torch.Tensor:
+                        stages: int = 2, merge_chunk: int | None = None) -> torch.Tensor:
     """paged_decode_attention_fast with the split count and tile size given (tests run every split path; the
     benchmark sweeps tiles, warps and stages). merge_chunk: parts the merge loads at once (default: as many as
     MERGE_ELEMENTS a warp allows)."""
@@ -475,7 +466,7 @@ def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: 
     block_s = triton.next_power_of_2(splits)
     chunk = merge_chunk or max(1, min(block_s, MERGE_ELEMENTS * warps // (merge_g * block_d)))
     _decode_split_kernel[(B, n_kv, splits)](
-        q, kc, vc, block_tables, context_lens, gate, out, lse, part, counters, scale, splits, fresh,
+        q, kc, vc, block_tables, context_lens, gate, out, lse, part, counters, scale, splits,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0), gate.stride(0), gate.stride(1),
         GROUP=group, BLOCK_G=max(16, merge_g), MERGE_G=merge_g, D=D, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         TILE=tile, MIN_TILES=min_tiles, BLOCK_S=block_s, CHUNK=chunk, ONE_SPLIT=splits == 1,
@@ -499,26 +490,8 @@ if triton is not None:
         return (round_to(o, dtype) * g).to(dtype)
 
     @triton.jit
-    def _kv_rows(table, tok, valid, kvh, s_slot, s_kvh, BLOCK_SIZE: tl.constexpr):
-        """The cache rows of tokens `tok` of one sequence (its block table `table`) at KV head kvh, as offsets."""
-        block = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        return (block * BLOCK_SIZE + tok % BLOCK_SIZE) * s_slot + kvh * s_kvh
-
-    @triton.jit
-    def _online_tile(q, k, v, valid, m, l, acc, scale, PREC: tl.constexpr):
-        """One tile of keys and values into the online softmax (m, l, acc), fp32; invalid keys weigh nothing."""
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        return m_new, l, acc
-
-    @triton.jit(do_not_specialize=["fresh"])  # (one compile for decode and verify steps)
     def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, gate_ptr, out_ptr, lse_ptr, part_ptr,
-                             count_ptr, scale, splits, fresh, sq_b, sq_h, s_slot, s_kvh, st_b, sg_b, sg_h,
+                             count_ptr, scale, splits, sq_b, sq_h, s_slot, s_kvh, st_b, sg_b, sg_h,
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MIN_TILES: tl.constexpr,
                              BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, MERGE_G: tl.constexpr,
@@ -529,45 +502,40 @@ if triton is not None:
         log-sum-exp (an empty part stores lse = -inf, a neutral partial, and no output), then count itself in; the
         last of the (b, kv head)'s programs to arrive merges the non-empty parts (_merge_splits) and resets the
         counter. No float atomics: the merge adds the parts in split order whatever the order of arrival."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         H = tl.num_programs(1) * GROUP
-        # first what the kernel before this one does not write (backend.pdl): the context length, the block table and
-        # the part's first tile of K/V but for the `fresh` newest tokens (that kernel caches them), in flight while it
-        # drains
         ctx = tl.load(lens_ptr + b)
         per = _split_tokens(ctx, splits, TILE, MIN_TILES)
         start = split * per
         end = tl.minimum(ctx, start + per)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
+        t = tl.arange(0, TILE)
         heads = kvh * GROUP + g
         mask = (g < GROUP)[:, None] & (d < D)[None, :]
-        tok = start + tl.arange(0, TILE)
-        valid = tok < end
-        offs = _kv_rows(tables_ptr + b * st_b, tok, valid, kvh, s_slot, s_kvh, BLOCK_SIZE)
-        old = (valid & (tok < ctx - fresh))[:, None] & (d < D)[None, :]
-        k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=old, other=0.0)
-        v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=old, other=0.0)
-        prior_done()  # (backend.pdl: the kernels before this one have finished; q and the newest K/V are theirs)
-        new = (valid & (tok >= ctx - fresh))[:, None] & (d < D)[None, :]
-        k = tl.where(new, tl.load(k_ptr + offs[:, None] + d[None, :], mask=new, other=0.0), k)
-        v = tl.where(new, tl.load(v_ptr + offs[:, None] + d[None, :], mask=new, other=0.0), v)
         q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=mask, other=0.0)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        if end > start:  # (an empty part keeps m = -inf and l = 0)
-            m, l, acc = _online_tile(q, k, v, valid, m, l, acc, scale, PREC)
-        for t0 in range(start + TILE, end, TILE):
-            tok = t0 + tl.arange(0, TILE)
+        for t0 in range(start, end, TILE):
+            tok = t0 + t
             valid = tok < end
-            offs = _kv_rows(tables_ptr + b * st_b, tok, valid, kvh, s_slot, s_kvh, BLOCK_SIZE)
+            block = tl.load(tables_ptr + b * st_b + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            offs = (block * BLOCK_SIZE + tok % BLOCK_SIZE) * s_slot + kvh * s_kvh
             kv_mask = valid[:, None] & (d < D)[None, :]
             k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            m, l, acc = _online_tile(q, k, v, valid, m, l, acc, scale, PREC)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m = m_new
         l_safe = tl.where(l > 0, l, 1.0)
         o = acc / l_safe[:, None]
         if ONE_SPLIT:

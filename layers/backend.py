@@ -88,12 +88,10 @@ class use_kernels:
 ALIGN_BYTES = 16  # Triton specialises a pointer argument on 16-byte alignment
 
 # Programmatic dependent launch (PDL, sm_90+). A kernel launched with **pdl() may start as the kernel before it in
-# the stream drains: its programs first load what that kernel does not write (weights: the GEMV's tile; a DeltaNet
-# state or the cached K/V of earlier steps), then prior_done() (griddepcontrol.wait: the kernels before it have
-# finished and their writes are visible) before they read or write anything else. Every program of every such kernel
-# calls prior_done() before it ends, so a kernel starts only after the one before the last has finished and flushed:
-# only the last kernel's writes are not yet visible. So its launch, its programs' start and those loads overlap the
-# last one's tail and memory flush. No kernel lets the next launch early (griddepcontrol.launch_dependents): a kernel launched while the one
+# the stream drains: its programs load what no kernel writes (weights: the GEMV's tile), then prior_done()
+# (griddepcontrol.wait: the kernels before it have finished and their writes are visible) before they read or write
+# anything else. So its launch, its programs' start and its weight loads overlap the last one's tail and memory
+# flush. No kernel lets the next launch early (griddepcontrol.launch_dependents): a kernel launched while the one
 # before still ran placed its programs on the SMs free at that moment, and the MoE kernels at 8 tokens ran 2-3x
 # longer (TP=4 batch 8 2.99 -> 3.45 ms); launched as the last programs exit, it costs nothing anywhere. One 2x H200
 # call (2026-11-28): TP=2 2.03 / 2.41 -> 1.94 / 2.32 ms at batch 1 / 2, TP=1 2.60 / 3.29 -> 2.44 / 3.15, batch 4-16

@@ -561,20 +561,17 @@ if triton is not None:
         tl.store(beta_ptr + t[:, None] * H + h[None, :], beta, mask=mask)
 
     @triton.jit
-    def _conv_taps(tail, w_ptr, ch, mask, ss_c, ss_t, sw_c, sw_t, KERNEL: tl.constexpr):
-        """The conv's new column at channels `ch`, its part over the cached tail: taps 0..K-2 (oldest first)
-        accumulated in fp32 in that order, and the last tap's weights (for _conv_silu)."""
+    def _conv_silu(prow, tail, w_ptr, ch, mask, ss_c, ss_t, sw_c, sw_t, KERNEL: tl.constexpr, DTYPE: tl.constexpr):
+        """The conv's new column at channels `ch` as decode_torch computes it: taps 0..K-2 on the cached tail (oldest
+        first), tap K-1 on the new input, accumulated in fp32 in that order and rounded to DTYPE (conv1d's output),
+        then SiLU rounded again. fp32 result."""
         acc = tl.zeros(ch.shape, dtype=tl.float32)
         for j in tl.static_range(KERNEL - 1):
             acc += tl.load(tail + ch * ss_c + j * ss_t, mask=mask, other=0.0).to(tl.float32) * \
                 tl.load(w_ptr + ch * sw_c + j * sw_t, mask=mask, other=0.0).to(tl.float32)
-        return acc, tl.load(w_ptr + ch * sw_c + (KERNEL - 1) * sw_t, mask=mask, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _conv_silu(taps, w_last, prow, ch, mask, DTYPE: tl.constexpr):
-        """The conv's new column at channels `ch` as decode_torch computes it: _conv_taps' sum, then tap K-1 on the
-        new input, rounded to DTYPE (conv1d's output), then SiLU rounded again. fp32 result."""
-        y = round_to(taps + tl.load(prow + ch, mask=mask, other=0.0).to(tl.float32) * w_last, DTYPE)
+        acc += tl.load(prow + ch, mask=mask, other=0.0).to(tl.float32) * \
+            tl.load(w_ptr + ch * sw_c + (KERNEL - 1) * sw_t, mask=mask, other=0.0).to(tl.float32)
+        y = round_to(acc, DTYPE)
         return round_to(y * tl.sigmoid(y), DTYPE)
 
     @triton.jit
@@ -619,31 +616,27 @@ if triton is not None:
             dtype);  S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q (rounded), stored in y;
         then, by the last program of the (b, qk-head) group to arrive: the q/k tail shift and, for each of its REP
         heads, y = (o / rms(o), rounded) * w * silu(z) (gated RMSNorm, spec §2.1)."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
         pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
         h, j = pid // N_SPLIT, pid % N_SPLIT
         hk = h // REP
         dtype = y_ptr.dtype.element_ty
         kk, vv = tl.arange(0, BK), j * BV + tl.arange(0, BV)
         km, vm = kk < DK, vv < DV
-        # first what the kernel before this one does not write (backend.pdl): the slot, the state slab (from HBM), the
-        # conv taps over the cached tail and the gates' constants, in flight while that kernel drains
         slot = tl.load(slots_ptr + b).to(tl.int64)
+        prow = proj_ptr + b * sp_b
         tail = conv_ptr + slot * sc_slot
+        # the state slab first: its bytes (from HBM) are in flight while the conv step and the gates are computed
         ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
         smask = km[:, None] & vm[None, :]
         S = tl.load(ptrs, mask=smask, other=0.0)
-        q_taps, q_w = _conv_taps(tail, conv_w_ptr, hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL)
-        k_taps, k_w = _conv_taps(tail, conv_w_ptr, k_off + hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL)
-        v_taps, v_w = _conv_taps(tail, conv_w_ptr, v_off + h * DV + vv, vm, sc_c, sc_t, sw_c, sw_t, KERNEL)
-        decay_scale = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        prior_done()  # (backend.pdl: the kernels before this one have finished; the proj row is theirs)
-        prow = proj_ptr + b * sp_b
-        q = _conv_silu(q_taps, q_w, prow, hk * DK + kk, km, dtype)
-        k = _conv_silu(k_taps, k_w, prow, k_off + hk * DK + kk, km, dtype)
-        v = _conv_silu(v_taps, v_w, prow, v_off + h * DV + vv, vm, dtype)
+        q = _conv_silu(prow, tail, conv_w_ptr, hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
+        k = _conv_silu(prow, tail, conv_w_ptr, k_off + hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
+        v = _conv_silu(prow, tail, conv_w_ptr, v_off + h * DV + vv, vm, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
         q = q * tl.rsqrt(tl.sum(q * q, 0) + l2_eps) * scale
         k = k * tl.rsqrt(tl.sum(k * k, 0) + l2_eps)
+        decay_scale = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         decay = tl.exp(decay_scale * _softplus(tl.load(prow + a_off + h).to(tl.float32) + bias))
         beta = _beta(tl.load(prow + b_off + h))
         if REPLAY:  # (after this token's inputs: their loads are in flight with the slab's)

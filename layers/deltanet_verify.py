@@ -266,25 +266,23 @@ if triton is not None:
         of y, tokens 1.. T-1's v columns to the slot's replay rows 0 .. T-2. The last program of the (b, qk-head)
         group to arrive normalises and gates the group's heads in all T rows (_gated_norm_group), writes the group's
         k, b and a entries of the replay rows and resets the counter."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
         pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
         h, j = pid // N_SPLIT, pid % N_SPLIT
         hk = h // REP
         dtype = proj_ptr.dtype.element_ty
-        kk, vv = tl.arange(0, BK), j * BV + tl.arange(0, BV)
-        km, vm = kk < DK, vv < DV
-        # first what the kernel before this one does not write (backend.pdl): the slot, the state slab (from HBM), the
-        # pending count and the gates' constants, in flight while that kernel drains
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
-        S = tl.load(ptrs, mask=km[:, None] & vm[None, :], other=0.0)
-        n = tl.load(pending_ptr + slot)
-        decay_scale = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        prior_done()  # (backend.pdl: the kernels before this one have finished; the proj rows are theirs)
         if (pid == 0) & (b == 0):  # this layer's tensors, for the commit (the module docstring)
             entry = table_ptr + row * FIELDS
             tl.store(entry + 0, proj_ptr.to(tl.int64, bitcast=True))
             tl.store(entry + 1, conv_ptr.to(tl.int64, bitcast=True))
+        kk, vv = tl.arange(0, BK), j * BV + tl.arange(0, BV)
+        km, vm = kk < DK, vv < DV
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
+        S = tl.load(ptrs, mask=km[:, None] & vm[None, :], other=0.0)  # (first: its bytes come from HBM)
+        n = tl.load(pending_ptr + slot)
+        decay_scale = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         tail = conv_ptr + slot * sc_slot
         prow0 = proj_ptr + b * T * sp_b
         rows = replay_ptr + slot * sr_slot

@@ -172,21 +172,6 @@ def test_decode_fast_equals_torch(heads, kv, D, block_size, lens):
     assert max_diff(A.paged_decode_attention_fast(*args[:5], D ** -0.5, args[5]), ref) <= TOL
 
 
-@pytest.mark.parametrize("fresh", [2, 5, 40])
-def test_decode_fresh_keys_give_the_same_bits(fresh):
-    """A launch told that the `fresh` newest keys of each row were cached by the launch before it (a verify step's T)
-    loads them after the others (backend.pdl): every split path gives the bits of fresh = 1, whether those keys fall
-    in a part's first tile, span several parts, or (40) cover whole contexts."""
-    heads, kv, D, block_size = DECODE_SHAPES[0]
-    lens = [3, 40, 1, 17, 8, 24, 33, 2]
-    gen = torch.Generator().manual_seed(11)
-    args = decode_inputs(heads, kv, D, block_size, lens, math.ceil(max(lens) / block_size) + 2, 48, gen)
-    for splits, min_tiles in [(1, 1), (3, 1), (7, 1)]:
-        want = A.paged_decode_launch(*args[:5], D ** -0.5, args[5], splits, tile=16, min_tiles=min_tiles)
-        got = A.paged_decode_launch(*args[:5], D ** -0.5, args[5], splits, tile=16, min_tiles=min_tiles, fresh=fresh)
-        assert torch.equal(got, want), (splits, fresh)
-
-
 def test_decode_padded_rows_read_only_the_scratch_block():
     """Graph padding: rows with context 1 on the scratch block (the last one) give the gated scratch value and leave
     the real rows' results unchanged."""
