@@ -113,7 +113,8 @@ def mixed_trace(eng, num_requests: int, concurrency: int, prompt_lens: tuple[int
     pending = list(range(num_requests))
     live: dict[int, int] = {}  # request -> tokens still to decode
     out: dict[int, list[int]] = {}  # request -> its output tokens so far (the last one is fed next)
-    prefill_tokens = output_tokens = calls = requeued = reprefilled = 0
+    prefill_tokens = output_tokens = calls = prefill_calls = requeued = reprefilled = 0
+    prefill_s = decode_s = 0.0  # wall time of the prefill calls and of the decode calls, each up to its tokens read
     dev = eng.runner.device
     _sync(dev)
     t0 = time.perf_counter()
@@ -122,18 +123,25 @@ def mixed_trace(eng, num_requests: int, concurrency: int, prompt_lens: tuple[int
         if room > 0:
             new = [pending.pop(0) for _ in range(room)]
             inputs = [torch.cat([work[r][0], torch.tensor(out[r])]) if r in out else work[r][0] for r in new]
+            t1 = time.perf_counter()
             logits = eng.prefill(new, inputs)
-            for r, t in zip(new, logits.argmax(-1).tolist()):
+            tokens = logits.argmax(-1).tolist()
+            prefill_s += time.perf_counter() - t1
+            for r, t in zip(new, tokens):
                 out.setdefault(r, []).append(t)  # the prefill gave the next output token
                 live[r] = work[r][1] - len(out[r])
             prefill_tokens += sum(map(len, inputs))
             reprefilled += sum(len(x) - len(work[r][0]) for r, x in zip(new, inputs))
             output_tokens += len(new)
             calls += 1
+            prefill_calls += 1
         active = [r for r, left in live.items() if left > 0]
         if active:
+            t1 = time.perf_counter()
             logits = eng.decode(active, torch.tensor([out[r][-1] for r in active]))
-            for r, t in zip(active, logits.argmax(-1).tolist()):
+            tokens = logits.argmax(-1).tolist()
+            decode_s += time.perf_counter() - t1
+            for r, t in zip(active, tokens):
                 live[r] -= 1
                 out[r].append(t)
             output_tokens += len(active)
@@ -153,6 +161,7 @@ def mixed_trace(eng, num_requests: int, concurrency: int, prompt_lens: tuple[int
     wall = time.perf_counter() - t0
     return {"requests": num_requests, "concurrency": concurrency, "prompt_lens": list(prompt_lens),
             "output_lens": list(output_lens), "prefill_batch": prefill_batch, "calls": calls, "wall_s": round(wall, 3),
+            "prefill_calls": prefill_calls, "prefill_s": round(prefill_s, 3), "decode_s": round(decode_s, 3),
             "prefill_tokens": prefill_tokens, "output_tokens": output_tokens, "requeue": requeue,
             "requeued": requeued, "reprefilled_tokens": reprefilled,
             "tok_s_with_prefill": round((prefill_tokens + output_tokens) / wall, 1),
@@ -214,7 +223,9 @@ def run(args, eargs, modes: set, argv) -> None:
                 print(f"  {key}: {r['requests']} requests, {r['concurrency']} live, {r['calls']} calls in "
                       f"{r['wall_s']:.1f} s: {r['tok_s_with_prefill']:.0f} tok/s with prompt tokens, "
                       f"{r['tok_s_without_prefill']:.0f} without ({r['requeued']} removed and prefilled again, "
-                      f"{r['reprefilled_tokens']} tokens recomputed)", flush=True)
+                      f"{r['reprefilled_tokens']} tokens recomputed); {r['prefill_calls']} prefill calls "
+                      f"{r['prefill_s']:.2f} s, {r['calls'] - r['prefill_calls']} decode calls {r['decode_s']:.2f} s",
+                      flush=True)
     if driver:
         write(args.out or default_out("harness", dev), results)
     parallel.destroy()
