@@ -18,6 +18,7 @@ from dist import parallel
 from qwen35.config import ModelConfig
 from qwen35.cuda_graphs import capture_sizes
 from qwen35.engine_config import EngineArgs
+from qwen35.prefill_graphs import PrefillGraphs
 from qwen35.runner import ModelRunner
 from scheduler.plan import StepPlan
 from scheduler.scheduler import Scheduler
@@ -127,7 +128,7 @@ class LogitsEngine:
         tokens a step (runner.warm_up_plans), a decode call of every graph size (its first replay: a graph's
         first launch uploads it; without graphs, an eager decode step of that size), the LM head over every
         row count up to max_num_seqs (its GEMV / GEMM variants go by rows) and the feed of a decode call's device
-        tokens at each row count. Request state is not touched: the decode rows are the scratch slot's (graphs) or
+        tokens at each row count; then, for a dense model at TP=1, the prefill graphs (qwen35/prefill_graphs.py). Request state is not touched: the decode rows are the scratch slot's (graphs) or
         slots that every later prefill resets, and no request is live yet. Returns what ran."""
         if self._state:
             raise RuntimeError("warm_up runs before any request (it writes slots and blocks from 0)")
@@ -147,13 +148,17 @@ class LogitsEngine:
         for n in range(1, runner.max_num_seqs + 1):
             runner.model.compute_logits(hidden[:n], gather="all")
             self._feed([runner.scratch_slot] * n, scratch[:n])  # (its pinned buffer of each size, first used here)
+        if runner.graphs is not None and not runner.gdn_layers and parallel.tp_size() == 1:
+            runner.prefill_graphs = PrefillGraphs(runner, max_tokens, pool=runner.graphs.pool)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
         done = {"steps": steps, "decode_sizes": len(sizes), "logits_shapes": runner.max_num_seqs,
+                "prefill_graphs": len(runner.prefill_graphs.graphs) if runner.prefill_graphs else 0,
                 "seconds": time.perf_counter() - t0}
         if parallel.is_driver():
             log.info("warm-up: %d prefill / mixed steps (up to %d tokens), decode calls of %d sizes, the LM head over "
-                     "1..%d rows in %.1f s", steps, max_tokens, len(sizes), runner.max_num_seqs, done["seconds"])
+                     "1..%d rows, %d prefill graphs in %.1f s", steps, max_tokens, len(sizes), runner.max_num_seqs,
+                     done["prefill_graphs"], done["seconds"])
         return done
 
 

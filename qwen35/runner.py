@@ -129,6 +129,7 @@ class ModelRunner:
         self._allocate_caches(args.gpu_memory_utilization, args.num_kv_blocks)
         self._allocate_slot_inputs()
         self.graphs = None
+        self.prefill_graphs = None  # dense models' prefill steps (qwen35/prefill_graphs.py): create_engine's warm-up
         self.verify_graphs = None  # attach_sampler (with the sampler: the graphs sample)
         self.verify_counts = {"graph": 0, "eager": 0}  # verify steps replayed from a graph / queued eagerly
         if self.device.type == "cuda" and not self.enforce_eager:
@@ -356,6 +357,16 @@ class ModelRunner:
             tokens = None if not any(toks) else [t[0] if t else -1 for t in toks]
             hidden = graphs.run(slots, starts, tokens)
             self.logit_slots = graphs.rows[0, :n]
+            return hidden, None
+        held = self.prefill_graphs.rows_for(plan.state_slots, plan.start_pos, plan.token_ids) \
+            if not eager and self.prefill_graphs is not None and not plan.is_pure_decode and not plan.checkpoints \
+            and not plan.draft_k and all(plan.want_logits) and all(plan.token_ids) else None
+        if held is not None:  # a prefill step of a dense model (qwen35/prefill_graphs.py)
+            self._set_tables(plan)
+            slots, starts, lens = plan.state_slots, plan.start_pos, plan.seq_lens
+            self._check_rows(slots, starts, lens, list(map(add, starts, lens)))
+            hidden = self.prefill_graphs.run(*held, lens)
+            self.logit_slots = self.prefill_graphs.rows[:n]
             return hidden, None
         batch = self.prepare(plan)
         return self.model(batch), batch
