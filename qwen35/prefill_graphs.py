@@ -100,6 +100,7 @@ class PrefillGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = model(prefill_batch(runner, self.rows, n, self.seqs))
+            graph.replay()  # (a graph's first launch uploads it: not in a caller's first call)
             self.graphs[n] = (graph, out)
         torch.cuda.synchronize()
         log.info("captured %d prefill CUDA graphs (%s tokens) in %.1f s", len(self.graphs), self.sizes,
