@@ -1,11 +1,11 @@
 """CUDA graphs for prefill steps of dense models (issue #29: the logits-level runtime's prefill calls).
 
 Eager, a prefill step is ~10 launches a layer, each ~40-110 us of host time (Triton's launcher, cuBLAS's, torch's
-small ops): a call of one 512-token prompt to Llama-1B took 20 ms of host time for 2.4 ms of kernels (1x H200,
-2026-11-29, benchmarks/profile_prefill_calls.py), and the create_engine mixed trace spent 1.73 of its 3.1 s in such
-calls. A replay launches them as one.
+small ops): a call of one 512-token prompt to Llama-1B took 8.8 ms (20 ms on a slower host) for 2.4 ms of kernels,
+2.7 ms with the graphs (1x H200, 2026-11-29, benchmarks/profile_prefill_calls.py). A replay launches them as one.
 
-One graph per bucket of packed tokens (prefill_buckets: 256 .. max tokens, each at most 1.5x the last) over a fixed
+One graph per bucket of packed tokens (prefill_buckets: 256 .. max tokens, each at most 1.5x the last, none past
+what S padding sequences can hold) over a fixed
 S = max_num_seqs + 1 sequences, so the grids (which go by shapes: layers/varlen.py) are fixed. A step's rows are
 padded (padded_rows): its T tokens, then the bucket's n - T as padding sequences of the scratch slot at position 0
 (whose block table holds only the scratch KV block: runner), then empty sequences. Each sequence's tokens only
@@ -79,10 +79,12 @@ class PrefillGraphs:
     def __init__(self, runner, max_tokens: int, pool=None):
         self.runner = runner
         self.seqs = runner.max_num_seqs + 1  # the callers' rows and at least one padding sequence
-        self.sizes = prefill_buckets(max_tokens)
         self.pad_len = runner.block_table.shape[1] * runner.block_size
+        # (a bucket past seqs * pad_len tokens could not be captured: its padding would not fit the sequences)
+        self.sizes = [n for n in prefill_buckets(max_tokens) if n <= self.seqs * self.pad_len]
         # the static rows (padded_rows' layout for the largest bucket): written by one copy per step
-        self.rows = torch.zeros(3 * self.seqs + 1 + self.sizes[-1], dtype=torch.int64, device=runner.device)
+        self.rows = torch.zeros(3 * self.seqs + 1 + max(self.sizes, default=0), dtype=torch.int64,
+                                device=runner.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.replays = 0  # steps run from a graph
