@@ -22,6 +22,17 @@ from qwen35.api import create_engine
 from qwen35.hub import resolve_model
 
 
+def kernel_times(prof, calls: int) -> tuple[dict[str, float], float]:
+    """Per kernel name its device ms per call, and the launches per call, from a torch.profiler run of `calls`
+    calls."""
+    per_name, launches = defaultdict(float), 0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[ev.name] += ev.device_time_total / calls / 1e3
+            launches += 1
+    return per_name, launches / calls
+
+
 def profile_batch(eng, b: int, context: int, calls: int, top: int, vocab: int, gen: torch.Generator) -> dict:
     ids = [f"r{b}-{i}" for i in range(b)]
     per_call = max(1, 16384 // context)
@@ -49,17 +60,13 @@ def profile_batch(eng, b: int, context: int, calls: int, top: int, vocab: int, g
         for _ in range(calls):
             tokens = eng.decode(ids, tokens).argmax(-1)
         torch.cuda.synchronize()
-    per_name, launches = defaultdict(float), 0
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[ev.name] += ev.device_time_total / calls / 1e3
-            launches += 1
+    per_name, launches = kernel_times(prof, calls)
     eng.remove(ids)
     busy = sum(per_name.values())
     kernels = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
     return {"batch": b, "context": context, "wall_ms": round(wall_ms, 3),
             "host_ms_per_call": round(1e3 * sorted(host)[len(host) // 2], 3),
-            "busy_ms": round(busy, 3), "kernels_per_call": round(launches / calls, 1),
+            "busy_ms": round(busy, 3), "kernels_per_call": round(launches, 1),
             "top": [{"name": n[:90], "ms": round(t, 4)} for n, t in kernels]}
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
-
 import torch
 
+from benchmarks.profile_decode_calls import kernel_times
 from qwen35.api import create_engine
 from qwen35.hub import resolve_model
 
@@ -40,15 +39,11 @@ def profile_shape(eng, n: int, length: int, calls: int, top: int, vocab: int, ge
         for _ in range(calls):
             call()
         torch.cuda.synchronize()
-    per_name, launches = defaultdict(float), 0
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[ev.name] += ev.device_time_total / calls / 1e3
-            launches += 1
+    per_name, launches = kernel_times(prof, calls)
     busy = sum(per_name.values())
     wall_ms = 1e3 * sorted(walls)[len(walls) // 2]
     return {"seqs": n, "len": length, "wall_ms": round(wall_ms, 3), "busy_ms": round(busy, 3),
-            "tok_s": round(n * length / wall_ms * 1e3), "launches": round(launches / calls, 1),
+            "tok_s": round(n * length / wall_ms * 1e3), "launches": round(launches, 1),
             "kernels": [{"name": k[:100], "ms": round(v, 3)} for k, v in
                         sorted(per_name.items(), key=lambda kv: -kv[1])[:top]]}
 
