@@ -40,9 +40,12 @@ class LogitsEngine:
         """Start (or restart) each listed request from its prompt; logits [B, vocab] of each prompt's last token."""
         if len(request_ids) != len(input_ids) or len(set(request_ids)) != len(request_ids):
             raise ValueError("prefill needs one prompt per request and distinct request ids")
-        prompts = [torch.as_tensor(t).reshape(-1).tolist() for t in input_ids]
+        prompts = [torch.as_tensor(t).reshape(-1) for t in input_ids]
         if any(len(p) == 0 for p in prompts):
             raise ValueError("prefill: every prompt needs at least one token")
+        for rid, p in zip(request_ids, prompts):
+            self._check_ids(f"prefill of request {rid!r}", p)
+        prompts = [p.tolist() for p in prompts]
         self.remove([r for r in request_ids if r in self._state])
         try:
             for rid, prompt in zip(request_ids, prompts):
@@ -55,18 +58,31 @@ class LogitsEngine:
         return self._run([self._state[r] for r in request_ids], prompts)
 
     def decode(self, request_ids: list, token_ids) -> torch.Tensor:
-        """Feed one token to each listed (live) request; logits [B, vocab] of the next token."""
+        """Feed one token to each listed (live) request; logits [B, vocab] of the next token. Tokens given on a GPU
+        are used as they are (reading them back to check them would wait for the device)."""
         tokens = torch.as_tensor(token_ids).reshape(-1)
         if tokens.numel() != len(request_ids) or len(set(request_ids)) != len(request_ids):
             raise ValueError("decode needs exactly one token per request and distinct request ids")
         states = list(map(self._state.get, request_ids))
         if None in states:
             raise KeyError(f"decode: no live request {request_ids[states.index(None)]!r} (prefill it first)")
+        if tokens.device.type != "cuda":  # (tokens on a GPU, e.g. the last call's argmax: not read back, no sync)
+            self._check_ids("decode", tokens)
         bs, longest = self.runner.block_size, self.runner.max_model_len
         for rid, st in zip(request_ids, states):
             if st["len"] % bs == 0 or st["len"] >= longest:  # (else the token fits the request's last block)
                 self._grow(rid, 1)
         return self._run(states, tokens)
+
+    def _check_ids(self, what: str, ids: torch.Tensor) -> None:
+        """A clear error for token ids that are not integers in [0, vocab_size): on a GPU one would index past the
+        embedding inside a kernel, and the device error would end the process."""
+        vocab = self.runner.config.vocab_size
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"{what}: token ids must be integers, got {ids.dtype}")
+        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+            bad = ids[(ids < 0) | (ids >= vocab)][0].item()
+            raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def remove(self, request_ids: list) -> None:
         for rid in request_ids:

@@ -148,3 +148,23 @@ def test_a_call_sends_a_block_table_only_when_it_grew(qwen2_pt):
     for t in range(5):
         eng.decode(["c"], [t])
     assert [[len(t) for t in p.block_tables] for p in plans] == [[2], [0], [0], [0], [0], [3]]
+
+
+def test_bad_token_ids_are_refused_and_the_engine_goes_on(qwen2_pt):
+    """Ids outside [0, vocab) or not integers are refused with a ValueError naming them, before anything is admitted
+    (on a GPU they would index past the embedding inside a kernel and end the process); the engine then gives the
+    logits of an engine that never saw them."""
+    _, path, cfg = qwen2_pt
+    eng, clean = (create_engine(cfg, path, device="cpu", max_num_seqs=2, block_size=BLOCK) for _ in range(2))
+    for bad, match in (([1, 1000], "token id 1000 is outside the vocabulary"), ([-1], "token id -1"),
+                       ([1.5], "must be integers")):
+        with pytest.raises(ValueError, match=match):
+            eng.prefill(["a"], [torch.tensor(bad)])
+    assert not eng._state and eng.slots.num_free == clean.slots.num_free
+    a, b = eng.prefill(["a"], [torch.tensor([1, 2, 3])]), clean.prefill(["a"], [torch.tensor([1, 2, 3])])
+    with pytest.raises(ValueError, match="token id 1000"):
+        eng.decode(["a"], torch.tensor([1000]))
+    with pytest.raises(ValueError, match="token id 1000"):  # a bad re-prefill leaves the live request as it was
+        eng.prefill(["a"], [torch.tensor([5, 1000])])
+    a, b = eng.decode(["a"], torch.tensor([7])), clean.decode(["a"], torch.tensor([7]))
+    assert (a - b).abs().max() <= TOL_SELF
