@@ -524,7 +524,7 @@ def test_bench_latency_and_create_engine_traces_run(tiny_llama, tmp_path):
         assert 4 * mixed["requests"] <= mixed["output_tokens"] <= 8 * mixed["requests"]
         assert 1 <= mixed["prefill_calls"] < mixed["calls"]
         assert 0 < mixed["prefill_s"] and 0 < mixed["decode_s"]
-        assert mixed["prefill_s"] + mixed["decode_s"] <= mixed["wall_s"]
+        assert mixed["prefill_s"] + mixed["decode_s"] <= mixed["wall_s"] + 2e-3  # (each rounded to the ms)
     assert res["mixed"]["requeued"] == 0 < res["mixed_requeue"]["requeued"]
     assert res["mixed_requeue"]["reprefilled_tokens"] >= res["mixed_requeue"]["requeued"]
 
