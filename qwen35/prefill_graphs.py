@@ -5,10 +5,10 @@ small ops): a call of one 512-token prompt to Llama-1B took 8.8 ms (20 ms on a s
 2.7 ms with the graphs (1x H200, 2026-11-29, benchmarks/profile_prefill_calls.py). A replay launches them as one.
 
 One graph per bucket of packed tokens (prefill_buckets: 256 .. max tokens, each at most 1.5x the last, none past
-what S padding sequences can hold) over a fixed
-S = max_num_seqs + 1 sequences, so the grids (which go by shapes: layers/varlen.py) are fixed. A step's rows are
-padded (padded_rows): its T tokens, then the bucket's n - T as padding sequences of the scratch slot at position 0
-(whose block table holds only the scratch KV block: runner), then empty sequences. Each sequence's tokens only
+what S padding sequences can hold) over a fixed S = max_num_seqs + 1 sequences, so the grids (which go by shapes:
+layers/varlen.py) are fixed. A step's rows are padded (padded_rows): its T tokens, then the bucket's n - T as
+padding sequences of the scratch slot at position 0 (whose block table holds only the scratch KV block: runner),
+then empty sequences. Each sequence's tokens only
 ever meet its own (row-wise projections and norms, attention within the sequence), so the real rows compute what
 the eager step computes, up to the order of fp32 sums that cuBLAS picks for the padded row count. The graph covers
 the rows -> final norm; the caller takes the hidden states of the rows that want logits (a gather after replay).
@@ -33,7 +33,7 @@ FIRST_BUCKET = 256
 
 def prefill_buckets(max_tokens: int) -> list[int]:
     """Token counts with a graph: FIRST_BUCKET, then alternately x1.5 and x4/3 (256, 384, 512, 768, 1024, ...), the
-    last the first >= max_tokens: a step pads at most half its tokens again."""
+    last the first >= max_tokens: a step of more than 256 tokens runs at most 1.5x its tokens."""
     sizes = [FIRST_BUCKET]
     while sizes[-1] < max_tokens:
         sizes.append(sizes[-1] * 3 // 2 if len(sizes) % 2 else sizes[-1] * 4 // 3)
