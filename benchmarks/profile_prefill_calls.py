@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+
 import torch
 
 from benchmarks.profile_decode_calls import kernel_times

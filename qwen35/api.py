@@ -144,8 +144,9 @@ class LogitsEngine:
         tokens a step (runner.warm_up_plans), a decode call of every graph size (its first replay: a graph's
         first launch uploads it; without graphs, an eager decode step of that size), the LM head over every
         row count up to max_num_seqs (its GEMV / GEMM variants go by rows) and the feed of a decode call's device
-        tokens at each row count; then, for a dense model at TP=1, the prefill graphs (qwen35/prefill_graphs.py). Request state is not touched: the decode rows are the scratch slot's (graphs) or
-        slots that every later prefill resets, and no request is live yet. Returns what ran."""
+        tokens at each row count; then, for a dense model at TP=1, the prefill graphs (qwen35/prefill_graphs.py).
+        Request state is not touched: the decode rows are the scratch slot's (graphs) or slots that every later
+        prefill resets, and no request is live yet. Returns what ran."""
         if self._state:
             raise RuntimeError("warm_up runs before any request (it writes slots and blocks from 0)")
         runner, t0 = self.runner, time.perf_counter()

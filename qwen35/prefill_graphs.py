@@ -57,20 +57,26 @@ def padded_rows(slots: list[int], starts: list[int], tokens: list[list[int]], n:
             + [0, *itertools.accumulate(all_lens)] + [t for row in tokens for t in row] + [0] * pad)
 
 
+def packed_tokens(cu: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor, n: int, block_size: int):
+    """Per packed token of a varlen batch (sequences cu [B+1], starting at `starts` [B], block tables [B, W]; n
+    tokens): (its sequence, its position, its KV slot), as device ops only (no host sync): runner.prepare's
+    prefill batch and the prefill graphs' both build theirs here."""
+    seq_of_token = torch.repeat_interleave(torch.arange(len(starts), device=cu.device), cu.diff(), output_size=n)
+    positions = (starts - cu[:-1])[seq_of_token] + torch.arange(n, device=cu.device)
+    blocks = tables[seq_of_token, positions // block_size]
+    return seq_of_token, positions, blocks.long() * block_size + positions % block_size
+
+
 def prefill_batch(runner, rows: torch.Tensor, n: int, seqs: int) -> ForwardBatch:
     """The ForwardBatch of padded rows (padded_rows' layout, int64 on the device) as device ops only, so that a
     graph holds them: runner.prepare's prefill part over whole block tables."""
-    bs = runner.block_size
     slots, starts, cu = rows[:seqs], rows[seqs:2 * seqs], rows[2 * seqs:3 * seqs + 1]
     tokens = rows[3 * seqs + 1:3 * seqs + 1 + n]
-    lens = cu.diff()
-    seq_of_token = torch.repeat_interleave(torch.arange(seqs, device=rows.device), lens, output_size=n)
-    positions = (starts - cu[:-1])[seq_of_token] + torch.arange(n, device=rows.device)
     tables = runner.block_table[slots]
-    blocks = tables[seq_of_token, positions // bs]
+    _, positions, slot_mapping = packed_tokens(cu, starts, tables, n, runner.block_size)
     return ForwardBatch(
-        input_ids=tokens, positions=positions, slot_mapping=blocks.long() * bs + positions % bs,
-        cu_seqlens=cu.to(torch.int32), start_pos=starts.to(torch.int32), context_lens=(starts + lens).to(torch.int32),
+        input_ids=tokens, positions=positions, slot_mapping=slot_mapping, cu_seqlens=cu.to(torch.int32),
+        start_pos=starts.to(torch.int32), context_lens=(starts + cu.diff()).to(torch.int32),
         block_tables=tables, state_slots=slots, logits_indices=None, seq_lens_cpu=[0] * seqs,
         start_pos_cpu=[0] * seqs, state_slots_cpu=[runner.scratch_slot] * seqs, is_decode=False)
 

@@ -52,6 +52,7 @@ from qwen35.config import ModelConfig
 from qwen35.cuda_graphs import RING_HALVES, decode_batch, tail_mode
 from qwen35.engine_config import EngineArgs, EngineConfig
 from qwen35.model import Qwen35Model
+from qwen35.prefill_graphs import packed_tokens
 from qwen35.mtp import attach_mtp, propose
 from qwen35.synth_spec import init_spec_weights
 from scheduler.plan import StepPlan, can_checkpoint
@@ -271,17 +272,13 @@ class ModelRunner:
         if decode:  # (one token per row: a row without tokens feeds one)
             return decode_batch(self, slots_d, starts_d, None if all(from_device) else tokens, tables, **host)
         # per token its row and position, made on the device (torch's CPU ops took ~20 ms at 8 x 1024 tokens)
-        n = cu[-1]
-        seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=self.device), cu_d.diff(),
-                                               output_size=n)  # output_size: no host sync
-        positions = (starts_d - cu_d[:-1])[seq_of_token] + torch.arange(n, device=self.device)
-        blocks = tables[seq_of_token, positions // bs]
+        seq_of_token, positions, slot_mapping = packed_tokens(cu_d, starts_d, tables, cu[-1], bs)
         input_ids = torch.where(tokens < 0, self.slot_tokens[slots_d[seq_of_token]], tokens) if any(from_device) \
             else tokens
         return ForwardBatch(
             input_ids=input_ids,
             positions=positions,
-            slot_mapping=blocks.long() * bs + positions % bs,
+            slot_mapping=slot_mapping,
             context_lens=ctx_d.to(torch.int32),
             block_tables=tables,
             state_slots=slots_d,
