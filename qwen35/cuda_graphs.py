@@ -195,13 +195,16 @@ class DecodeGraphs:
 
 class VerifyGraphs:
     """CUDA graphs for speculative decoding's pure-decode verify steps (runner.verify_step): one graph per (padded
-    batch size, k, sampling mode) for the steady state, where a verify step of k drafts per row proposes k drafts
-    for the next (plan.draft_k == plan.spec_k). A replay is the whole step the runner queues eagerly: the inputs
+    batch size, spec_k, k, sampling mode), spec_k k or 0: the steady state, where a verify step of k drafts per row
+    proposes k drafts for the next (plan.draft_k == plan.spec_k), and the step that starts it, where rows fed from
+    the device verify nothing and propose k (spec_k 0: one token a row, as a plain step; after a step that did not
+    propose, e.g. a request's admission or auto's k back from 0, which otherwise ran eagerly, ~10x a replay). A
+    replay is the whole step the runner queues eagerly: the inputs
     from the slots' device buffers (runner.verify_inputs: static shapes, whole block tables, no host list), the
-    forward of b * (k + 1) rows, the logits at every position, acceptance (greedy, or rejection sampling without
+    forward of b * (spec_k + 1) rows, the logits at every position, acceptance (greedy, or rejection sampling without
     top-k / top-p: tail_mode), the DeltaNet commit, the slots' next tokens and draw counters, and the proposal of
-    the next k drafts into the slots' draft buffers; its output is the emitted tokens [b, k + 1] (-1 after them),
-    which reach the host through the runner's pinned ring (runner.sample_step).
+    the next k drafts into the slots' draft buffers; its output is the emitted tokens [b, spec_k + 1] (-1 after
+    them), which reach the host through the runner's pinned ring (runner.sample_step).
 
     The host copies the rows (slot, start position, behind: runner.verify_starts) into the static rows in one
     transfer. Padded rows name the
@@ -217,8 +220,11 @@ class VerifyGraphs:
         self.sizes = verify_sizes(runner.max_num_seqs)
         self._size_for = [min(s for s in self.sizes if s >= n) for n in range(self.sizes[-1] + 1)]
         self.max_k = runner.spec_max_k
-        self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captured = capture
+        # the buffers sampled steps read the drafts' logits from, made before any is captured or run (a step that
+        # only proposes may come before the first proposal has made them)
+        runner.draft_buffers(runner.model.lm_head.weight.shape[0])
         if capture:
             self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
             self._capture_all()
@@ -229,43 +235,44 @@ class VerifyGraphs:
 
     def holds(self, plan, sampling: SamplingStep) -> bool:
         """Whether a verify step (the runner has checked it: decode rows from the device, no checkpoint) replays a
-        graph: it proposes as many drafts as it verifies, its rows fit the largest size, its sampling a mode."""
-        return (0 < plan.spec_k == plan.draft_k <= self.max_k and 0 < plan.num_seqs <= self.sizes[-1]
-                and tail_mode(sampling) is not None)
+        graph: it proposes 1..max_k drafts and verifies as many or none, its rows fit the largest size, its sampling
+        a mode."""
+        return (0 < plan.draft_k <= self.max_k and plan.spec_k in (0, plan.draft_k)
+                and 0 < plan.num_seqs <= self.sizes[-1] and tail_mode(sampling) is not None)
 
-    def _step(self, b: int, k: int, mode: str, host: dict) -> torch.Tensor:
+    def _step(self, b: int, spec_k: int, k: int, mode: str, host: dict) -> torch.Tensor:
         runner = self.runner
-        batch, num_drafts = runner.verify_inputs(self.rows[0, :b], self.rows[1, :b], self.rows[2, :b], k + 1, **host)
+        batch, num_drafts = runner.verify_inputs(self.rows[0, :b], self.rows[1, :b], self.rows[2, :b], spec_k + 1,
+                                                 **host)
         return runner.verify_forward(batch, num_drafts, SamplingStep(greedy_only=mode == "greedy"), k)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         t0 = time.time()
         runner = self.runner
-        # the buffers the sampled graphs read the drafts' logits from, made before they are captured
-        runner.draft_buffers(runner.model.lm_head.weight.shape[0])
         padded = self._padded_rows().to(runner.device)
         for b in sorted(self.sizes, reverse=True):  # largest first: pool reuse
             for k in range(1, self.max_k + 1):
-                for mode in TAIL_MODES:
-                    self.rows.copy_(padded)
-                    self._step(b, k, mode, {})  # warm-up outside the graph (lazy inits, compiles): scratch only
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool):
-                        tokens = self._step(b, k, mode, {})
-                    self.graphs[b, k, mode] = (graph, tokens)
+                for spec_k in (k, 0):
+                    for mode in TAIL_MODES:
+                        self.rows.copy_(padded)
+                        self._step(b, spec_k, k, mode, {})  # warm-up outside the graph (lazy inits, compiles)
+                        torch.cuda.synchronize()
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=self.pool):
+                            tokens = self._step(b, spec_k, k, mode, {})
+                        self.graphs[b, spec_k, k, mode] = (graph, tokens)
         torch.cuda.synchronize()
         parallel.barrier()
         if parallel.is_driver():
-            log.info("captured %d verify CUDA graphs (batch sizes %s, k 1..%d, %s) in %.1f s", len(self.graphs),
-                     self.sizes, self.max_k, "/".join(TAIL_MODES), time.time() - t0)
+            log.info("captured %d verify CUDA graphs (batch sizes %s, k 1..%d verified or none, %s) in %.1f s",
+                     len(self.graphs), self.sizes, self.max_k, "/".join(TAIL_MODES), time.time() - t0)
 
-    def run(self, slots: list[int], starts: list[int], behind: int, k: int, mode: str) -> torch.Tensor:
-        """The emitted tokens [n, k + 1] of a verify step of n rows (slot, start: the newest token's position, as the
-        host knows it when `behind`), by one copy of the rows and a replay of the smallest graph that holds them (a
-        view of the graph's output: read it before the next replay). The caller has set and checked the rows' block
-        tables."""
+    def run(self, slots: list[int], starts: list[int], behind: int, spec_k: int, k: int, mode: str) -> torch.Tensor:
+        """The emitted tokens [n, spec_k + 1] of a verify step of n rows (slot, start: the newest token's position,
+        as the host knows it when `behind`) that proposes k drafts, by one copy of the rows and a replay of the
+        smallest graph that holds them (a view of the graph's output: read it before the next replay). The caller
+        has set and checked the rows' block tables."""
         n = len(slots)
         b = self._size_for[n]
         pad = b - n
@@ -274,9 +281,9 @@ class VerifyGraphs:
                             dtype=torch.int64, pin_memory=self.runner._pin)
         self.rows[:, :b].copy_(host.view(3, b), non_blocking=True)
         if self.captured:
-            graph, tokens = self.graphs[b, k, mode]
+            graph, tokens = self.graphs[b, spec_k, k, mode]
             graph.replay()
         else:  # the same work, queued eagerly, with the host lists the torch kernels read
-            tokens = self._step(b, k, mode, dict(start_pos_cpu=[*starts, *[0] * pad],
-                                                 state_slots_cpu=[*slots, *[slot] * pad]))
+            tokens = self._step(b, spec_k, k, mode, dict(start_pos_cpu=[*starts, *[0] * pad],
+                                                         state_slots_cpu=[*slots, *[slot] * pad]))
         return tokens[:n]

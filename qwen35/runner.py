@@ -21,8 +21,9 @@ accepted (`accepted`: a verify step planned before the host has read them, plan.
 the host's positions). Any step with draft_k > 0 then proposes draft_k
 drafts for the rows it sampled (qwen35/mtp.py propose) into the slots' buffers. All of it queued on every rank, no host
 sync. With CUDA graphs, a verify step that proposes as many drafts as it verifies (the steady state) replays a graph of
-the whole step (cuda_graphs.VerifyGraphs); other verify steps, and plain steps that propose (after a prefill, when k
-changes), run eagerly.
+the whole step (cuda_graphs.VerifyGraphs), and so does a pure-decode step that proposes without verifying (a verify
+step of none, one token a row: a prompt's last token, which the prefix cache's split makes a decode row, or auto's
+k back from 0); other verify steps, and other steps that propose (prefill chunks), run eagerly.
 """
 from __future__ import annotations
 
@@ -415,10 +416,13 @@ class ModelRunner:
         (verify_step), into host_view(half, n, spec_k + 1); a step with plan.draft_k also proposes drafts for its
         sampled rows (module docstring)."""
         self._check_spec(plan)
-        if plan.spec_k:
+        if plan.spec_k or self._proposes_only(plan, sampling):
+            self._feed_host_tokens(plan)
             tokens = self.verify_step(plan, sampling)
+            if not plan.spec_k:  # (one token a row: what a plain step gives)
+                tokens = tokens[:, 0]
             if half is not None:
-                self.host_view(half, plan.num_seqs, plan.spec_k + 1).copy_(tokens, non_blocking=True)
+                self.host_view(half, plan.num_seqs, plan.spec_k and plan.spec_k + 1).copy_(tokens, non_blocking=True)
             return tokens
         hidden, batch = self._forward(plan)
         if batch is None and self.graphs.tails:  # a graph ran it
@@ -436,6 +440,23 @@ class ModelRunner:
         return tokens
 
     # ---------------------------------------------------------------- speculative decoding
+    def _proposes_only(self, plan: StepPlan, sampling) -> bool:
+        """Whether a step of decode rows that verifies no drafts and proposes some runs as a verify step of none
+        (T = 1): where a verify graph holds it (cuda_graphs.VerifyGraphs), its rows fed from the device or, a prompt's
+        last token, from the host (_feed_host_tokens); otherwise it takes the plain step's eager path."""
+        return bool(plan.draft_k and not plan.spec_k and self.verify_graphs is not None and plan.is_pure_decode
+                    and all(plan.want_logits) and not plan.checkpoints and self.verify_graphs.holds(plan, sampling))
+
+    def _feed_host_tokens(self, plan: StepPlan) -> None:
+        """The plan's tokens from the host (decode rows of a step that only proposes: a prompt's last token) into
+        their slots' next inputs, where a verify step reads every row's newest token (queued after the steps before,
+        which feed their rows' tokens there)."""
+        rows = [(slot, t[0]) for slot, t in zip(plan.state_slots, plan.token_ids) if t]
+        if rows:
+            host = torch.tensor(rows, dtype=torch.int64, pin_memory=self._pin).T
+            slots, tokens = host.to(self.device, non_blocking=True)
+            self.slot_tokens[slots] = tokens
+
     def _check_spec(self, plan: StepPlan) -> None:
         if not (plan.spec_k or plan.draft_k):
             return
@@ -536,9 +557,9 @@ class ModelRunner:
             self._set_tables(plan)
             self._check_rows(plan.state_slots, plan.start_pos, [1] * n, [s + 1 for s in plan.start_pos])
             starts, behind = self.verify_starts(plan)
-            tokens = graphs.run(plan.state_slots, starts, behind, plan.spec_k, tail_mode(sampling))
+            tokens = graphs.run(plan.state_slots, starts, behind, plan.spec_k, plan.draft_k, tail_mode(sampling))
             self.logit_slots = graphs.rows[0, :n]
-            self.verify_counts["graph"] += 1
+            self.verify_counts["graph"] += bool(plan.spec_k)  # (steps that verify drafts)
             return tokens
         self.verify_counts["eager"] += 1
         batch, num_drafts = self.prepare_verify(plan)

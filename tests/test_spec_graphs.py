@@ -9,11 +9,14 @@ eagerly, with the host lists the torch kernels read):
 - a step of padded rows only leaves every running slot's DeltaNet state and conv tail, every KV block but the
   scratch one (the MTP head's included), the block tables, the slots' drafts, distributions, next tokens and
   draw counters exactly as they were.
-- which verify steps a graph holds: draft_k == spec_k, a sampling mode (not top-k / top-p), rows up to the largest
-  size; and that the steady state is such steps: the scheduler's plans with K fixed (and min_tokens), and auto's k
-  held while the acceptance wavers around a tie.
+- a step that only proposes (spec_k 0, draft_k k: a verify step of none) gives the plain step's eager tokens and
+  drafts, its rows fed from the device or a prompt's last token from the host; greedy and sampled.
+- which verify steps a graph holds: draft_k == spec_k or spec_k 0, a sampling mode (not top-k / top-p), rows up to
+  the largest size; and that the steady state is such steps: the scheduler's plans with K fixed (and min_tokens),
+  and auto's k held while the acceptance wavers around a tie.
 GPU (`gpu`): the captured graphs replayed == the eager verify step (greedy tokens identical; sampled, seeded,
-identical), with rows padded (3 of 4) and at a full size.
+identical), with rows padded (3 of 4) and at a full size; a step that only proposes replays its graph and matches
+the same step queued eagerly.
 """
 import pytest
 import torch
@@ -63,6 +66,56 @@ def test_static_padded_verify_gives_the_eager_tokens_sampled(k):
     assert min(emitted) < k + 1  # some drafts rejected: the residual draws are compared too
 
 
+def propose_then_verify(runner, ps, steps, k, step, last_from_host):
+    """A prefill that proposes nothing, a step of decode rows that only proposes (spec_k 0, draft_k k), then verify
+    steps: every row's tokens, the tokens emitted per step, and the drafts the proposing step left. last_from_host:
+    the prefill stops before each prompt's last token, which the proposing step takes from the host (the prefix
+    cache's split); otherwise its rows are fed from the device."""
+    n = len(ps)
+    if last_from_host:
+        runner.sample_step(prefill_plan([p[:-1] for p in ps], 0), step)
+        plan = StepPlan([*SLOTS[:n]], [[p[-1]] for p in ps], [len(p) - 1 for p in ps], [[] for _ in ps], [True] * n,
+                        draft_k=k)
+        out, starts = [[t] for t in runner.sample_step(plan, step).tolist()], [len(p) for p in ps]
+    else:
+        out = [[t] for t in runner.sample_step(prefill_plan(ps, 0), step).tolist()]
+        starts = [len(p) for p in ps]
+        for o, t in zip(out, runner.sample_step(decode_plan(starts, 0, k), step).tolist()):
+            o.append(t)
+        starts = [s + 1 for s in starts]
+    drafts = runner.drafts[SLOTS[:n], :k].clone()
+    per_step = []
+    while min(map(len, out)) < steps:
+        emitted = runner.sample_step(decode_plan(starts, k, k), step).tolist()
+        per_step.append([sum(t >= 0 for t in row) for row in emitted])
+        for i, row in enumerate(emitted):
+            run = [t for t in row if t >= 0]
+            out[i] += run
+            starts[i] += len(run)
+    return [o[:steps] for o in out], per_step, drafts
+
+
+@pytest.mark.parametrize("last_from_host", [False, True], ids=["device", "host"])
+@pytest.mark.parametrize("step", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_step_that_only_proposes_runs_as_a_verify_step_of_none(k, step, last_from_host):
+    """The step that starts speculation (decode rows, no drafts yet) through the static graphs: a verify step of
+    T = 1 (one token a row) gives the tokens and the drafts of the plain step's eager path, its rows fed from the
+    device or (a prompt's last token) from the host."""
+    ps, steps, keys = prompts(3), 10, [41, 42, 43]
+    setting = (0.0, 0, 1.0) if step.greedy_only else (1.0, 0, 1.0)
+    runs = []
+    for runner in (make_runner("dummy-spec", k, acceptance=0.6),
+                   with_static_graphs(make_runner("dummy-spec", k, acceptance=0.6))):
+        admit(runner, [setting] * 3, keys)
+        assert runner._proposes_only(decode_plan([5, 5, 5], 0, k), step) == (runner.verify_graphs is not None)
+        runs.append(propose_then_verify(runner, ps, steps, k, step, last_from_host))
+    (expected, per_step, drafts), (got, got_per_step, got_drafts) = runs
+    assert got == expected and got_per_step == per_step
+    assert torch.equal(got_drafts, drafts)
+    assert max(n for row in per_step for n in row) > 1  # the drafts it proposed were accepted
+
+
 def live_state(runner):
     """Everything a padded row must not touch: per running slot its DeltaNet caches, drafts, distributions, next
     token and draw counter; every KV block but the scratch one; the block tables."""
@@ -90,7 +143,7 @@ def test_padded_rows_touch_scratch_state_only(mode):
     kv_before = runner.attn_layers[0].k_cache[runner.num_kv_blocks].clone()
     b = graphs.sizes[-1]
     with torch.inference_mode():
-        tokens = graphs._step(b, k, mode, dict(start_pos_cpu=[0] * b, state_slots_cpu=[scratch] * b))
+        tokens = graphs._step(b, k, k, mode, dict(start_pos_cpu=[0] * b, state_slots_cpu=[scratch] * b))
     assert tokens.shape == (b, k + 1)
     assert not torch.equal(runner.attn_layers[0].k_cache[runner.num_kv_blocks], kv_before)  # it ran, on scratch
     after = live_state(runner)
@@ -104,7 +157,8 @@ def test_which_verify_steps_a_graph_holds():
     assert holds(decode_plan([5, 5, 5], 2, 2), GREEDY) and holds(decode_plan([5, 5, 5], 1, 1), SAMPLED)
     assert not holds(decode_plan([5, 5, 5], 2, 1), GREEDY)  # another draft_k: eager
     assert not holds(decode_plan([5, 5, 5], 2, 0), GREEDY)
-    assert not holds(decode_plan([5, 5, 5], 0, 2), GREEDY)  # a plain step that proposes
+    assert holds(decode_plan([5, 5, 5], 0, 2), GREEDY)  # a step of rows fed from the device that only proposes
+    assert not holds(decode_plan([5, 5, 5], 0, 3), GREEDY)  # more drafts than the runner holds
     assert not holds(decode_plan([5, 5, 5], 2, 2), SamplingStep(greedy_only=False, any_top_k=True))
     assert not holds(decode_plan([5, 5, 5], 2, 2), SamplingStep(greedy_only=False, any_top_p=True))
     five = StepPlan([0, 1, 2, 3, 4], [[]] * 5, [5] * 5, [[]] * 5, [True] * 5, spec_k=2, draft_k=2)
@@ -194,12 +248,31 @@ def test_gpu_graph_replay_equals_eager_verify(step):
     k, ps, steps = 2, prompts(3), 16
     graphed = gpu_runner(k, seqs=4)
     assert graphed.verify_graphs is not None and graphed.verify_graphs.captured
-    assert len(graphed.verify_graphs.graphs) == 3 * k * 2  # sizes 1, 2, 4; k 1, 2; greedy and sampled
+    assert len(graphed.verify_graphs.graphs) == 3 * k * 2 * 2  # sizes 1, 2, 4; k 1, 2 verified or none; modes
     eager = gpu_runner(k, seqs=4)
     eager.verify_graphs = None
     runs = []
     for runner in (eager, graphed):
         admit(runner, [(0.0, 0, 1.0) if step.greedy_only else (1.0, 0, 1.0)] * 3, [31, 32, 33])
         runs.append(spec_tokens(runner, ps, steps, k, step))
+    assert runs[1] == runs[0]
+    assert max(n for row in runs[0][1] for n in row) > 1  # drafts accepted
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("last_from_host", [False, True], ids=["device", "host"])
+@pytest.mark.parametrize("step", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_gpu_a_step_that_only_proposes_replays_a_graph(step, last_from_host):
+    """The step that only proposes replays a verify graph of none and gives the tokens of the same step queued
+    eagerly (greedy identical; sampled, seeded, identical), then the verify steps after it too."""
+    k, ps, steps = 2, prompts(3), 16
+    graphed, eager = gpu_runner(k, seqs=4), gpu_runner(k, seqs=4)
+    assert (4, 0, k, "sampled") in graphed.verify_graphs.graphs
+    eager.verify_graphs = VerifyGraphs(eager, capture=False)
+    runs = []
+    for runner in (eager, graphed):
+        admit(runner, [(0.0, 0, 1.0) if step.greedy_only else (1.0, 0, 1.0)] * 3, [51, 52, 53])
+        runs.append(propose_then_verify(runner, ps, steps, k, step, last_from_host)[:2])
     assert runs[1] == runs[0]
     assert max(n for row in runs[0][1] for n in row) > 1  # drafts accepted
