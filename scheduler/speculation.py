@@ -6,16 +6,20 @@ The drafts a step verifies were proposed at the end of the step before, so k is 
 scheduler asks `next_k(batch)` when it plans a step (the drafts that step proposes), and the step after verifies at
 most that many (none while a row's stop ids are suppressed: Scheduler).
 
-`auto`: with acceptance a per draft (the probability that a draft is accepted given the ones before it were: an
-exponential average of the a that explains each verify step's accepted / drafted, a step of d drafts weighing
-min(1 - ACCEPTANCE_DECAY, 1 - exp(-d / ACCEPTANCE_MEMORY)), so that a step of one row and one draft moves it as
-little as one draft says; ACCEPTANCE_PRIOR before any), a
+`auto`: with acceptance a per draft (the probability that a draft is accepted given the ones before it were), a
 step of k drafts per row emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per row on average; auto takes the k in
 0..AUTO_MAX_K with the least step_ms(batch, k) / E(k) (k = 0: a plain step; ties go to the smaller k), keeping the
 k it chose last unless another is expected to cost SWITCH_MARGIN less: a verify step replays a CUDA graph only when
 it proposes as many drafts as it verifies (qwen35/cuda_graphs.py VerifyGraphs), so a k that flips between two
-near-equal choices as the running acceptance moves would make every step eager. While auto stays at 0 the average
-relaxes back towards the prior, so that speculation is tried again once in a while rather than never.
+near-equal choices as the running acceptance moves would make every step eager.
+The running a weighs evidence in drafts: each verify step adds its d drafts (at most STEP_DRAFTS: a large
+batch's step would otherwise outweigh all before it and flip k on its noise) at the a that explains its accepted /
+drafted, the evidence before it kept by exp(-d / ACCEPTANCE_MEMORY) (so a batch-1 step of one draft moves a as
+little as one draft says), and a prior of PRIOR_DRAFTS drafts at ACCEPTANCE_PRIOR is always added. While auto stays
+at 0 the evidence fades by e every RETRY_STEPS steps, so that the prior comes back and speculation is tried again,
+rarely after much evidence of a low acceptance, soon after little. (An exponential average pulled back to the prior
+by 10% a plain step had sat at the break-even under random drafts: at batch 1 it verified on 83% of steps, each
+draft lowering it by 1%.)
 
 The cost table: wall ms per step by k and batch, as `qwen35.bench --mode spec` measures them (its results JSON is a
 table: --spec-cost-table; CostTable.from_rows says how a row becomes a cost), linear between the batches measured.
@@ -39,12 +43,13 @@ log = logging.getLogger("qwen35.speculation")
 AUTO_MAX_K = 3            # the most drafts `auto` chooses
 MAX_K = 8                 # the most drafts a fixed --speculative-tokens may ask for
 ACCEPTANCE_PRIOR = 0.6    # the acceptance `auto` assumes before it has measured any
-ACCEPTANCE_DECAY = 0.9    # weight of the past in the running acceptance, per verify step at most (and per step at
-# k = 0, pulling it back towards the prior)
-ACCEPTANCE_MEMORY = 100   # drafts: a verify step of d drafts keeps at least exp(-d / this) of the running acceptance.
-# With 0.9 a step at any batch, a batch-1 step's 0-or-1 moved it by +-0.1 and k flipped every ~10 steps there, each
-# flip a verify step outside the graphs (tests/test_spec_policy.py: 184 flips in 2,000 simulated batch-1 steps at an
-# acceptance of 0.6 with the TP=1 table)
+PRIOR_DRAFTS = 10         # the prior's weight, in drafts, always in the running acceptance
+ACCEPTANCE_MEMORY = 100   # drafts: a verify step of d drafts keeps exp(-d / this) of the evidence before it. With a
+# weight of 0.1 a step at any batch, a batch-1 step's 0-or-1 moved the acceptance by +-0.1 and k flipped every ~10
+# steps there, each flip a verify step outside the graphs (tests/test_spec_policy.py: 184 flips in 2,000 simulated
+# batch-1 steps at an acceptance of 0.6 with the TP=1 table)
+STEP_DRAFTS = 10          # the most drafts of evidence one verify step adds (a step's weight, ~10% at most)
+RETRY_STEPS = 200         # steps at k = 0 over which the evidence fades by e (module docstring)
 # the placeholder (module docstring): (tokens in the step, cost relative to a batch-1 plain step)
 # (1024: the 256-512 segment continued, so that steps of up to 256 rows x (AUTO_MAX_K + 1) tokens grow as before)
 PLACEHOLDER = [(1, 1.0), (2, 1.32), (4, 1.82), (8, 2.4), (16, 3.0), (32, 3.6), (64, 4.3), (128, 5.6), (256, 8.4),
@@ -162,7 +167,8 @@ class SpecPolicy:
     def __init__(self, setting, table: CostTable | None = None):
         self.setting = parse_speculative_tokens(setting)
         self.table = table or CostTable.placeholder()
-        self.acceptance = ACCEPTANCE_PRIOR
+        self.evidence = 0.0        # drafts seen, faded (module docstring)
+        self.evidence_accepted = 0.0  # of them, weighted by the acceptance that explains each step
         self.k: int | None = None  # what auto chose last
         self.drafted = 0
         self.accepted = 0
@@ -170,6 +176,16 @@ class SpecPolicy:
     @property
     def enabled(self) -> bool:
         return self.setting != 0
+
+    @property
+    def acceptance(self) -> float:
+        """The running acceptance per draft: the evidence and the prior (module docstring)."""
+        return (self.evidence_accepted + PRIOR_DRAFTS * ACCEPTANCE_PRIOR) / (self.evidence + PRIOR_DRAFTS)
+
+    def assume(self, acceptance: float, drafts: float = ACCEPTANCE_MEMORY) -> None:
+        """Set the evidence to `drafts` drafts whose running acceptance is `acceptance` (0..1)."""
+        self.evidence = drafts
+        self.evidence_accepted = acceptance * (drafts + PRIOR_DRAFTS) - PRIOR_DRAFTS * ACCEPTANCE_PRIOR
 
     def next_k(self, batch: int) -> int:
         """Drafts to propose for the next step of about `batch` rows."""
@@ -180,8 +196,10 @@ class SpecPolicy:
         if self.k is not None and costs[self.k] * (1 - SWITCH_MARGIN) <= costs[best]:
             best = self.k  # (module docstring: k stays put unless another is clearly cheaper)
         self.k = best
-        if best == 0:  # relax towards the prior: try again once in a while
-            self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * ACCEPTANCE_PRIOR
+        if best == 0:  # the evidence fades: the prior comes back, and speculation is tried again
+            fade = math.exp(-1 / RETRY_STEPS)
+            self.evidence *= fade
+            self.evidence_accepted *= fade
         return best
 
     def record(self, drafted: int, accepted: int, k: int) -> None:
@@ -191,9 +209,10 @@ class SpecPolicy:
             return
         self.drafted += drafted
         self.accepted += accepted
-        a = per_draft_acceptance(accepted / drafted, k)
-        keep = max(ACCEPTANCE_DECAY, math.exp(-drafted / ACCEPTANCE_MEMORY))
-        self.acceptance = keep * self.acceptance + (1 - keep) * a
+        d = min(drafted, STEP_DRAFTS)
+        keep = math.exp(-d / ACCEPTANCE_MEMORY)
+        self.evidence = keep * self.evidence + d
+        self.evidence_accepted = keep * self.evidence_accepted + d * per_draft_acceptance(accepted / drafted, k)
 
 
 def expected_tokens(k: int, acceptance: float) -> float:

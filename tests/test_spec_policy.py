@@ -7,11 +7,13 @@ cost table. Host-only arithmetic, no model.
   (a verify step of k + 1 tokens costs k + 1 plain steps and emits fewer tokens);
 - the placeholder: k > 0 at batch 1, acceptance 0.6; 0 at acceptance 0.05; the measured tables that ship load, by
   GPU name and TP;
-- the running acceptance follows what verify steps report (record), and relaxes back towards the prior while auto
-  keeps choosing 0; with the shipped TP=1 H200 table and drafts accepted at random at 0.6, k stays put at batch 1, 2
-  and 64 (a k change makes a verify step run outside the graphs; per step, batch 1's noisy 0-or-1 outcomes had
-  flipped k 184 times in 2,000 steps); a fixed K is returned as it is; bad settings are clear errors; a bench
-  results JSON is a table.
+- the running acceptance follows what verify steps report (record), and comes back to the prior while auto keeps
+  choosing 0 (the evidence fades); with the shipped TP=1 H200 table and drafts accepted at random at 0.6, k stays
+  put at batch 1, 2 and 64 (a k change makes a verify step run outside the graphs; per step, batch 1's noisy 0-or-1
+  outcomes had flipped k 184 times in 2,000 steps); with drafts never accepted (random weights) auto verifies on few
+  steps at any batch (the average it replaced, pulled back to the prior by 10% a plain step, verified on 83% of
+  steps at batch 1); a fixed K is returned as it is; bad settings are clear errors; a bench results JSON is a
+  table.
 """
 import json
 
@@ -27,7 +29,7 @@ LINEAR = CostTable({k: [(1, k + 1.0), (1024, 1024.0 * (k + 1))] for k in range(A
 
 def policy(table, acceptance):
     p = SpecPolicy("auto", table)
-    p.acceptance = acceptance
+    p.assume(acceptance)
     return p
 
 
@@ -45,15 +47,16 @@ def test_running_acceptance():
     p = SpecPolicy("auto", FLAT)
     for _ in range(200):
         p.record(drafted=8, accepted=8, k=2)  # every draft accepted
-    assert p.acceptance > 0.99 and p.drafted == 1600 and p.accepted == 1600
+    # (the prior's 10 drafts at 0.6 stay in: ~104 drafts of evidence at 8 a step)
+    assert p.acceptance > 0.96 and p.drafted == 1600 and p.accepted == 1600
     for _ in range(200):
         p.record(drafted=8, accepted=0, k=2)
-    assert p.acceptance < 0.01
+    assert p.acceptance < 0.06
     assert abs(per_draft_acceptance((0.5 + 0.25) / 2, 2) - 0.5) < 1e-6  # k = 2 at a = 0.5: 0.75 of 2 accepted
     lin = policy(LINEAR, 0.0)
-    for _ in range(100):
+    for _ in range(2000):
         assert lin.next_k(1) == 0
-    assert abs(lin.acceptance - ACCEPTANCE_PRIOR) < 1e-3  # relaxed back: speculation gets tried again
+    assert abs(lin.acceptance - ACCEPTANCE_PRIOR) < 1e-3  # the evidence faded: speculation gets tried again
 
 
 def test_fixed_k_and_settings(tmp_path):
@@ -115,3 +118,19 @@ def test_auto_keeps_k_at_small_batch_under_random_acceptance():
             flips += nxt != k
             k = nxt
         assert flips <= 5 and k > 0, (batch, flips, k)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_auto_rarely_verifies_drafts_that_are_never_accepted(tp):
+    """Random weights: no draft is ever accepted. auto tries, stops within a few verify steps, and tries again
+    rarely: at most 3% of 2,000 steps verify at batch 1, 2, 8 and 64 (the shipped H200 tables)."""
+    table = CostTable.shipped("NVIDIA H200", tp)
+    for batch in (1, 2, 8, 64):
+        p = SpecPolicy("auto", table)
+        k, verified = p.next_k(batch), 0
+        for _ in range(2000):
+            if k:
+                p.record(batch * k, 0, k)
+                verified += 1
+            k = p.next_k(batch)
+        assert verified <= 60, (batch, verified)
