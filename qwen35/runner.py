@@ -54,7 +54,7 @@ from qwen35.cuda_graphs import RING_HALVES, decode_batch, tail_mode
 from qwen35.engine_config import EngineArgs, EngineConfig
 from qwen35.model import Qwen35Model
 from qwen35.prefill_graphs import packed_tokens
-from qwen35.mtp import attach_mtp, propose
+from qwen35.mtp import attach_mtp, catch_up, propose
 from qwen35.synth_spec import init_spec_weights
 from scheduler.plan import StepPlan, can_checkpoint
 from scheduler.speculation import max_drafts
@@ -414,7 +414,8 @@ class ModelRunner:
         graph runs, with sampling a tail holds (cuda_graphs.tail_mode), is two replays. Queued, no host sync.
         A verify step (plan.spec_k) returns [n, spec_k + 1] instead: each row's emitted tokens, then -1
         (verify_step), into host_view(half, n, spec_k + 1); a step with plan.draft_k also proposes drafts for its
-        sampled rows (module docstring)."""
+        sampled rows (module docstring), and one that samples nothing (prompt chunks) writes the head's KV at its
+        positions (qwen35/mtp.py catch_up)."""
         self._check_spec(plan)
         if plan.spec_k or self._proposes_only(plan, sampling):
             self._feed_host_tokens(plan)
@@ -430,6 +431,9 @@ class ModelRunner:
             if mode is not None:
                 return self.graphs.run_tail(plan.num_seqs, mode, half)
         elif not self.logit_slots.numel():
+            if plan.draft_k and batch is not None:  # prompt chunks that sample nothing: the head's KV (catch-up)
+                empty = batch.logits_indices[:0]
+                catch_up(self.model, batch, hidden, empty, empty)
             return None
         logits = self.model.compute_logits(hidden if batch is None else hidden[batch.logits_indices], gather="none")
         tokens = self.sampler.sample(logits, self.logit_slots, sampling)

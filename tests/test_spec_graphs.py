@@ -218,10 +218,10 @@ def test_auto_keeps_its_k_while_the_acceptance_wavers():
     p = SpecPolicy("auto", CostTable.placeholder())
     ks = []
     for i in range(40):
-        p.acceptance = 0.55 if i % 2 else 0.57
+        p.assume(0.55 if i % 2 else 0.57)
         ks.append(p.next_k(8))
     assert len(set(ks)) == 1 and ks[0] in (1, 2)
-    p.acceptance = 0.9 if ks[0] == 1 else 0.42
+    p.assume(0.9 if ks[0] == 1 else 0.42)
     assert p.next_k(8) == (3 if ks[0] == 1 else 1)
 
 

@@ -287,3 +287,28 @@ def test_verify_warm_up_runs_every_variant_on_scratch_state_only():
         s = decode_splits(r, a.num_kv_heads, width, runner.device, cfg_d["tile"], cfg_d["per_sm"])
         variants.add((tuple(sorted(cfg_d.items())), 1 << (s - 1).bit_length(), s == 1, s % 16 == 0))
     assert len(rows) == len(variants) >= 2
+
+
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_prompt_chunks_that_sample_nothing_write_the_heads_kv(catch_up):
+    """A prompt's body in a step of its own that samples nothing (the prefix cache's split leaves it so) writes the MTP
+    head's KV at its positions when the step's draft_k is set (the scheduler sets 1 there: the catch-up alone), as a
+    prefill of the whole prompt that proposes does: every entry but the body's last, whose next token (the prompt's
+    last) is not in the step. With draft_k 0 the entries stay unwritten (zero)."""
+    ps, width = prompts(3), 256 // BLOCK
+    whole = make_runner("dummy-spec", 2)
+    whole.sample_step(prefill_plan(ps, 2), SamplingStep())
+    split = make_runner("dummy-spec", 2)
+    body = prefill_plan([p[:-1] for p in ps], int(catch_up))
+    body.want_logits = [False] * len(ps)
+    assert split.sample_step(body, SamplingStep()) is None
+    for cache in ("k_cache", "v_cache"):
+        got, want = getattr(split.model.mtp.attn, cache), getattr(whole.model.mtp.attn, cache)
+        for i, p in enumerate(ps):
+            pos = torch.arange(len(p) - 2)  # entries whose next token is in the body
+            blocks = 1 + i * width + pos // BLOCK
+            entries = got[blocks, pos % BLOCK]
+            if catch_up:
+                torch.testing.assert_close(entries, want[blocks, pos % BLOCK], rtol=1e-5, atol=1e-5)
+            else:
+                assert not entries.any()
