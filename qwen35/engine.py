@@ -54,7 +54,7 @@ from scheduler.plan import StepPlan
 from scheduler.request import Request, RequestLimits, RequestOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, ScheduledStep, sampling_hints
-from scheduler.speculation import CostTable, SpecPolicy
+from scheduler.speculation import MEASURE, CostTable, SpecPolicy
 
 __all__ = ["EngineArgs", "LLMEngine", "RequestOutput"]
 log = logging.getLogger("qwen35.engine")
@@ -234,14 +234,24 @@ class LLMEngine:
 
     def _cost_table(self, args: EngineArgs) -> CostTable | None:
         """What `--speculative-tokens auto` chooses k by: the given table, else the one measured on this GPU kind
-        at this TP (scheduler/spec_costs.json), else the placeholder."""
+        at this TP (scheduler/spec_costs.json), else the placeholder; with `measures_spec_costs` set (asked for with
+        --spec-cost-table measure, or no table ships for this GPU kind and TP) until the server has measured one
+        at start (qwen35/spec_costs.py measure_table: it needs the other ranks in their worker loop)."""
+        self.measures_spec_costs = False
         if args.speculative_tokens != "auto":
             return None
-        if args.spec_cost_table:
+        if args.spec_cost_table and args.spec_cost_table != MEASURE:
             return CostTable.from_json(args.spec_cost_table)
         dev = self.runner.device
-        return CostTable.shipped(torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type,
-                                 parallel.tp_size())
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+        table = None if args.spec_cost_table == MEASURE else CostTable.shipped(name, parallel.tp_size())
+        if table is None:
+            self.measures_spec_costs = dev.type == "cuda" or args.spec_cost_table == MEASURE
+            log.warning("no measured speculation cost table for %s at tp=%d%s", name, parallel.tp_size(),
+                        ": the server measures one at start" if self.measures_spec_costs else
+                        ": --speculative-tokens auto uses the placeholder (not a measurement)")
+            table = CostTable.placeholder()
+        return table
 
     def _launch(self, behind: bool) -> _Launched | None:
         """Schedule the next step (`behind` a verify step's runs: Scheduler.schedule) and queue it on every rank:

@@ -70,7 +70,8 @@ class EngineArgs:
     mtp: bool = False                         # build the MTP head (qwen35/mtp.py; "dummy-spec" needs it)
     speculative_tokens: int | str = 0         # drafts verified per decode step: K, 0 (off) or "auto"
                                               # (scheduler/speculation.py; needs the MTP head, built when not 0)
-    spec_cost_table: str | None = None        # "auto": a bench results JSON as the cost table (default: shipped)
+    spec_cost_table: str | None = None        # "auto": a bench results JSON as the cost table, or "measure" (at
+                                              # start); default: the shipped one, else measured at start on GPUs
     block_size: int = 16
     max_num_seqs: int = 128                   # concurrent sequences = DeltaNet state slots
     max_num_batched_tokens: int = 8192        # tokens per forward step (decodes + prefill chunks)
@@ -134,8 +135,9 @@ class EngineArgs:
                             "cost table); implies --mtp")
         g.add_argument("--spec-cost-table", default=d["spec_cost_table"],
                        help="with --speculative-tokens auto: the results JSON of qwen35.bench --mode spec on this "
-                            "machine as the cost table (default: the table measured on this GPU kind and TP that "
-                            "ships in scheduler/spec_costs.json, else a placeholder)")
+                            "machine as the cost table, or 'measure': one measured at start (spec steps on random "
+                            "prompts, before serving). Default: the table measured on this GPU kind and TP that "
+                            "ships in scheduler/spec_costs.json, else measured at start (a placeholder on the CPU)")
         g.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per paged-KV block")
         g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
                        help="most concurrent sequences (also the number of DeltaNet state slots)")

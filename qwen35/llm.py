@@ -13,6 +13,7 @@ from dist import parallel
 from qwen35.engine import LLMEngine
 from qwen35.engine_config import EngineArgs
 from qwen35.outputs import CompletionOutput, Usage
+from qwen35.spec_costs import measure_at_start
 from scheduler.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class LLM:
         if not parallel.is_driver():
             self.engine.run_worker_loop()
             raise SystemExit(0)
+        measure_at_start(self.engine)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
         atexit.register(self.engine.shutdown)  # releases the worker ranks if the script never calls shutdown()

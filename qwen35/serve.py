@@ -28,6 +28,7 @@ import server
 from dist import parallel
 from qwen35.async_engine import AsyncEngine
 from qwen35.engine import EngineArgs, LLMEngine
+from qwen35.spec_costs import measure_at_start
 
 log = logging.getLogger("qwen35.serve")
 API_KEY_ENV = "QWEN35_API_KEY"
@@ -124,6 +125,7 @@ def main(argv=None) -> None:
         parallel.destroy()
         return
 
+    measure_at_start(engine)  # (the other ranks are in their worker loop now: rank 0 drives the steps)
     async_engine = AsyncEngine(engine, step_timeout_s=ns.step_timeout or None)
     name = ns.served_model_name or ns.model
     app = server.build_app(async_engine, engine.tokenizer, name, engine.max_model_len, api_key=key,

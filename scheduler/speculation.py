@@ -24,10 +24,11 @@ draft lowering it by 1%.)
 The cost table: wall ms per step by k and batch, as `qwen35.bench --mode spec` measures them (its results JSON is a
 table: --spec-cost-table; CostTable.from_rows says how a row becomes a cost), linear between the batches measured.
 The tables measured so far ship in scheduler/spec_costs.json, each for one GPU kind and TP (CostTable.shipped picks
-by device name and TP). Where none matches, auto falls back to PLACEHOLDER, which is NOT a measurement: a step of n
-tokens costing what the points below say relative to a batch-1 plain step (the points at 2 and 4 tokens are the
-ratios issue #28 quotes for steps of 2 and 4 sequences on one H200, the rest a guess), plus DRAFT_COST of a plain
-step per draft.
+by device name and TP). Where none matches, a server on GPUs measures its own at start (qwen35/spec_costs.py
+measure_table; `--spec-cost-table measure` asks for it anyway); elsewhere (the CPU) auto falls back to PLACEHOLDER,
+which is NOT a measurement: a step of n tokens costing what the points below say relative to a batch-1 plain step
+(the points at 2 and 4 tokens are the ratios issue #28 quotes for steps of 2 and 4 sequences on one H200, the rest a
+guess), plus DRAFT_COST of a plain step per draft.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ PLACEHOLDER = [(1, 1.0), (2, 1.32), (4, 1.82), (8, 2.4), (16, 3.0), (32, 3.6), (
 DRAFT_COST = 0.15
 SWITCH_MARGIN = 0.03      # auto leaves the k it chose last only for one expected to cost this much less per token
 SHIPPED = os.path.join(os.path.dirname(__file__), "spec_costs.json")
+MEASURE = "measure"       # --spec-cost-table measure: a table measured at start even where one ships
 
 
 def parse_speculative_tokens(value) -> int | str:
@@ -139,16 +141,14 @@ class CostTable:
         return cls(steps, "placeholder (not a measurement)")
 
     @classmethod
-    def shipped(cls, device: str, tp: int, path: str = SHIPPED) -> "CostTable":
-        """The table measured on this GPU kind at this TP (scheduler/spec_costs.json), else the placeholder."""
+    def shipped(cls, device: str, tp: int, path: str = SHIPPED) -> "CostTable | None":
+        """The table measured on this GPU kind at this TP (scheduler/spec_costs.json), else None."""
         with open(path) as f:
             tables = json.load(f)["tables"]
         for t in tables:
             if t["device"] == device and t["tp"] == tp:
                 return cls.from_rows(t["spec"], f"{os.path.basename(path)}: {device}, tp={tp}, {t['date']}")
-        log.warning("no measured speculation cost table for %s at tp=%d: --speculative-tokens auto uses the "
-                    "placeholder; measure one with qwen35.bench --mode spec and pass --spec-cost-table", device, tp)
-        return cls.placeholder()
+        return None
 
     def step_ms(self, batch: int, k: int) -> float:
         return _interpolate(self.steps[k], batch)

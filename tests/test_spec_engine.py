@@ -248,3 +248,41 @@ def test_gpu_verify_steps_queued_behind_never_wait(tiny_dir, monkeypatch):
     on, _ = run(eng, reqs)
     assert on == off
     assert sum(behind) >= 4 and eng.stats()["spec_verify_graph_steps"] > 0, behind
+
+
+def test_a_cost_table_measured_at_start(tiny_dir, references, monkeypatch):
+    """`--spec-cost-table measure` (on GPUs also wherever no table ships): before the first request, rows of every
+    batch up to max_num_seqs and k = 0..AUTO_MAX_K (qwen35/spec_costs.py) become auto's table; the engine is then as
+    it was: the setting auto, the running acceptance at its prior, no request, no KV block or slot held, the prefix
+    cache empty; and its greedy outputs equal speculation off."""
+    from qwen35 import spec_costs
+    from scheduler.speculation import ACCEPTANCE_PRIOR, AUTO_MAX_K, CostTable
+    monkeypatch.setattr(spec_costs, "START_INPUT_LEN", 12)  # (a CPU's worth: the rows' shape, not their times)
+    monkeypatch.setattr(spec_costs, "START_OUTPUT_LEN", 6)
+    eng = make(tiny_dir, "auto", spec_cost_table="measure", max_num_seqs=2)
+    assert eng.measures_spec_costs and eng.speculation.table.source.startswith("placeholder")
+    spec_costs.measure_at_start(eng)
+    table = eng.speculation.table
+    assert not eng.measures_spec_costs and table.source.startswith("measured at start")
+    assert sorted(table.steps) == list(range(AUTO_MAX_K + 1))
+    assert all([b for b, _ in table.steps[k]] == [1, 2] and all(ms > 0 for _, ms in table.steps[k])
+               for k in table.steps)
+    p = eng.speculation
+    assert p.setting == "auto" and p.k is None and p.acceptance == ACCEPTANCE_PRIOR and p.drafted > 0
+    stats = eng.stats()
+    assert not eng.has_unfinished() and stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
+    assert stats["prefix_cache_blocks"] == 0 and stats["prefix_cache_snapshots"] == 0
+    expected = references["dummy-spec"]
+    got, _ = run(eng, [r for r in requests(expected) if r[0].startswith(("m", "long"))])
+    assert got == {rid: expected[rid] for rid in got}
+    # a measured table is a table: the engine's own rows would load as one (CostTable.from_rows)
+    assert isinstance(table, CostTable)
+
+
+def test_no_cost_table_on_the_cpu_means_the_placeholder(tiny_dir, caplog):
+    """auto with no table for the device and no measure asked for: on the CPU the placeholder, said in the log (on
+    GPUs the server measures one at start)."""
+    with caplog.at_level("WARNING"):
+        eng = make(tiny_dir, "auto")
+    assert not eng.measures_spec_costs and eng.speculation.table.source.startswith("placeholder")
+    assert "no measured speculation cost table for cpu" in caplog.text and "placeholder" in caplog.text

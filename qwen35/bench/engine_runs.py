@@ -7,12 +7,8 @@ import time
 
 from qwen35.bench.step_timer import StepTimer
 from qwen35.engine import LLMEngine
+from qwen35.spec_costs import prompt_vocab
 from scheduler.sampling_params import SamplingParams
-
-
-def prompt_vocab(engine: LLMEngine) -> int:
-    """Random prompt ids below this: ordinary tokens of the tokenizer that the model's vocabulary also has."""
-    return min(engine.tokenizer.num_real_tokens - 33, engine.config.vocab_size)
 
 
 def run_to_completion(engine: LLMEngine) -> dict[str, dict]:
