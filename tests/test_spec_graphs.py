@@ -24,7 +24,8 @@ import torch
 from layers.sampler import SamplingStep
 from qwen35.cuda_graphs import VerifyGraphs
 from scheduler.plan import StepPlan
-from tests.test_spec_runner import SLOTS, admit, decode_plan, make_runner, prefill_plan, prompts, spec_tokens
+from tests.test_spec_runner import (SLOTS, admit, decode_plan, make_runner, prefill_plan, prompts, spec_tokens,
+                                   verify_until)
 
 GREEDY = SamplingStep()
 SAMPLED = SamplingStep(greedy_only=False, any_top_k=False, any_top_p=False)
@@ -84,15 +85,7 @@ def propose_then_verify(runner, ps, steps, k, step, last_from_host):
             o.append(t)
         starts = [s + 1 for s in starts]
     drafts = runner.drafts[SLOTS[:n], :k].clone()
-    per_step = []
-    while min(map(len, out)) < steps:
-        emitted = runner.sample_step(decode_plan(starts, k, k), step).tolist()
-        per_step.append([sum(t >= 0 for t in row) for row in emitted])
-        for i, row in enumerate(emitted):
-            run = [t for t in row if t >= 0]
-            out[i] += run
-            starts[i] += len(run)
-    return [o[:steps] for o in out], per_step, drafts
+    return (*verify_until(runner, out, starts, steps, k, step), drafts)
 
 
 @pytest.mark.parametrize("last_from_host", [False, True], ids=["device", "host"])

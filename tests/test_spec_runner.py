@@ -80,7 +80,12 @@ def plain_tokens(runner, ps, steps, step=SamplingStep()):
 def spec_tokens(runner, ps, steps, k, step=SamplingStep()):
     """Verify steps of k drafts until every row has `steps` tokens; also the tokens emitted per step."""
     out = [[t] for t in runner.sample_step(prefill_plan(ps, k), step).tolist()]
-    starts = [len(p) for p in ps]
+    return verify_until(runner, out, [len(p) for p in ps], steps, k, step)
+
+
+def verify_until(runner, out, starts, steps, k, step):
+    """Verify steps of k drafts, rows at `starts` with tokens `out` so far, until every row has `steps` tokens:
+    (the rows' tokens, the tokens emitted per step)."""
     per_step = []
     while min(map(len, out)) < steps:
         emitted = runner.sample_step(decode_plan(starts, k, k), step).tolist()
