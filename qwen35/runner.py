@@ -418,7 +418,8 @@ class ModelRunner:
         positions (qwen35/mtp.py catch_up)."""
         self._check_spec(plan)
         if plan.spec_k or self._proposes_only(plan, sampling):
-            self._feed_host_tokens(plan)
+            if not plan.spec_k:
+                self._feed_host_tokens(plan)
             tokens = self.verify_step(plan, sampling)
             if not plan.spec_k:  # (one token a row: what a plain step gives)
                 tokens = tokens[:, 0]
@@ -456,9 +457,9 @@ class ModelRunner:
         their slots' next inputs, where a verify step reads every row's newest token (queued after the steps before,
         which feed their rows' tokens there)."""
         rows = [(slot, t[0]) for slot, t in zip(plan.state_slots, plan.token_ids) if t]
-        if rows:
-            host = torch.tensor(rows, dtype=torch.int64, pin_memory=self._pin).T
-            slots, tokens = host.to(self.device, non_blocking=True)
+        if rows:  # (one contiguous pinned transfer: slots, then tokens)
+            host = torch.tensor([r[0] for r in rows] + [r[1] for r in rows], dtype=torch.int64, pin_memory=self._pin)
+            slots, tokens = host.to(self.device, non_blocking=True).view(2, len(rows))
             self.slot_tokens[slots] = tokens
 
     def _check_spec(self, plan: StepPlan) -> None:
