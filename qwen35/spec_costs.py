@@ -23,7 +23,7 @@ import time
 
 from qwen35.engine import LLMEngine
 from scheduler.sampling_params import SamplingParams
-from scheduler.speculation import AUTO_MAX_K, CostTable, SpecPolicy
+from scheduler.speculation import AUTO_MAX_K, CostTable
 
 log = logging.getLogger("qwen35.spec_costs")
 
@@ -68,6 +68,26 @@ def measure_row(engine: LLMEngine, batch: int, k, input_len: int, output_len: in
             "acceptance": round(accepted / drafted, 4) if drafted else None}
 
 
+def measure_rows(engine: LLMEngine, batches: list[int], ks: list, input_len: int, output_len: int,
+                 rng: random.Random, on_row=None) -> list[dict]:
+    """Every (batch, k) row, batch by batch, after one short warm-up row per k (first-use costs out of the rows);
+    `on_row(row)` after each. The policy's setting is put back after."""
+    policy = engine.speculation
+    setting = policy.setting
+    try:
+        for k in ks:
+            measure_row(engine, 1, k, 16, 8, rng)
+        rows = []
+        for b in batches:
+            for k in ks:
+                rows.append(measure_row(engine, b, k, input_len, output_len, rng))
+                if on_row is not None:
+                    on_row(rows[-1])
+        return rows
+    finally:
+        policy.setting = setting
+
+
 def start_batches(max_num_seqs: int) -> list[int]:
     """The batches measured at start: 1, 2, 4, 8, 16, 24, 32, 48, 64 up to max_num_seqs (verify graphs are captured
     at 1, 2, 4, 8 and every 8th from 16: a verify step of 9-15 rows costs what one of 16 does)."""
@@ -86,15 +106,11 @@ def measure_table(engine: LLMEngine, batches: list[int] | None = None, ks: list[
     batches = batches or start_batches(engine.args.max_num_seqs)
     ks = list(range(AUTO_MAX_K + 1)) if ks is None else ks
     input_len = min(input_len, engine.max_model_len - output_len - AUTO_MAX_K - 1)
-    setting, rng, t0 = policy.setting, random.Random(seed), time.perf_counter()
+    t0 = time.perf_counter()
     try:
-        for k in ks:  # first-use costs out of the table
-            measure_row(engine, 1, k, 16, 8, rng)
-        rows = [measure_row(engine, b, k, input_len, output_len, rng) for b in batches for k in ks]
+        rows = measure_rows(engine, batches, ks, input_len, output_len, random.Random(seed))
     finally:
-        policy.setting = setting
-        fresh = SpecPolicy(setting, policy.table)
-        policy.evidence, policy.evidence_accepted, policy.k = fresh.evidence, fresh.evidence_accepted, fresh.k
+        policy.forget()
         if engine.scheduler.cache is not None:
             engine.scheduler.cache.evict_all(engine.scheduler.step_no)
     table = CostTable.from_rows(rows, f"measured at start ({len(rows)} rows, {time.perf_counter() - t0:.0f} s)")

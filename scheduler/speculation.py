@@ -187,6 +187,11 @@ class SpecPolicy:
         self.evidence = drafts
         self.evidence_accepted = acceptance * (drafts + PRIOR_DRAFTS) - PRIOR_DRAFTS * ACCEPTANCE_PRIOR
 
+    def forget(self) -> None:
+        """Back to no evidence (the acceptance its prior) and no k chosen: what the counters say stays."""
+        self.evidence = self.evidence_accepted = 0.0
+        self.k = None
+
     def next_k(self, batch: int) -> int:
         """Drafts to propose for the next step of about `batch` rows."""
         if self.setting != "auto":

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 
 from qwen35.engine import LLMEngine
-from qwen35.spec_costs import measure_row
+from qwen35.spec_costs import measure_row, measure_rows
 from scheduler.speculation import parse_speculative_tokens
 
 
@@ -54,29 +54,23 @@ def profile_row(engine: LLMEngine, batch: int, k, input_len: int, output_len: in
 
 def spec_rows(engine: LLMEngine, batches: list[int], ks: list, input_len: int, output_len: int,
               rng: random.Random) -> dict:
-    """Every (batch, k) row, after one short warm-up run per k (first-use costs out of the table); the policy's
-    setting is put back after."""
-    policy = engine.speculation
-    setting = policy.setting
-    try:
-        for k in ks:
-            measure_row(engine, 1, k, 16, 8, rng)
-        rows = []
-        print(f"{'batch':>5} {'k':>5} {'step ms':>8} {'tok/step':>9} {'ms/token':>9} {'accept':>7} {'vs k=0':>7} {'graph/eager':>12}")
-        for b in batches:
-            base = None
-            for k in ks:
-                r = measure_row(engine, b, k, input_len, output_len, rng)
-                if k == 0:
-                    base = r["ms_per_token"]
-                r["vs_off"] = round(r["ms_per_token"] / base, 4) if base else None
-                rows.append(r)
-                print(f"{b:5d} {str(k):>5} {r['step_ms']:8.3f} {r['tokens_per_step']:9.3f} {r['ms_per_token']:9.3f} "
-                      f"{r['acceptance'] if r['acceptance'] is not None else '-':>7} "
-                      f"{r['vs_off'] if r['vs_off'] is not None else '-':>7} "
-                      f"{r['verify_graph_steps']:>6}/{r['verify_eager_steps']:<5}", flush=True)
-        drafted = sum(r["drafted"] for r in rows)
-        accepted = sum(r["accepted"] for r in rows)
-        return {"acceptance": round(accepted / drafted, 4) if drafted else None, "spec": rows}
-    finally:
-        policy.setting = setting
+    """Every (batch, k) row (qwen35/spec_costs.py measure_rows), each printed with its ms per token against the
+    batch's k = 0 row."""
+    base = {}
+
+    def show(r: dict) -> None:
+        if r["k"] == 0:
+            base[r["batch"]] = r["ms_per_token"]
+        off = base.get(r["batch"])
+        r["vs_off"] = round(r["ms_per_token"] / off, 4) if off else None
+        print(f"{r['batch']:5d} {str(r['k']):>5} {r['step_ms']:8.3f} {r['tokens_per_step']:9.3f} "
+              f"{r['ms_per_token']:9.3f} {r['acceptance'] if r['acceptance'] is not None else '-':>7} "
+              f"{r['vs_off'] if r['vs_off'] is not None else '-':>7} "
+              f"{r['verify_graph_steps']:>6}/{r['verify_eager_steps']:<5}", flush=True)
+
+    print(f"{'batch':>5} {'k':>5} {'step ms':>8} {'tok/step':>9} {'ms/token':>9} {'accept':>7} {'vs k=0':>7} "
+          f"{'graph/eager':>12}")
+    rows = measure_rows(engine, batches, ks, input_len, output_len, rng, show)
+    drafted = sum(r["drafted"] for r in rows)
+    accepted = sum(r["accepted"] for r in rows)
+    return {"acceptance": round(accepted / drafted, 4) if drafted else None, "spec": rows}
