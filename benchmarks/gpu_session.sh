@@ -29,7 +29,8 @@
 #   latency   qwen35.bench --mode latency --compare-hf on qwen3.5-4b, one GPU
 #   host      qwen35.bench.host_time --breakdown (HOST_ARGS) and benchmarks.bench_host_calls
 #   server    ./start.sh at TP=NGPU (SERVER_ARGS), then benchmarks.throughput (THROUGHPUT_ARGS: the users' levels,
-#             standard exp:290,1024 lengths)
+#             standard exp:290,1024 lengths); speculation off (random weights' drafts are never accepted: specserver
+#             measures it)
 #   baseserver  the same from .base/ (throughput_base_tpN.json): `base record baseserver server` is a before/after
 #             of the decode rows and the HTTP score on one machine
 #   specserver  the HTTP workload on dummy-spec weights (acceptance 0.6) without speculation, then with
@@ -167,8 +168,8 @@ for stage in "$@"; do
     server|baseserver)
       tag=${stage%server}; tree=$PWD; [ -n "$tag" ] && tree=$PWD/.base
       (cd "$tree" && export PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH}
-        ./start.sh --port 8000 --model qwen3.5-35b-a3b --load-format dummy --tp "$NGPU" --log "$OUT/${tag}server.log" \
-          --timeout 600 ${SERVER_ARGS:-} || { tail -30 "$OUT/${tag}server.log"; exit 1; }
+        ./start.sh --port 8000 --model qwen3.5-35b-a3b --load-format dummy --speculative-tokens 0 --tp "$NGPU" \
+          --log "$OUT/${tag}server.log" --timeout 600 ${SERVER_ARGS:-} || { tail -30 "$OUT/${tag}server.log"; exit 1; }
         python3 -m benchmarks.throughput --url http://127.0.0.1:8000 \
           ${THROUGHPUT_ARGS:---levels 1,2,4,8,16,32,64 --num-requests 64 --ignore-eos} \
           --device-info "$DEV, TP=$NGPU, dummy weights" --out "$OUT/throughput${tag:+_$tag}_tp$NGPU.json" 2>&1 | tail -14

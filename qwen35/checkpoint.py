@@ -76,6 +76,15 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
     return mapping
 
 
+def has_mtp_weights(model_dir: str) -> bool:
+    """Whether the safetensors checkpoint in `model_dir` holds an MTP head's tensors (`mtp.*`); False for a
+    directory without safetensors (a model.pt state dict is not opened to look)."""
+    try:
+        return any(name.startswith(MTP_PREFIX) for name in checkpoint_files(model_dir))
+    except FileNotFoundError:
+        return False
+
+
 def module_name(ckpt_name: str, mtp: bool = False) -> str | None:
     """Our parameter name for a checkpoint tensor name, or None for tensors the text model (with an MTP head when
     `mtp`) does not use."""

@@ -54,7 +54,7 @@ from scheduler.plan import StepPlan
 from scheduler.request import Request, RequestLimits, RequestOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, ScheduledStep, sampling_hints
-from scheduler.speculation import MEASURE, CostTable, SpecPolicy
+from scheduler.speculation import MEASURE, CostTable, SpecPolicy, model_shape
 
 __all__ = ["EngineArgs", "LLMEngine", "RequestOutput"]
 log = logging.getLogger("qwen35.engine")
@@ -99,6 +99,10 @@ class LLMEngine:
             resolve_model(args.model, load_format=args.load_format) if parallel.is_driver() else None)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.config.check_tp(world)
+        args.resolve_speculation(self.config, self.model_dir)
+        if parallel.is_driver():
+            log.info("speculative decoding: %s", f"--speculative-tokens {args.speculative_tokens}"
+                     if args.speculative_tokens else "off (--speculative-tokens 0, or no MTP head, or the CPU)")
         self.runner = ModelRunner(self.config, args, self.model_dir, num_snapshot_slots=args.num_snapshot_slots)
         self.device, self.max_model_len = self.runner.device, self.runner.max_model_len
         self.late_compiles, self._stop_compile_log = 0, lambda: None  # Triton compiles after start (and warm-up)
@@ -244,7 +248,8 @@ class LLMEngine:
             return CostTable.from_json(args.spec_cost_table)
         dev = self.runner.device
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
-        table = None if args.spec_cost_table == MEASURE else CostTable.shipped(name, parallel.tp_size())
+        table = None if args.spec_cost_table == MEASURE else CostTable.shipped(name, parallel.tp_size(),
+                                                                               model_shape(self.config))
         if table is None:
             self.measures_spec_costs = dev.type == "cuda" or args.spec_cost_table == MEASURE
             log.warning("no measured speculation cost table for %s at tp=%d%s", name, parallel.tp_size(),

@@ -9,6 +9,7 @@ from dataclasses import MISSING, dataclass, fields
 import torch
 
 from layers.deltanet_prefill import CHUNK
+from qwen35.checkpoint import has_mtp_weights
 from qwen35.config import ModelConfig
 from scheduler.prefix_cache import check_snapshot_interval
 from scheduler.speculation import MAX_K, parse_speculative_tokens
@@ -68,8 +69,10 @@ class EngineArgs:
                                               # (random weights with a chosen MTP draft acceptance: qwen35/synth_spec.py)
     spec_acceptance: float = 0.6              # "dummy-spec": the draft acceptance its weights are made for
     mtp: bool = False                         # build the MTP head (qwen35/mtp.py; "dummy-spec" needs it)
-    speculative_tokens: int | str = 0         # drafts verified per decode step: K, 0 (off) or "auto"
-                                              # (scheduler/speculation.py; needs the MTP head, built when not 0)
+    speculative_tokens: int | str | None = None  # drafts verified per decode step: K, 0 (off) or "auto"
+                                              # (scheduler/speculation.py; needs the MTP head, built when not 0);
+                                              # None: auto on a GPU where the model has its head, else 0
+                                              # (resolve_speculation)
     spec_cost_table: str | None = None        # "auto": a bench results JSON as the cost table, or "measure" (at
                                               # start); default: the shipped one, else measured at start on GPUs
     block_size: int = 16
@@ -95,7 +98,21 @@ class EngineArgs:
     @property
     def builds_mtp(self) -> bool:
         """Whether the runner builds the MTP head: asked for, needed by dummy-spec, or by speculation."""
-        return self.mtp or self.load_format == "dummy-spec" or parse_speculative_tokens(self.speculative_tokens) != 0
+        return self.mtp or self.load_format == "dummy-spec" or (
+            self.speculative_tokens is not None and parse_speculative_tokens(self.speculative_tokens) != 0)
+
+    def resolve_speculation(self, config: ModelConfig, model_dir: str | None) -> None:
+        """--speculative-tokens when not given (None): `auto` on a GPU where the model has its MTP head (in its
+        config, and in its weights: the checkpoint's `mtp.*` tensors, or made by a dummy load format), else 0.
+        Served, the users' procedure with `auto` scored 1.08x (TP=1) and 1.07x (TP=2) of speculation off at a
+        synthetic acceptance of 0.6 (2x / 1x H200, 2026-11-29; WRITEUP's issue #28 section); where drafts are never
+        accepted it verifies on a few steps in a hundred. On the CPU its cost table would be a placeholder, not a
+        measurement: off."""
+        if self.speculative_tokens is not None:
+            return
+        made = self.load_format in ("dummy", "dummy-spec")
+        head = config.mtp_num_hidden_layers == 1 and (made or (model_dir is not None and has_mtp_weights(model_dir)))
+        self.speculative_tokens = "auto" if head and self.device_type == "cuda" else 0
 
     @property
     def num_snapshot_slots(self) -> int:
@@ -104,7 +121,8 @@ class EngineArgs:
 
     def check(self) -> None:
         """ValueError naming the flag, before anything is loaded (what only the model tells is checked later)."""
-        self.speculative_tokens = parse_speculative_tokens(self.speculative_tokens)
+        if self.speculative_tokens is not None:
+            self.speculative_tokens = parse_speculative_tokens(self.speculative_tokens)
         if not 0.0 < self.spec_acceptance < 1.0:
             raise ValueError(f"--spec-acceptance must be in (0, 1); got {self.spec_acceptance}")
         if self.prefix_cache:
@@ -132,7 +150,8 @@ class EngineArgs:
         g.add_argument("--speculative-tokens", default=d["speculative_tokens"], type=parse_speculative_tokens,
                        help=f"speculative decoding with the MTP head: drafts verified per decode step, 0..{MAX_K} "
                             "(0: off) or auto (chosen per step from the batch size, the running acceptance and a "
-                            "cost table); implies --mtp")
+                            "cost table); implies --mtp. Default: auto on a GPU where the checkpoint has its MTP "
+                            "head, else 0")
         g.add_argument("--spec-cost-table", default=d["spec_cost_table"],
                        help="with --speculative-tokens auto: the results JSON of qwen35.bench --mode spec on this "
                             "machine as the cost table, or 'measure': one measured at start (spec steps on random "

@@ -110,7 +110,8 @@ class ModelRunner:
         if args.builds_mtp:  # the MTP head: loaded and initialised with the rest, its KV cache allocated with the
             # others
             attach_mtp(self.model)
-        self.spec_max_k = max_drafts(args.speculative_tokens)  # the draft buffers' width (0: no speculation)
+        # the draft buffers' width (0: no speculation; None: not resolved, as in a runner built without an engine)
+        self.spec_max_k = max_drafts(args.speculative_tokens or 0)
         if args.load_format in ("dummy", "dummy-spec"):
             init_dummy_weights(self.model, args.seed)
             if args.load_format == "dummy-spec":

@@ -23,8 +23,8 @@ draft lowering it by 1%.)
 
 The cost table: wall ms per step by k and batch, as `qwen35.bench --mode spec` measures them (its results JSON is a
 table: --spec-cost-table; CostTable.from_rows says how a row becomes a cost), linear between the batches measured.
-The tables measured so far ship in scheduler/spec_costs.json, each for one GPU kind and TP (CostTable.shipped picks
-by device name and TP). Where none matches, a server on GPUs measures its own at start (qwen35/spec_costs.py
+The tables measured so far ship in scheduler/spec_costs.json, each for one model, GPU kind and TP (CostTable.shipped
+picks by the model's sizes, model_shape, the device name and TP). Where none matches, a server on GPUs measures its own at start (qwen35/spec_costs.py
 measure_table; `--spec-cost-table measure` asks for it anyway); elsewhere (the CPU) auto falls back to PLACEHOLDER,
 which is NOT a measurement: a step of n tokens costing what the points below say relative to a batch-1 plain step
 (the points at 2 and 4 tokens are the ratios issue #28 quotes for steps of 2 and 4 sequences on one H200, the rest a
@@ -59,6 +59,14 @@ DRAFT_COST = 0.15
 SWITCH_MARGIN = 0.03      # auto leaves the k it chose last only for one expected to cost this much less per token
 SHIPPED = os.path.join(os.path.dirname(__file__), "spec_costs.json")
 MEASURE = "measure"       # --spec-cost-table measure: a table measured at start even where one ships
+MODEL_SHAPE = ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "vocab_size")  # a shipped table's "model" (model_shape)
+
+
+def model_shape(config) -> dict:
+    """What a shipped cost table must match besides the GPU kind and TP: the model's sizes that set a step's cost
+    (a model config's MODEL_SHAPE fields)."""
+    return {f: getattr(config, f) for f in MODEL_SHAPE}
 
 
 def parse_speculative_tokens(value) -> int | str:
@@ -141,12 +149,13 @@ class CostTable:
         return cls(steps, "placeholder (not a measurement)")
 
     @classmethod
-    def shipped(cls, device: str, tp: int, path: str = SHIPPED) -> "CostTable | None":
-        """The table measured on this GPU kind at this TP (scheduler/spec_costs.json), else None."""
+    def shipped(cls, device: str, tp: int, model: dict, path: str = SHIPPED) -> "CostTable | None":
+        """The table measured for this model (model_shape) on this GPU kind at this TP (scheduler/spec_costs.json),
+        else None."""
         with open(path) as f:
             tables = json.load(f)["tables"]
         for t in tables:
-            if t["device"] == device and t["tp"] == tp:
+            if t["device"] == device and t["tp"] == tp and t["model"] == model:
                 return cls.from_rows(t["spec"], f"{os.path.basename(path)}: {device}, tp={tp}, {t['date']}")
         return None
 

@@ -486,7 +486,7 @@ def test_gpu_queueing_a_step_never_waits_for_the_device(tiny_dir):
     got = {}
     for overlap in (True, False):
         eng = LLMEngine(EngineArgs(model=tiny_dir, device="cuda", max_num_seqs=4, max_model_len=256,
-                                   max_num_batched_tokens=64, overlap=overlap))
+                                   max_num_batched_tokens=64, overlap=overlap, speculative_tokens=0))
         assert eng.runner.graphs is not None
         run(eng, [(f"warm{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])  # kernels compiled, graphs warm
         launch = eng._launch
@@ -724,7 +724,7 @@ def test_gpu_sampling_tails_give_the_eager_tokens(tiny_dir, monkeypatch):
     got = {}
     for tails in (True, False):
         eng = LLMEngine(EngineArgs(model=tiny_dir, device="cuda", max_num_seqs=4, max_model_len=256,
-                                   max_num_batched_tokens=256))
+                                   max_num_batched_tokens=256, speculative_tokens=0))
         assert eng.runner.graphs is not None and eng.runner.graphs.tails
         replays = []
         run_tail = eng.runner.graphs.run_tail
@@ -750,7 +750,7 @@ def _tp_tails_worker(rank, port, tiny_dir, cache_dir, out_path):
         for tails in (True, False):
             runner_module.tail_mode = tail_mode if tails else (lambda step: None)
             eng = LLMEngine(EngineArgs(model=tiny_dir, device="cuda", tp=2, max_num_seqs=4, max_model_len=256,
-                                       max_num_batched_tokens=256))
+                                       max_num_batched_tokens=256, speculative_tokens=0))
             replays = []
             run_tail = eng.runner.graphs.run_tail
             eng.runner.graphs.run_tail = lambda *a: replays.append(a) or run_tail(*a)

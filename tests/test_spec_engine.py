@@ -250,6 +250,46 @@ def test_gpu_verify_steps_queued_behind_never_wait(tiny_dir, monkeypatch):
     assert sum(behind) >= 4 and eng.stats()["spec_verify_graph_steps"] > 0, behind
 
 
+def test_speculation_defaults_to_auto_on_gpus_where_the_model_has_its_head(tiny_dir, tmp_path):
+    """--speculative-tokens not given (EngineArgs.resolve_speculation): auto on a GPU where the model has its MTP
+    head (in its config, and in its checkpoint's `mtp.*` tensors or in the weights a dummy load format makes); 0 on
+    the CPU, for a checkpoint without the head's tensors and for a model without a head; a value given is kept. It
+    reads the config and the checkpoint's tensor names only, so a GPU's case runs here."""
+    from safetensors.torch import save_file
+    from qwen35.config import ModelConfig
+    from qwen35.synth import PRESETS
+
+    def resolved(config, model_dir, **kw):
+        args = EngineArgs(model=model_dir or "preset", **kw)
+        args.resolve_speculation(config, model_dir)
+        return args.speculative_tokens
+
+    tiny = ModelConfig.from_dir(tiny_dir)
+    assert tiny.mtp_num_hidden_layers == 1
+    assert resolved(tiny, tiny_dir, device="cuda:0") == "auto"
+    assert resolved(tiny, tiny_dir, device="cpu") == 0
+    for given in (0, 2, "auto"):
+        assert resolved(tiny, tiny_dir, device="cuda:0", speculative_tokens=given) == given
+    headless = tmp_path / "headless"
+    headless.mkdir()
+    save_file({"model.language_model.embed_tokens.weight": torch.zeros(2, 2)}, str(headless / "model.safetensors"))
+    assert resolved(tiny, str(headless), device="cuda:0") == 0
+    flagship = ModelConfig.from_dict(dict(PRESETS["qwen3.5-35b-a3b"]))
+    assert resolved(flagship, None, device="cuda:0", load_format="dummy") == "auto"
+    dense = ModelConfig.from_dict(dict(PRESETS["tiny-llama"]))
+    assert dense.mtp_num_hidden_layers == 0
+    assert resolved(dense, None, device="cuda:0", load_format="dummy") == 0
+
+
+def test_an_engine_on_the_cpu_does_not_speculate_unless_asked(tiny_dir):
+    """The default on the CPU (the tiny checkpoint has its head): speculation off, no MTP head built."""
+    eng = LLMEngine(EngineArgs(model=tiny_dir, device="cpu", dtype="float32", kernels="torch", max_num_seqs=2,
+                               max_model_len=64, warm_up=False))
+    assert eng.args.speculative_tokens == 0 and eng.speculation.setting == 0
+    assert eng.runner.model.mtp is None and eng.runner.spec_max_k == 0
+    eng.shutdown()
+
+
 def test_a_cost_table_measured_at_start(tiny_dir, references, monkeypatch):
     """`--spec-cost-table measure` (on GPUs also wherever no table ships): before the first request, rows of every
     batch up to max_num_seqs and k = 0..AUTO_MAX_K (qwen35/spec_costs.py) become auto's table; the engine is then as

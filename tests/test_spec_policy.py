@@ -19,8 +19,8 @@ import json
 
 import pytest
 
-from scheduler.speculation import (ACCEPTANCE_PRIOR, AUTO_MAX_K, CostTable, SpecPolicy, parse_speculative_tokens,
-                                   per_draft_acceptance)
+from scheduler.speculation import (ACCEPTANCE_PRIOR, AUTO_MAX_K, CostTable, SpecPolicy, model_shape,
+                                   parse_speculative_tokens, per_draft_acceptance)
 
 # a step costs the same whatever its k (the fixed cost dominates), or k + 1 plain steps (nothing is shared)
 FLAT = CostTable({k: [(1, 1.0), (1024, 1.0)] for k in range(AUTO_MAX_K + 1)}, "flat")
@@ -86,21 +86,32 @@ def test_fixed_k_and_settings(tmp_path):
         CostTable.from_json(str(path))
 
 
+def flagship_shape() -> dict:
+    """model_shape of Qwen3.5-35B-A3B (its synthetic preset's config), the model every shipped table measured."""
+    from qwen35.config import ModelConfig
+    from qwen35.synth import PRESETS
+    return model_shape(ModelConfig.from_dict(dict(PRESETS["qwen3.5-35b-a3b"])))
+
+
 def test_shipped_tables():
-    """The measured tables ship per GPU kind and TP; another device gets none (the engine then measures one at start
-    on GPUs, or takes the placeholder: tests/test_spec_engine.py)."""
+    """The measured tables ship per model, GPU kind and TP; another device, TP or model gets none (the engine then
+    measures one at start on GPUs, or takes the placeholder: tests/test_spec_engine.py)."""
     import json as _json
     from scheduler.speculation import SHIPPED
+    flagship = flagship_shape()
     for t in _json.load(open(SHIPPED))["tables"]:
-        table = CostTable.shipped(t["device"], t["tp"])
+        assert t["model"] == flagship
+        table = CostTable.shipped(t["device"], t["tp"], flagship)
         assert t["device"] in table.source and table.steps[0][0][0] == 1
         assert {r["k"] for r in t["spec"]} >= {0, 1}
-    assert CostTable.shipped("a GPU never measured", 8) is None
+        assert CostTable.shipped(t["device"], t["tp"], {**flagship, "num_hidden_layers": 24}) is None
+    assert CostTable.shipped("a GPU never measured", 8, flagship) is None
+    assert CostTable.shipped("NVIDIA H200", 4, flagship) is None  # (its table predated the faster verify steps)
 
 
 def test_auto_keeps_k_at_small_batch_under_random_acceptance():
     import random
-    table = CostTable.shipped("NVIDIA H200", 1)
+    table = CostTable.shipped("NVIDIA H200", 1, flagship_shape())
     for batch in (1, 2, 64):
         rng, p = random.Random(batch), SpecPolicy("auto", table)
         k, flips = p.next_k(batch), 0
@@ -123,7 +134,7 @@ def test_auto_keeps_k_at_small_batch_under_random_acceptance():
 def test_auto_rarely_verifies_drafts_that_are_never_accepted(tp):
     """Random weights: no draft is ever accepted. auto tries, stops within a few verify steps, and tries again
     rarely: at most 3% of 2,000 steps verify at batch 1, 2, 8 and 64 (the shipped H200 tables)."""
-    table = CostTable.shipped("NVIDIA H200", tp)
+    table = CostTable.shipped("NVIDIA H200", tp, flagship_shape())
     for batch in (1, 2, 8, 64):
         p = SpecPolicy("auto", table)
         k, verified = p.next_k(batch), 0

@@ -53,7 +53,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="qwen35.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineArgs.add_cli_args(ap)
-    ap.set_defaults(model="qwen3.5-35b-a3b", load_format="dummy", max_num_seqs=64)
+    # speculation off unless asked for (--speculative-tokens, --mode spec): the rows of record and the trace are the
+    # plain engine's, and random weights' drafts are never accepted
+    ap.set_defaults(model="qwen3.5-35b-a3b", load_format="dummy", max_num_seqs=64, speculative_tokens=0)
     add_bench_args(ap)
     for a in ap._actions:  # --model has a default here
         if a.dest == "model":

@@ -134,7 +134,7 @@ def main(argv=None) -> None:
     sizes = ints(args.batch_sizes)
     extra = {"load_format": args.load_format} if args.load_format else {}
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, max_num_seqs=max(sizes), max_model_len=1024,
-                                  **extra))
+                                  speculative_tokens=0, **extra))  # (a plain step's host time)
     if args.forward != "real":
         stub_forward(engine, args.sleep_ms / 1e3 if args.forward == "sleep" else 0.0)
     if not parallel.is_driver():  # TP > 1 (torchrun): the other ranks receive and run every plan
