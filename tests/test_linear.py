@@ -177,7 +177,8 @@ def test_rows_kernel_equals_f_linear(M, N, K, bias, monkeypatch):
 def test_rows_kernel_block_settings(block_n, block_k, stages, monkeypatch):
     """Each tile, gated too: half the columns a program, their gate and up rows, at least 16 columns; where those
     are the plain kernel's 16 (the same tl.dot tiles, so the same sums) the bits of silu_mul_fast over it, else
-    another order of the fp32 sums (numpy's matmul, under the interpreter, sums by the tile's shape)."""
+    within fp32 tolerance (the sums may be ordered by the tile's shape: whether they are depends on the
+    interpreter's matmul, so the bits are promised only for the same tiles)."""
     monkeypatch.setitem(lin.ROWS_CONFIG, "block_n", block_n)
     monkeypatch.setitem(lin.ROWS_CONFIG, "block_k", block_k)
     monkeypatch.setitem(lin.ROWS_CONFIG, "stages", stages)
@@ -186,7 +187,8 @@ def test_rows_kernel_block_settings(block_n, block_k, stages, monkeypatch):
     assert scaled_err(lin.rows_gemm(x, w), F.linear(x, w)) <= 1e-5
     gated = lin.rows_gemm(x, w, gated=True)
     assert gated.shape == (2, 3, 35) and scaled_err(gated, silu_mul_torch(F.linear(x, w))) <= 1e-5
-    assert torch.equal(gated, silu_mul_fast(lin.rows_gemm(x, w))) == (block_n == 16)
+    if block_n == 16:
+        assert torch.equal(gated, silu_mul_fast(lin.rows_gemm(x, w)))
     assert lin.rows_tile(70) == (block_n, block_k, stages)
 
 
