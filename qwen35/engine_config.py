@@ -12,7 +12,7 @@ from layers.deltanet_prefill import CHUNK
 from qwen35.checkpoint import has_mtp_weights
 from qwen35.config import ModelConfig
 from scheduler.prefix_cache import check_snapshot_interval
-from scheduler.speculation import MAX_K, parse_speculative_tokens
+from scheduler.speculation import MAX_K, max_drafts, parse_speculative_tokens
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # a longer context than this must be asked for: each running sequence may reserve its KV blocks up to it
@@ -96,10 +96,20 @@ class EngineArgs:
         return resolve_device(self.device).type
 
     @property
+    def random_weights(self) -> bool:
+        """Whether the weights are made at start (the dummy load formats), not read from a checkpoint."""
+        return self.load_format in ("dummy", "dummy-spec")
+
+    @property
+    def spec_max_k(self) -> int:
+        """The most drafts a step may verify (the runner's draft buffers' width): 0 without speculation, and while
+        the setting is not resolved (None: a runner built without an engine)."""
+        return max_drafts(self.speculative_tokens or 0)
+
+    @property
     def builds_mtp(self) -> bool:
         """Whether the runner builds the MTP head: asked for, needed by dummy-spec, or by speculation."""
-        return self.mtp or self.load_format == "dummy-spec" or (
-            self.speculative_tokens is not None and parse_speculative_tokens(self.speculative_tokens) != 0)
+        return self.mtp or self.load_format == "dummy-spec" or self.spec_max_k > 0
 
     def resolve_speculation(self, config: ModelConfig, model_dir: str | None) -> None:
         """--speculative-tokens when not given (None): `auto` on a GPU where the model has its MTP head (in its
@@ -110,8 +120,8 @@ class EngineArgs:
         measurement: off."""
         if self.speculative_tokens is not None:
             return
-        made = self.load_format in ("dummy", "dummy-spec")
-        head = config.mtp_num_hidden_layers == 1 and (made or (model_dir is not None and has_mtp_weights(model_dir)))
+        head = config.mtp_num_hidden_layers == 1 and (
+            self.random_weights or (model_dir is not None and has_mtp_weights(model_dir)))
         self.speculative_tokens = "auto" if head and self.device_type == "cuda" else 0
 
     @property

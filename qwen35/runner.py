@@ -57,7 +57,6 @@ from qwen35.prefill_graphs import packed_tokens
 from qwen35.mtp import attach_mtp, catch_up, propose
 from qwen35.synth_spec import init_spec_weights
 from scheduler.plan import StepPlan, can_checkpoint
-from scheduler.speculation import max_drafts
 
 log = logging.getLogger("qwen35.runner")
 
@@ -110,9 +109,8 @@ class ModelRunner:
         if args.builds_mtp:  # the MTP head: loaded and initialised with the rest, its KV cache allocated with the
             # others
             attach_mtp(self.model)
-        # the draft buffers' width (0: no speculation; None: not resolved, as in a runner built without an engine)
-        self.spec_max_k = max_drafts(args.speculative_tokens or 0)
-        if args.load_format in ("dummy", "dummy-spec"):
+        self.spec_max_k = args.spec_max_k  # the draft buffers' width (0: no speculation)
+        if args.random_weights:
             init_dummy_weights(self.model, args.seed)
             if args.load_format == "dummy-spec":
                 init_spec_weights(self.model, args.spec_acceptance, args.seed)

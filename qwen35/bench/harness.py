@@ -184,7 +184,7 @@ def run(args, eargs, modes: set, argv) -> None:
     per_call = max(1, DECODE_PREFILL_TOKENS // args.harness_context)
     largest_call = max([b * n for b, n in prefill] + [min(b, per_call) * args.harness_context for b in batches]
                        + [args.mixed_prefill_batch * (prompt_lens[1] + output_lens[1])])
-    eng = create_engine(raw, None if eargs.load_format in ("dummy", "dummy-spec") else model_dir,
+    eng = create_engine(raw, None if eargs.random_weights else model_dir,
                         device=eargs.device_type, dtype=eargs.dtype, max_num_seqs=seqs,
                         max_model_len=eargs.max_model_len or longest, load_format=eargs.load_format,
                         block_size=eargs.block_size, gpu_memory_utilization=eargs.gpu_memory_utilization,
