@@ -200,11 +200,19 @@ def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     _decode_kernel[(Hv * n_split, B)](
         proj, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias, norm_weight, y,
         backend.arrival_counters(B * Hk, proj.device), *replay_args(replay, pending, proj, Hk, Hv, dk, dv),
-        proj.stride(0), *conv_state.stride(), conv_weight.stride(0), conv_weight.stride(2), *ssm_state.stride(),
+        proj.stride(0), *conv_state.stride(), conv_weight.stride(0), conv_weight.stride(2), *state_args(ssm_state),
         y.stride(0), Hk * dk, 2 * Hk * dk, z_off, b_off, b_off + Hv, dk ** -0.5, L2_EPS, eps,
         KERNEL=conv_weight.shape[-1], REP=rep, REP_P2=triton.next_power_of_2(rep), N_SPLIT=n_split, DK=dk, DV=dv,
         BK=BK, BV=BV, BV_HEAD=triton.next_power_of_2(dv), REPLAY=replay is not None, num_warps=warps, **pdl())
     return y
+
+
+def state_args(ssm_state: torch.Tensor) -> tuple[int, int]:
+    """The slot and head strides of the recurrent states [slots, Hv, dk, dv], whose [dk, dv] slabs the kernels
+    address as contiguous (_slab)."""
+    if ssm_state.stride(3) != 1 or ssm_state.stride(2) != ssm_state.shape[3]:
+        raise ValueError(f"the recurrent states must be contiguous in (dk, dv); strides {ssm_state.stride()}")
+    return ssm_state.stride(0), ssm_state.stride(1)
 
 
 def replay_width(Hk: int, Hv: int, dk: int, dv: int) -> int:
@@ -582,6 +590,28 @@ if triton is not None:
         tl.store(tail + ch * ss_c + (KERNEL - 2) * ss_t, tl.load(prow + ch, mask=mask), mask=mask)
 
     @triton.jit
+    def _slab(head_ptr, kk, vv, DV: tl.constexpr):
+        """Pointers of a [BK, BV] slab of one head's state, contiguous [dk, dv] (state_args checks): the row stride
+        a constant, so the addresses are one base and immediates. With the strides as arguments and a mask, every
+        element's address and predicate stayed live from the slab's load to its store (255 registers and spills at
+        64 columns x 2 warps, 1x H200)."""
+        return head_ptr + kk[:, None] * DV + vv[None, :]
+
+    @triton.jit
+    def _load_slab(ptrs, kk, vv, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        if (BK == DK) and (DV % BV == 0):  # every element is the state's (the model's head dims): no mask
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=(kk < DK)[:, None] & (vv < DV)[None, :], other=0.0)
+
+    @triton.jit
+    def _store_slab(ptrs, S, kk, vv, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        if (BK == DK) and (DV % BV == 0):
+            tl.store(ptrs, S)
+        else:
+            tl.store(ptrs, S, mask=(kk < DK)[:, None] & (vv < DV)[None, :])
+
+    @triton.jit
     def _rule(S, k, v, decay, beta):
         """The gated delta rule on a slab: S = exp(g) S; S += k (beta (v - S^T k))^T (k l2-normed, fp32)."""
         S = S * decay
@@ -605,7 +635,7 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(proj_ptr, conv_ptr, conv_w_ptr, state_ptr, slots_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, y_ptr,
                        count_ptr, replay_ptr, pending_ptr, sr_slot, sr_t, rv_off, rb_off, ra_off,
-                       sp_b, sc_slot, sc_c, sc_t, sw_c, sw_t, ss_slot, ss_h, ss_k, ss_v, sy_b,
+                       sp_b, sc_slot, sc_c, sc_t, sw_c, sw_t, ss_slot, ss_h, sy_b,
                        k_off, v_off, z_off, b_off, a_off, scale, l2_eps, eps,
                        KERNEL: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, N_SPLIT: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -627,9 +657,8 @@ if triton is not None:
         prow = proj_ptr + b * sp_b
         tail = conv_ptr + slot * sc_slot
         # the state slab first: its bytes (from HBM) are in flight while the conv step and the gates are computed
-        ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
-        smask = km[:, None] & vm[None, :]
-        S = tl.load(ptrs, mask=smask, other=0.0)
+        ptrs = _slab(state_ptr + slot * ss_slot + h * ss_h, kk, vv, DV)
+        S = _load_slab(ptrs, kk, vv, DK, DV, BK, BV)
         q = _conv_silu(prow, tail, conv_w_ptr, hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
         k = _conv_silu(prow, tail, conv_w_ptr, k_off + hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
         v = _conv_silu(prow, tail, conv_w_ptr, v_off + h * DV + vv, vm, sc_c, sc_t, sw_c, sw_t, KERNEL, dtype)
@@ -643,7 +672,7 @@ if triton is not None:
             S = _replay(S, replay_ptr + slot * sr_slot, sr_t, tl.load(pending_ptr + slot), h, hk, kk, vv, km, vm,
                         decay_scale, bias, l2_eps, rv_off, rb_off, ra_off, DK, DV)
         S = _rule(S, k, v, decay, beta)
-        tl.store(ptrs, S, mask=smask)
+        _store_slab(ptrs, S, kk, vv, DK, DV, BK, BV)
         o = round_to(tl.sum(S * q[:, None], 0), dtype)
         tl.store(y_ptr + b * sy_b + h * DV + vv, o.to(dtype), mask=vm)
         _shift_tail(prow, tail, v_off + h * DV + vv, vm, sc_c, sc_t, KERNEL)  # these v channels are this program's

@@ -43,7 +43,7 @@ import torch
 from layers import backend
 from layers.backend import pdl, prior_done, round_to, tl, triton
 from layers.deltanet import (L2_EPS, _dims, conv_column, decode_launch, delta_rule_step, gates_torch, replay_args,
-                             replay_key_heads, replay_torch, split_proj, split_qkv)
+                             replay_key_heads, replay_torch, split_proj, split_qkv, state_args)
 from layers.norm import gated_rms_norm_torch
 
 
@@ -148,7 +148,7 @@ def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
         proj, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias, norm_weight, y,
         backend.arrival_counters(B * Hk, proj.device), table, row, T,
         *replay_args(replay, pending, proj, Hk, Hv, dk, dv),
-        proj.stride(0), *conv_state.stride(), conv_weight.stride(0), conv_weight.stride(2), *ssm_state.stride(),
+        proj.stride(0), *conv_state.stride(), conv_weight.stride(0), conv_weight.stride(2), *state_args(ssm_state),
         y.stride(0), Hk * dk, 2 * Hk * dk, z_off, b_off, b_off + Hv, dk ** -0.5, L2_EPS, eps,
         KERNEL=conv_weight.shape[-1], REP=rep, REP_P2=triton.next_power_of_2(rep), N_SPLIT=n_split, DK=dk, DV=dv,
         BK=triton.next_power_of_2(dk), BV=BV, BV_HEAD=triton.next_power_of_2(dv), FIELDS=TABLE_FIELDS,
@@ -201,12 +201,12 @@ def settle_fast(ssm_state, slots, replay, pending, A_log, dt_bias) -> None:
     n_split = triton.cdiv(dv, BV)
     _settle_kernel[(Hv * n_split, B)](
         ssm_state, slots, A_log, dt_bias, *replay_args(replay, pending, ssm_state, Hk, Hv, dk, dv),
-        *ssm_state.stride(), L2_EPS, REP=Hv // Hk, N_SPLIT=n_split, DK=dk, DV=dv, BK=triton.next_power_of_2(dk),
+        *state_args(ssm_state), L2_EPS, REP=Hv // Hk, N_SPLIT=n_split, DK=dk, DV=dv, BK=triton.next_power_of_2(dk),
         BV=BV, num_warps=warps, **pdl())
 
 
 if triton is not None:
-    from layers.deltanet import _beta, _gated_norm_group, _replay, _rule, _softplus
+    from layers.deltanet import _beta, _gated_norm_group, _load_slab, _replay, _rule, _slab, _softplus, _store_slab
 
     @triton.jit
     def _window_silu(prow0, sp_b, t, tail, w_ptr, ch, mask, ss_c, ss_t, sw_c, sw_t, KERNEL: tl.constexpr,
@@ -255,7 +255,7 @@ if triton is not None:
     @triton.jit
     def _verify_kernel(proj_ptr, conv_ptr, conv_w_ptr, state_ptr, slots_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr,
                        y_ptr, count_ptr, table_ptr, row, T, replay_ptr, pending_ptr, sr_slot, sr_t, rv_off, rb_off,
-                       ra_off, sp_b, sc_slot, sc_c, sc_t, sw_c, sw_t, ss_slot, ss_h, ss_k, ss_v, sy_b, k_off, v_off,
+                       ra_off, sp_b, sc_slot, sc_c, sc_t, sw_c, sw_t, ss_slot, ss_h, sy_b, k_off, v_off,
                        z_off, b_off, a_off, scale, l2_eps, eps,
                        KERNEL: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, N_SPLIT: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -278,8 +278,8 @@ if triton is not None:
         kk, vv = tl.arange(0, BK), j * BV + tl.arange(0, BV)
         km, vm = kk < DK, vv < DV
         slot = tl.load(slots_ptr + b).to(tl.int64)
-        ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
-        S = tl.load(ptrs, mask=km[:, None] & vm[None, :], other=0.0)  # (first: its bytes come from HBM)
+        ptrs = _slab(state_ptr + slot * ss_slot + h * ss_h, kk, vv, DV)
+        S = _load_slab(ptrs, kk, vv, DK, DV, BK, BV)  # (first: its bytes come from HBM)
         n = tl.load(pending_ptr + slot)
         decay_scale = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
         bias = tl.load(dt_bias_ptr + h).to(tl.float32)
@@ -293,14 +293,16 @@ if triton is not None:
             k, v, decay, beta = _token_inputs(prow0, sp_b, t, tail, conv_w_ptr, h, hk, kk, vv, km, vm, sc_c, sc_t,
                                               sw_c, sw_t, k_off, v_off, b_off, a_off, decay_scale, bias, l2_eps,
                                               KERNEL, DK, DV, dtype)
-            S = _rule(S, k, v, decay, beta)
-            if t == 0:
-                tl.store(ptrs, S, mask=km[:, None] & vm[None, :])
-            else:
-                tl.store(rows + (t - 1) * sr_t + rv_off + h * DV + vv, v.to(dtype), mask=vm)
+            # (q's loads before the stores below: a load after a store waits for it, the compiler cannot know they
+            # do not alias)
             q = _window_silu(prow0, sp_b, t, tail, conv_w_ptr, hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL,
                              dtype)
             q = q * tl.rsqrt(tl.sum(q * q, 0) + l2_eps) * scale
+            S = _rule(S, k, v, decay, beta)
+            if t == 0:
+                _store_slab(ptrs, S, kk, vv, DK, DV, BK, BV)
+            else:
+                tl.store(rows + (t - 1) * sr_t + rv_off + h * DV + vv, v.to(dtype), mask=vm)
             o = round_to(tl.sum(S * q[:, None], 0), dtype)
             tl.store(y_ptr + (b * T + t) * sy_b + h * DV + vv, o.to(dtype), mask=vm)
         # arrive: the barrier orders every thread's loads and stores above before the (one-thread) release
@@ -350,7 +352,7 @@ if triton is not None:
 
     @triton.jit
     def _settle_kernel(state_ptr, slots_ptr, A_log_ptr, dt_bias_ptr, replay_ptr, pending_ptr, sr_slot, sr_t, rv_off,
-                       rb_off, ra_off, ss_slot, ss_h, ss_k, ss_v, l2_eps, REP: tl.constexpr, N_SPLIT: tl.constexpr,
+                       rb_off, ra_off, ss_slot, ss_h, l2_eps, REP: tl.constexpr, N_SPLIT: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
         """Value columns [j*BV, (j+1)*BV) of value head h of sequence b, program (h * N_SPLIT + j, b): the slab moved
         through the slot's pending drafts and written (untouched where none are pending)."""
@@ -362,10 +364,10 @@ if triton is not None:
         if n > 0:
             kk, vv = tl.arange(0, BK), j * BV + tl.arange(0, BV)
             km, vm = kk < DK, vv < DV
-            ptrs = state_ptr + slot * ss_slot + h * ss_h + kk[:, None] * ss_k + vv[None, :] * ss_v
-            S = tl.load(ptrs, mask=km[:, None] & vm[None, :], other=0.0)
+            ptrs = _slab(state_ptr + slot * ss_slot + h * ss_h, kk, vv, DV)
+            S = _load_slab(ptrs, kk, vv, DK, DV, BK, BV)
             decay_scale = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
             bias = tl.load(dt_bias_ptr + h).to(tl.float32)
             S = _replay(S, replay_ptr + slot * sr_slot, sr_t, n, h, h // REP, kk, vv, km, vm, decay_scale, bias,
                         l2_eps, rv_off, rb_off, ra_off, DK, DV)
-            tl.store(ptrs, S, mask=km[:, None] & vm[None, :])
+            _store_slab(ptrs, S, kk, vv, DK, DV, BK, BV)
