@@ -139,6 +139,9 @@ def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     if not proj.shape[0]:
         return y
     B = proj.shape[0] // T
+    if conv_weight.shape[-1] > 4:
+        raise ValueError(f"verify_fast: conv kernels of at most 4 taps (the window slides through 3 registers); "
+                         f"this one has {conv_weight.shape[-1]}; verify_torch takes any")
     BV, warps = decode_launch(dk, dv, B)
     n_split = triton.cdiv(dv, BV)
     rep = Hv // Hk
@@ -225,19 +228,34 @@ if triton is not None:
         return round_to(y * tl.sigmoid(y), DTYPE)
 
     @triton.jit
-    def _token_inputs(prow0, sp_b, t, tail, conv_w_ptr, h, hk, kk, vv, km, vm, sc_c, sc_t, sw_c, sw_t, k_off,
-                      v_off, b_off, a_off, decay_scale, bias, l2_eps, KERNEL: tl.constexpr, DK: tl.constexpr,
-                      DV: tl.constexpr, DTYPE: tl.constexpr):
-        """What token t's update of a slab reads (decode_kernel's): k (l2-normed) and v from the conv windows, the
-        decay and beta from the row's a and b."""
-        prow = prow0 + t * sp_b
-        k = _window_silu(prow0, sp_b, t, tail, conv_w_ptr, k_off + hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL,
-                         DTYPE)
-        v = _window_silu(prow0, sp_b, t, tail, conv_w_ptr, v_off + h * DV + vv, vm, sc_c, sc_t, sw_c, sw_t, KERNEL,
-                         DTYPE)
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + l2_eps)
-        decay = tl.exp(decay_scale * _softplus(tl.load(prow + a_off + h).to(tl.float32) + bias))
-        return k, v, decay, _beta(tl.load(prow + b_off + h))
+    def _tail_inputs(tail, ch, mask, sc_c, sc_t, KERNEL: tl.constexpr):
+        """The conv's inputs before a step's first token at channels `ch`, fp32: (x1, x2, x3), the cached tail's
+        K-1 entries right-aligned (x3 the newest; slots before the oldest entry, K < 4, are zeros and never read)."""
+        x1 = tl.zeros(ch.shape, dtype=tl.float32)
+        x2, x3 = x1, x1
+        if KERNEL >= 4:
+            x1 = tl.load(tail + ch * sc_c + (KERNEL - 4) * sc_t, mask=mask, other=0.0).to(tl.float32)
+        if KERNEL >= 3:
+            x2 = tl.load(tail + ch * sc_c + (KERNEL - 3) * sc_t, mask=mask, other=0.0).to(tl.float32)
+        if KERNEL >= 2:
+            x3 = tl.load(tail + ch * sc_c + (KERNEL - 2) * sc_t, mask=mask, other=0.0).to(tl.float32)
+        return x1, x2, x3
+
+    @triton.jit
+    def _slide_silu(x1, x2, x3, u, w_ptr, ch, mask, sw_c, sw_t, KERNEL: tl.constexpr, DTYPE: tl.constexpr):
+        """The conv column of the token whose input is u, the K-1 inputs before it in (x1, x2, x3): taps in order,
+        accumulated in fp32 and rounded to DTYPE, then SiLU rounded again (_window_silu's operations, the same
+        bits). fp32 result."""
+        acc = tl.zeros(ch.shape, dtype=tl.float32)
+        if KERNEL >= 4:
+            acc += x1 * tl.load(w_ptr + ch * sw_c + (KERNEL - 4) * sw_t, mask=mask, other=0.0).to(tl.float32)
+        if KERNEL >= 3:
+            acc += x2 * tl.load(w_ptr + ch * sw_c + (KERNEL - 3) * sw_t, mask=mask, other=0.0).to(tl.float32)
+        if KERNEL >= 2:
+            acc += x3 * tl.load(w_ptr + ch * sw_c + (KERNEL - 2) * sw_t, mask=mask, other=0.0).to(tl.float32)
+        acc += u * tl.load(w_ptr + ch * sw_c + (KERNEL - 1) * sw_t, mask=mask, other=0.0).to(tl.float32)
+        y = round_to(acc, DTYPE)
+        return round_to(y * tl.sigmoid(y), DTYPE)
 
     @triton.jit
     def _move_tail(prow0, sp_b, tail, ch, mask, n, sc_c, sc_t, TAIL: tl.constexpr, TAIL_P: tl.constexpr):
@@ -289,15 +307,28 @@ if triton is not None:
         S = _replay(S, rows, sr_t, n, h, hk, kk, vv, km, vm, decay_scale, bias, l2_eps, rv_off, rb_off, ra_off, DK,
                     DV)
         tl.debug_barrier()  # (every thread's replay loads before the stores into the same rows below)
+        # each token's conv window slides along the sequence [tail, the row's T inputs]: one new input a token
+        # (its proj row), where loading every window whole took 8 loads a tap (L1TEX waits were 40% of the stalls)
+        cq, ck, cv = hk * DK + kk, k_off + hk * DK + kk, v_off + h * DV + vv
+        q1, q2, q3 = _tail_inputs(tail, cq, km, sc_c, sc_t, KERNEL)
+        k1, k2, k3 = _tail_inputs(tail, ck, km, sc_c, sc_t, KERNEL)
+        v1, v2, v3 = _tail_inputs(tail, cv, vm, sc_c, sc_t, KERNEL)
         for t in range(T):
-            k, v, decay, beta = _token_inputs(prow0, sp_b, t, tail, conv_w_ptr, h, hk, kk, vv, km, vm, sc_c, sc_t,
-                                              sw_c, sw_t, k_off, v_off, b_off, a_off, decay_scale, bias, l2_eps,
-                                              KERNEL, DK, DV, dtype)
-            # (q's loads before the stores below: a load after a store waits for it, the compiler cannot know they
-            # do not alias)
-            q = _window_silu(prow0, sp_b, t, tail, conv_w_ptr, hk * DK + kk, km, sc_c, sc_t, sw_c, sw_t, KERNEL,
-                             dtype)
+            prow = prow0 + t * sp_b
+            uq = tl.load(prow + cq, mask=km, other=0.0).to(tl.float32)
+            uk = tl.load(prow + ck, mask=km, other=0.0).to(tl.float32)
+            uv = tl.load(prow + cv, mask=vm, other=0.0).to(tl.float32)
+            a_raw, b_raw = tl.load(prow + a_off + h), tl.load(prow + b_off + h)
+            q = _slide_silu(q1, q2, q3, uq, conv_w_ptr, cq, km, sw_c, sw_t, KERNEL, dtype)
+            k = _slide_silu(k1, k2, k3, uk, conv_w_ptr, ck, km, sw_c, sw_t, KERNEL, dtype)
+            v = _slide_silu(v1, v2, v3, uv, conv_w_ptr, cv, vm, sw_c, sw_t, KERNEL, dtype)
+            q1, q2, q3 = q2, q3, uq
+            k1, k2, k3 = k2, k3, uk
+            v1, v2, v3 = v2, v3, uv
             q = q * tl.rsqrt(tl.sum(q * q, 0) + l2_eps) * scale
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + l2_eps)
+            decay = tl.exp(decay_scale * _softplus(a_raw.to(tl.float32) + bias))
+            beta = _beta(b_raw)
             S = _rule(S, k, v, decay, beta)
             if t == 0:
                 _store_slab(ptrs, S, kk, vv, DK, DV, BK, BV)
