@@ -182,6 +182,16 @@ def test_fast_equals_torch(dims, T, block_v, monkeypatch):
         assert torch.equal(got.ssm[others], start.ssm[others]) and torch.equal(got.conv[others], start.conv[others])
 
 
+def test_fast_verify_refuses_a_conv_kernel_over_4_taps_and_torch_takes_it():
+    layer = make_layer(1, 2, 4, 4, 5)  # (the fast kernel slides a window of 3 inputs: every Qwen3.5 has 4 taps)
+    slots, proj = torch.tensor([1]), proj_rows(layer, 2, 7)
+    c = Caches(layer)
+    with pytest.raises(ValueError, match="at most 4 taps"):
+        c.verify(layer, verify_fast, proj, slots, 2)
+    assert torch.equal(c.ssm, layer.ssm_state) and torch.equal(c.conv, layer.conv_state)  # nothing written
+    assert torch.isfinite(c.verify(layer, verify_torch, proj, slots, 2)).all()
+
+
 def test_commit_fast_commits_every_layer_in_one_launch(monkeypatch):
     """Three layers of one shape (each its own caches, weights and proj rows), verified into rows 0..2 of the commit
     table, committed by one commit_fast launch: each layer's tails equal commit_torch's of that layer (bit-exact),
