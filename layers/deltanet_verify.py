@@ -131,6 +131,9 @@ def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     then) applies the gated RMSNorm to its heads' rows (as decode_fast's) and writes the group's k, b and a entries of
     the replay rows. Program (0, 0) writes this layer's addresses into row `row` of the commit table, for
     commit_fast."""
+    if conv_weight.shape[-1] > 4:
+        raise ValueError(f"verify_fast: conv kernels of at most 4 taps (the window slides through 3 registers); "
+                         f"this one has {conv_weight.shape[-1]}; verify_torch takes any")
     Hk, Hv, dk, dv, conv_dim = _dims(conv_state, ssm_state)
     y = torch.empty(proj.shape[0], Hv * dv, dtype=proj.dtype, device=proj.device)
     table = backend.graph_scratch(_TABLES, "commit table rows", row + 1, proj.device, torch.int64, 64,
@@ -139,9 +142,6 @@ def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     if not proj.shape[0]:
         return y
     B = proj.shape[0] // T
-    if conv_weight.shape[-1] > 4:
-        raise ValueError(f"verify_fast: conv kernels of at most 4 taps (the window slides through 3 registers); "
-                         f"this one has {conv_weight.shape[-1]}; verify_torch takes any")
     BV, warps = decode_launch(dk, dv, B)
     n_split = triton.cdiv(dv, BV)
     rep = Hv // Hk
