@@ -25,7 +25,7 @@ import torch
 import triton.testing
 
 from benchmarks.bench_deltanet import copy_rate_gbs, model_config
-from layers import deltanet_verify as dvf
+from layers import deltanet as dn, deltanet_verify as dvf
 from layers.deltanet import decode_launch, replay_width
 
 WARPS = (1, 2, 4, 8)
@@ -81,14 +81,15 @@ def timed(layers: Layers, steps) -> tuple[float, float]:
 
 @contextlib.contextmanager
 def with_launch(setting):
-    """deltanet_verify's launches take `setting` (block_v, warps) whatever the rows (None: the default)."""
+    """The DeltaNet's one-launch kernels (deltanet_verify's and deltanet.decode_fast) take `setting` (block_v, warps)
+    whatever the rows (None: the default)."""
     saved = dvf.decode_launch
     if setting is not None:
-        dvf.decode_launch = lambda dk, dv, rows=1: (min(setting[0], dv), setting[1])
+        dn.decode_launch = dvf.decode_launch = lambda dk, dv, rows=1: (min(setting[0], dv), setting[1])
     try:
         yield
     finally:
-        dvf.decode_launch = saved
+        dn.decode_launch = dvf.decode_launch = saved
 
 
 def main():

@@ -17,7 +17,7 @@ import torch
 import triton.testing
 
 from benchmarks.bench_deltanet import copy_rate_gbs, model_config
-from benchmarks.bench_deltanet_verify import Layers
+from benchmarks.bench_deltanet_verify import Layers, with_launch
 from layers import deltanet as dn, deltanet_verify as dvf
 
 # (T, drafts accepted + 1): a decode step alone (T = 1, counts 1) or after one pending draft (counts 2), then verify
@@ -43,32 +43,28 @@ def main():
     cfg = model_config()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy = copy_rate_gbs()
-    saved = dn.decode_launch
     print(f"{torch.cuda.get_device_name()}, TP=1; copy {copy:.0f} GB/s")
-    try:
-        for B in map(int, args.batches.split(",")):
-            for T, counts in CASES[2:] if args.verify_only else CASES:
-                layers = Layers(cfg, 1, 1, B, max(T, 2), counts, gen)
-                x = layers.layers[0]
-                proj = x["proj"][:B].contiguous()  # (a decode step's rows)
-                replay = counts > 1
-                for bv, warps in settings:
-                    dn.decode_launch = dvf.decode_launch = lambda dk, dv, rows=1: (min(bv, dv), warps)
-                    if T == 1:
-                        name = "decode" + ("+replay" if replay else "")
-                        fn = lambda: dn.decode_fast(  # noqa: E731
-                            proj, x["conv"], x["ssm"], layers.slots, x["conv_w"], x["A_log"], x["dt_bias"], x["norm"],
-                            1e-6, replay=x["replay"] if replay else None, pending=layers.pending if replay else None)
-                    else:
-                        name = f"verify T={T} p={counts - 1}"
-                        fn = lambda: layers.verify(0)  # noqa: E731
+    for B in map(int, args.batches.split(",")):
+        for T, counts in CASES[2:] if args.verify_only else CASES:
+            layers = Layers(cfg, 1, 1, B, max(T, 2), counts, gen)
+            x = layers.layers[0]
+            proj = x["proj"][:B].contiguous()  # (a decode step's rows)
+            replay = counts > 1
+            if T == 1:
+                name = "decode" + ("+replay" if replay else "")
+                fn = lambda: dn.decode_fast(  # noqa: E731
+                    proj, x["conv"], x["ssm"], layers.slots, x["conv_w"], x["A_log"], x["dt_bias"], x["norm"], 1e-6,
+                    replay=x["replay"] if replay else None, pending=layers.pending if replay else None)
+            else:
+                name = f"verify T={T} p={counts - 1}"
+                fn = lambda: layers.verify(0)  # noqa: E731
+            for bv, warps in settings:
+                with with_launch((bv, warps)):
                     fn()
                     t = triton.testing.do_bench_cudagraph(fn, rep=15)
-                    pct = 2 * layers.state_bytes / t / 1e6 / copy * 100
-                    print(f"B={B:>2} {name:<16} {bv:>3}/{warps} {t * 1e3:8.1f} us {pct:5.1f}%", flush=True)
-                del layers
-    finally:
-        dn.decode_launch = dvf.decode_launch = saved
+                pct = 2 * layers.state_bytes / t / 1e6 / copy * 100
+                print(f"B={B:>2} {name:<16} {bv:>3}/{warps} {t * 1e3:8.1f} us {pct:5.1f}%", flush=True)
+            del layers
     for name, fn in (("decode", dn._decode_kernel), ("verify", dvf._verify_kernel)):
         for warps, regs, spills in compiled(fn):
             print(f"{name} kernel, {warps} warps: {regs} registers, {spills} spilled")
