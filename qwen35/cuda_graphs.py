@@ -22,6 +22,8 @@ memory it copies from comes from torch's caching host allocator, which hands it 
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 
@@ -60,6 +62,23 @@ def decode_batch(runner, slots: torch.Tensor, positions: torch.Tensor, tokens: t
         seq_lens_cpu=[1] * b, start_pos_cpu=[1] * b, state_slots_cpu=[runner.scratch_slot] * b, is_decode=True)
     fields.update(host)
     return ForwardBatch(**fields)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Around a set of captures: one full collection, then Python's cyclic collector off until the set is captured.
+    A collection that runs mid-capture may free a dead engine's CUDA graphs, and destroying a graph's executable
+    synchronizes, which invalidates the capture under way (the next launch in it fails with "operation failed due to
+    a previous error during capture"). torch.cuda.graph no longer collects on entry (torch.compiler.config
+    .force_cudagraph_gc), and runners live in reference cycles, so their graphs die only in a collection."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 TAIL_MODES = ("greedy", "sampled")
@@ -110,6 +129,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
+    @collector_paused()
     @torch.inference_mode()
     def _capture_all(self) -> None:
         t0 = time.time()
@@ -152,6 +172,7 @@ class DecodeGraphs:
         self.size = b
         return out[:n]
 
+    @collector_paused()
     @torch.inference_mode()
     def capture_tails(self, sample, feed, ring: list[torch.Tensor] | None) -> None:
         """A tail graph per graph size, mode and ring half: sample(logits, slots, step) -> tokens and feed(tokens,
@@ -246,6 +267,7 @@ class VerifyGraphs:
                                                  **host)
         return runner.verify_forward(batch, num_drafts, SamplingStep(greedy_only=mode == "greedy"), k)
 
+    @collector_paused()
     @torch.inference_mode()
     def _capture_all(self) -> None:
         t0 = time.time()

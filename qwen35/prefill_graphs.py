@@ -25,6 +25,7 @@ import time
 import torch
 
 from layers.forward_batch import ForwardBatch
+from qwen35.cuda_graphs import collector_paused
 
 log = logging.getLogger("qwen35.graphs")
 
@@ -96,6 +97,7 @@ class PrefillGraphs:
         self.replays = 0  # steps run from a graph
         self._capture_all()
 
+    @collector_paused()
     @torch.inference_mode()
     def _capture_all(self) -> None:
         t0 = time.time()

@@ -139,6 +139,34 @@ def run_schedule(runner, seed: int) -> list[torch.Tensor]:
     return [runner.execute(p) for p in decodes]
 
 
+def test_captures_run_with_the_collector_paused_after_a_collection():
+    """Graph captures (cuda_graphs.collector_paused) run after a full collection, with the cyclic collector off:
+    a collection mid-capture may destroy a dead engine's graphs, which invalidates the capture under way (seen on
+    the GPU: a runner built after others were dropped). The collector is back on afterwards, also after an error."""
+    import gc
+    import weakref
+
+    class Cycle:
+        pass
+
+    seen = []
+
+    @cuda_graphs.collector_paused()
+    def capture():
+        seen.append((gc.isenabled(), ref() is None))
+        raise RuntimeError("capture failed")
+
+    dead = Cycle()
+    dead.self = dead  # only a collection frees it
+    ref = weakref.ref(dead)
+    del dead
+    assert gc.isenabled() and ref() is not None
+    with pytest.raises(RuntimeError, match="capture failed"):
+        capture()
+    assert seen == [(False, True)]
+    assert gc.isenabled()
+
+
 GAP_SIZES = (1, 2, 4, 8)
 
 

@@ -19,6 +19,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from qwen35.cuda_graphs import collector_paused
 from scheduler.plan import StepPlan
 
 
@@ -102,7 +103,7 @@ def time_cuda(fn, steps: int) -> float:
 def graph_ms(body, replays: int = 10) -> float:
     """Mean ms per replay of one CUDA graph of body() (captured once, replayed once before timing)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_paused(), torch.cuda.graph(graph):
         body()
     graph.replay()
     return time_cuda(graph.replay, replays)
