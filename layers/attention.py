@@ -116,6 +116,17 @@ class GatedAttention(nn.Module):
             o = self._prefill(q, self.k_cache, self.v_cache, batch, self.scale, gate)
         return self.o_proj(o)
 
+    def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """K and V of x's rows (this layer's input, normed) into the cache at `positions` / `slot_mapping`, without the
+        queries: the K/V rows of the fused projection only (a view of its weight), then the same norm, RoPE and
+        cache write as forward (the kernel takes a projection of no query heads). The MTP head's KV on steps that
+        draft nothing (qwen35/mtp.py write_kv)."""
+        rows = self.num_heads * (2 * self.head_dim if self.gated else self.head_dim)
+        kv = self._in_linear(x, self.qkv_weight[rows:], None if self.qkv_bias is None else self.qkv_bias[rows:])
+        kw = None if self.k_norm is None else self.k_norm.weight
+        self._norm_rope_cache(kv, positions, slot_mapping, kw, kw, self.rotary.cos, self.rotary.sin, self.k_cache,
+                              self.v_cache, self.eps, self.gated, self.plain_norm)
+
 
 def split_qkv(qkv: torch.Tensor, num_kv_heads: int, head_dim: int, gated: bool = True):
     """Views (q, gate, k, v) of the fused projection [T, H*2D + 2*KV*D]: q, gate [T, H, D] (strided: each head's

@@ -176,9 +176,10 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture_tails(self, sample, feed, ring: list[torch.Tensor] | None) -> None:
         """A tail graph per graph size, mode and ring half: sample(logits, slots, step) -> tokens and feed(tokens,
-        slots, slot_tokens, host) are the engine's sampler and the runner's feed; ring the host's halves (rank 0)
-        or None. Every rank captures a tail per half (one way on every rank, keyed the same; where no ring is given,
-        both halves' tails feed the device only)."""
+        slots, slot_tokens, host) are the engine's sampler and the runner's feed, then, with an MTP head, the head's
+        KV at the rows' positions (runner.head_kv); ring the host's halves (rank 0) or None. Every rank captures a
+        tail per half (one way on every rank, keyed the same; where no ring is given, both halves' tails feed the
+        device only)."""
         t0 = time.time()
         runner = self.runner
         self.rows.copy_(self._padded_rows())  # the warm-ups sample and feed the scratch slot only
@@ -192,6 +193,9 @@ class DecodeGraphs:
                     logits = runner.model.compute_logits(hidden, gather="none")
                     tokens = sample(logits, slots, step)
                     feed(tokens, slots, runner.slot_tokens, ring[half][:b] if ring else None)
+                    if runner.model.mtp is not None:  # the head's KV at the rows' positions (runner.head_kv)
+                        rows = decode_batch(runner, *self.rows[:, :b])
+                        runner.head_kv(rows.positions, rows.slot_mapping, hidden, tokens)
                     return tokens
 
                 tail(0)  # warm-up outside the graph (lazy inits, compiles): on the scratch slot's state

@@ -107,14 +107,33 @@ def draft_batch(block_tables: torch.Tensor, positions: torch.Tensor, tokens: tor
         state_slots_cpu=[0] * B, is_decode=True)
 
 
+def next_ids(batch: ForwardBatch, newest: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
+    """Each row's next token, the head's input beside the row's hidden: the step's tokens shifted left by one, the
+    newest token (the one the step emitted) at each sequence's last accepted row (module docstring)."""
+    return torch.roll(batch.input_ids, -1).index_put((last_rows,), newest)
+
+
 @torch.inference_mode()
 def catch_up(model: Qwen35Model, batch: ForwardBatch, hidden: torch.Tensor, newest: torch.Tensor,
              last_rows: torch.Tensor) -> torch.Tensor:
-    """The catch-up pass alone (module docstring), for a step that drafts nothing (a prefill chunk before the last:
-    `newest` is then the prompt's next token): writes the head's KV at the step's positions and returns its
-    post-norm hidden at `last_rows` [B, H]. Arguments as propose's."""
-    ids = torch.roll(batch.input_ids, -1).index_put((last_rows,), newest)
-    return model.mtp(model.embed_tokens(ids), hidden, batch)[last_rows]
+    """The catch-up pass (module docstring): writes the head's KV at the step's positions and returns its post-norm
+    hidden at `last_rows` [B, H], draft 1's input. Arguments as propose's."""
+    return model.mtp(model.embed_tokens(next_ids(batch, newest, last_rows)), hidden, batch)[last_rows]
+
+
+@torch.inference_mode()
+def write_kv(model: Qwen35Model, positions: torch.Tensor, slot_mapping: torch.Tensor, hidden: torch.Tensor,
+             ids: torch.Tensor) -> None:
+    """The head's KV at `positions` / `slot_mapping` alone, for a step that drafts nothing: entry p from (ids, the
+    rows' next tokens; hidden [N, H], the main model's post-final-norm hidden at p). The catch-up's KV without its
+    queries, attention and MoE: fc, the layer's input norm and the K/V projection (GatedAttention.write_kv). The
+    runner writes it on every step of an engine that speculates and does not propose, so that drafts after a
+    stretch of plain steps (auto at k = 0, prompt chunks that sample nothing) attend to the entries of every
+    position before them."""
+    mtp = model.mtp
+    x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(model.embed_tokens(ids)), mtp.pre_fc_norm_hidden(hidden)], dim=-1))
+    layer = mtp.layers[0]
+    layer.self_attn.write_kv(layer.input_layernorm(x), positions, slot_mapping)
 
 
 @torch.inference_mode()

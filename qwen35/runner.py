@@ -19,7 +19,8 @@ and leaves the accepted drafts pending for the states' next step (`pending`, lay
 slot its last emitted token and moves its draw counter on by the tokens emitted, and keeps per slot the drafts it
 accepted (`accepted`: a verify step planned before the host has read them, plan.spec_behind, starts that much past
 the host's positions). Any step with draft_k > 0 then proposes draft_k
-drafts for the rows it sampled (qwen35/mtp.py propose) into the slots' buffers. All of it queued on every rank, no host
+drafts for the rows it sampled (qwen35/mtp.py propose) into the slots' buffers; any other step of a runner with the
+head writes the head's KV at its positions (head_kv), so that drafts attend to every position before them. All of it queued on every rank, no host
 sync. With CUDA graphs, a verify step that proposes as many drafts as it verifies (the steady state) replays a graph of
 the whole step (cuda_graphs.VerifyGraphs), and so does a pure-decode step that proposes without verifying (a verify
 step of none, one token a row: a prompt's last token, which the prefix cache's split makes a decode row, or auto's
@@ -54,7 +55,7 @@ from qwen35.cuda_graphs import RING_HALVES, decode_batch, tail_mode
 from qwen35.engine_config import EngineArgs, EngineConfig
 from qwen35.model import Qwen35Model
 from qwen35.prefill_graphs import packed_tokens
-from qwen35.mtp import attach_mtp, catch_up, propose
+from qwen35.mtp import attach_mtp, next_ids, propose, write_kv
 from qwen35.synth_spec import init_spec_weights
 from scheduler.plan import StepPlan, can_checkpoint
 
@@ -413,8 +414,8 @@ class ModelRunner:
         graph runs, with sampling a tail holds (cuda_graphs.tail_mode), is two replays. Queued, no host sync.
         A verify step (plan.spec_k) returns [n, spec_k + 1] instead: each row's emitted tokens, then -1
         (verify_step), into host_view(half, n, spec_k + 1); a step with plan.draft_k also proposes drafts for its
-        sampled rows (module docstring), and one that samples nothing (prompt chunks) writes the head's KV at its
-        positions (qwen35/mtp.py catch_up)."""
+        sampled rows (module docstring); with an MTP head, any other step writes the head's KV at its positions
+        (head_kv)."""
         self._check_spec(plan)
         if plan.spec_k or self._proposes_only(plan, sampling):
             if not plan.spec_k:
@@ -431,9 +432,9 @@ class ModelRunner:
             if mode is not None:
                 return self.graphs.run_tail(plan.num_seqs, mode, half)
         elif not self.logit_slots.numel():
-            if plan.draft_k and batch is not None:  # prompt chunks that sample nothing: the head's KV (catch-up)
+            if self.model.mtp is not None and batch is not None:  # prompt chunks that sample nothing
                 empty = batch.logits_indices[:0]
-                catch_up(self.model, batch, hidden, empty, empty)
+                self.head_kv(batch.positions, batch.slot_mapping, hidden, next_ids(batch, empty, empty))
             return None
         logits = self.model.compute_logits(hidden if batch is None else hidden[batch.logits_indices], gather="none")
         tokens = self.sampler.sample(logits, self.logit_slots, sampling)
@@ -441,6 +442,13 @@ class ModelRunner:
                           None if half is None else self.host_view(half, len(tokens)))
         if plan.draft_k:
             self._propose(batch, hidden, tokens, batch.logits_indices, plan.draft_k, sampling)
+        elif self.model.mtp is not None:
+            if batch is None:  # a decode graph ran the forward, its rows in graphs.rows (one a sequence)
+                rows = decode_batch(self, *self.graphs.rows[:, :len(tokens)])
+                self.head_kv(rows.positions, rows.slot_mapping, hidden, tokens)
+            else:
+                self.head_kv(batch.positions, batch.slot_mapping, hidden,
+                              next_ids(batch, tokens, batch.logits_indices))
         return tokens
 
     # ---------------------------------------------------------------- speculative decoding
@@ -499,6 +507,14 @@ class ModelRunner:
         if d.logits is not None:
             self.draft_buffers(d.logits.shape[-1])[0][rows, :k] = d.logits
             self.draft_lse[rows, :k] = d.lse
+
+    def head_kv(self, positions: torch.Tensor, slot_mapping: torch.Tensor, hidden: torch.Tensor,
+                 ids: torch.Tensor) -> None:
+        """The MTP head's KV at a step's positions where the step proposes nothing (qwen35/mtp.py write_kv: entry p
+        from the row's next token `ids` and its hidden): every step of a runner with a head writes the head's
+        entries at its positions, the steps that propose through the catch-up, so that drafts attend to every
+        position before them."""
+        write_kv(self.model, positions, slot_mapping, hidden, ids)
 
     def draft_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows of the draft buffers that `slots` use: a running sequence's slot its own, the scratch slot (padded
@@ -592,9 +608,11 @@ class ModelRunner:
         self.accepted[slots] = counts - 1
         if self.pending is not None:  # (the states take the accepted drafts at the slots' next step)
             self.pending[slots] = counts - 1
+        last_rows = torch.arange(0, B * T, T, device=self.device) + counts - 1
         if draft_k:
-            last_rows = torch.arange(0, B * T, T, device=self.device) + counts - 1
             self._propose(batch, hidden, last, last_rows, draft_k, sampling)
+        else:  # (auto back at k = 0: the head's KV at the accepted positions all the same)
+            self.head_kv(batch.positions, batch.slot_mapping, hidden, next_ids(batch, last, last_rows))
         return verdict.tokens
 
     def draft_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,8 +13,8 @@ row has after `position` tokens into that slot, in the same launch.
 
 Speculative decoding (scheduler/speculation.py) adds two step-wide integers: spec_k, the drafts every row of a
 verify step feeds after its newest token (the runner holds both on the device; 0: a plain step), and draft_k, the
-drafts the step proposes at its end for each row it samples (read by the next step's verify; 0: none; on a step
-that samples nothing, prompt chunks, any value has the runner write the MTP head's KV there), and a flag,
+drafts the step proposes at its end for each row it samples (read by the next step's verify; 0: none; the runner
+writes the MTP head's KV at every step's positions either way), and a flag,
 spec_behind: this verify step was planned before the host read the tokens of the verify step before it (the
 engine's overlap), so each row starts past its start_pos by the drafts its slot accepted there (the runner keeps
 them on the device).

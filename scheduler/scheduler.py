@@ -28,7 +28,7 @@ verifies the drafts the step before proposed (plan.spec_k, the same for every ro
 while a row's stop ids are still suppressed; a row near its max_tokens may accept fewer: the runner accepts none
 past the row's KV blocks, and update() drops tokens past max_tokens);
 every step that samples proposes drafts for the next one (plan.draft_k, the policy's choice for the running
-batch), and a step that samples nothing (prompt chunks) has draft_k 1 so that the MTP head's KV is written there.
+batch; the runner writes the MTP head's KV at every step's positions, proposing or not).
 A mixed step's decode rows take one token. A verify row counts one token when scheduled, like any decode
 row; update() then takes a run of tokens per row (the accepted drafts and one more) and moves the request's counts
 on by the extra ones. So a step planned before a verify step's runs are taken has its rows' positions behind by
@@ -367,7 +367,8 @@ class Scheduler:
 
     def _speculate(self, step: ScheduledStep, n: int) -> None:
         """The step's spec_k (a step of the n decode rows alone verifies up to the drafts the step before proposed)
-        and draft_k (the policy's choice, when the step samples anything; 1 when it samples nothing)."""
+        and draft_k (the policy's choice, when the step samples anything; the runner writes the MTP head's KV at
+        every step's positions whatever draft_k is)."""
         plan = step.plan
         k = self._drafted if n and plan.num_seqs == n else 0
         # no draft position may need a suppressed id (a row near its max_tokens takes fewer drafts: the runner
@@ -378,11 +379,6 @@ class Scheduler:
         blocked = _stops_suppressed(step.sampled, 0)
         plan.draft_k = self._drafted = self.speculation.next_k(len(self.running)) if step.sampled and not blocked \
             else 0
-        if not step.sampled and self.speculation.enabled:
-            # prompt chunks that sample nothing (a prompt's body, which the prefix cache's split leaves alone in its
-            # step): draft_k 1 drafts for no row but has the runner write the head's KV at their positions (the
-            # catch-up, qwen35/mtp.py), which later drafts attend to; without it those entries were never written
-            plan.draft_k = 1
 
     @staticmethod
     def _decode_rows(decode: DecodeBatch, shared: bool) -> ScheduledStep:

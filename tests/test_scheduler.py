@@ -597,16 +597,16 @@ def test_a_run_that_schedules_the_last_token_of_a_request_ends_its_rows():
 
 
 @pytest.mark.parametrize("setting", [2, 0])
-def test_prompt_chunks_that_sample_nothing_get_the_catch_up(setting):
-    """With speculation on, a step of prompt chunks that samples nothing (the body before the snapshot's cut) has
-    draft_k 1: the runner writes the MTP head's KV there and drafts for no row, so the next step verifies nothing;
-    the prompt's last token then proposes the policy's k. Off: draft_k 0 throughout."""
+def test_prompt_chunks_that_sample_nothing_draft_nothing(setting):
+    """A step of prompt chunks that samples nothing (the body before the snapshot's cut) has draft_k 0 (the runner
+    writes the MTP head's KV there anyway, tests/test_spec_runner.py), so the next step verifies nothing; the
+    prompt's last token then proposes the policy's k. Off: draft_k 0 throughout."""
     from scheduler.speculation import SpecPolicy
     s = cached(speculation=SpecPolicy(setting))
     s.add(Request("a", list(range(100, 110)), SamplingParams(max_tokens=20), detokenizer=_NoText()))
     body = s.schedule()
     assert not body.sampled and not body.plan.is_pure_decode
-    assert (body.plan.spec_k, body.plan.draft_k) == (0, 1 if setting else 0)
+    assert (body.plan.spec_k, body.plan.draft_k) == (0, 0)
     assert not s.verifies_next()
     s.update(body.sampled, [])
     last = s.schedule()

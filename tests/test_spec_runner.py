@@ -294,26 +294,65 @@ def test_verify_warm_up_runs_every_variant_on_scratch_state_only():
     assert len(rows) == len(variants) >= 2
 
 
-@pytest.mark.parametrize("catch_up", [True, False])
-def test_prompt_chunks_that_sample_nothing_write_the_heads_kv(catch_up):
-    """A prompt's body in a step of its own that samples nothing (the prefix cache's split leaves it so) writes the MTP
-    head's KV at its positions when the step's draft_k is set (the scheduler sets 1 there: the catch-up alone), as a
-    prefill of the whole prompt that proposes does: every entry but the body's last, whose next token (the prompt's
-    last) is not in the step. With draft_k 0 the entries stay unwritten (zero)."""
-    ps, width = prompts(3), 256 // BLOCK
+def head_entries(runner, cache: str, slot_index: int, positions) -> torch.Tensor:
+    """The MTP head's cache entries of the sequence in SLOTS[slot_index] (its blocks as prefill_plan lays them out)."""
+    pos = torch.as_tensor(positions)
+    return getattr(runner.model.mtp.attn, cache)[1 + slot_index * (256 // BLOCK) + pos // BLOCK, pos % BLOCK]
+
+
+def test_prompt_chunks_that_sample_nothing_write_the_heads_kv():
+    """A prompt's body in a step of its own that samples nothing (the prefix cache's split leaves it so; draft_k 0)
+    writes the MTP head's KV at its positions, as a prefill of the whole prompt that proposes does: every entry but
+    the body's last, whose next token (the prompt's last) is not in the step."""
+    ps = prompts(3)
     whole = make_runner("dummy-spec", 2)
     whole.sample_step(prefill_plan(ps, 2), SamplingStep())
     split = make_runner("dummy-spec", 2)
-    body = prefill_plan([p[:-1] for p in ps], int(catch_up))
+    body = prefill_plan([p[:-1] for p in ps], 0)
     body.want_logits = [False] * len(ps)
     assert split.sample_step(body, SamplingStep()) is None
     for cache in ("k_cache", "v_cache"):
-        got, want = getattr(split.model.mtp.attn, cache), getattr(whole.model.mtp.attn, cache)
         for i, p in enumerate(ps):
-            pos = torch.arange(len(p) - 2)  # entries whose next token is in the body
-            blocks = 1 + i * width + pos // BLOCK
-            entries = got[blocks, pos % BLOCK]
-            if catch_up:
-                torch.testing.assert_close(entries, want[blocks, pos % BLOCK], rtol=1e-5, atol=1e-5)
-            else:
-                assert not entries.any()
+            got = head_entries(split, cache, i, range(len(p) - 2))  # entries whose next token is in the body
+            assert got.abs().sum() > 0
+            torch.testing.assert_close(got, head_entries(whole, cache, i, range(len(p) - 2)), rtol=1e-5, atol=1e-5)
+
+
+def test_plain_steps_write_the_heads_kv_as_proposing_steps_do():
+    """Steps that propose nothing (auto at k = 0, a verify step whose successor drafts nothing) write the head's KV at
+    their positions (qwen35/mtp.py write_kv: fc, the layer's input norm, the K/V projection), the entries a
+    proposing step's catch-up writes there (the whole layer): greedy, the same tokens either way, so the same
+    entries within fp32 tolerance. A verify step of draft_k 0 writes its accepted positions."""
+    ps, steps = prompts(3), 5
+    plain, proposing = make_runner("dummy-spec", 2), make_runner("dummy-spec", 2)
+    out = {}
+    for runner, k in ((plain, 0), (proposing, 1)):
+        toks = [[t] for t in runner.sample_step(prefill_plan(ps, k), SamplingStep()).tolist()]
+        starts = [len(p) for p in ps]
+        for _ in range(steps):  # (proposing: each step proposes one draft, and none is verified)
+            for o, t in zip(toks, runner.sample_step(decode_plan(starts, 0, k), SamplingStep()).tolist()):
+                o.append(t)
+            starts = [s + 1 for s in starts]
+        out[k] = toks
+    assert out[0] == out[1]
+    for cache in ("k_cache", "v_cache"):
+        for i, p in enumerate(ps):
+            positions = range(len(p), len(p) + steps)  # the decode steps' positions (their next tokens known)
+            got = head_entries(plain, cache, i, positions)
+            assert got.abs().sum() > 0
+            torch.testing.assert_close(got, head_entries(proposing, cache, i, positions), rtol=1e-5, atol=1e-5)
+    # a verify step whose successor drafts nothing: its accepted positions' entries, as the proposing one's
+    verify_plain, verify_proposing = make_runner("dummy-spec", 2, acceptance=1.0), make_runner("dummy-spec", 2,
+                                                                                              acceptance=1.0)
+    emitted = {}
+    for runner, k in ((verify_plain, 0), (verify_proposing, 1)):
+        runner.sample_step(prefill_plan(ps, 1), SamplingStep())
+        starts = [len(p) for p in ps]
+        emitted[k] = runner.sample_step(decode_plan(starts, 1, k), SamplingStep())
+    assert torch.equal(emitted[0], emitted[1])
+    for cache in ("k_cache", "v_cache"):
+        for i, p in enumerate(ps):
+            accepted = int((emitted[0][i] >= 0).sum()) - 1
+            positions = range(len(p), len(p) + accepted + 1)
+            torch.testing.assert_close(head_entries(verify_plain, cache, i, positions),
+                                       head_entries(verify_proposing, cache, i, positions), rtol=1e-5, atol=1e-5)
