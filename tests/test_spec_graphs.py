@@ -16,7 +16,8 @@ eagerly, with the host lists the torch kernels read):
   and auto's k held while the acceptance wavers around a tie.
 GPU (`gpu`): the captured graphs replayed == the eager verify step (greedy tokens identical; sampled, seeded,
 identical), with rows padded (3 of 4) and at a full size; a step that only proposes replays its graph and matches
-the same step queued eagerly.
+the same step queued eagerly; plain decode steps replayed from the decode graphs write the MTP head's KV as the
+same steps queued eagerly do.
 """
 import pytest
 import torch
@@ -24,8 +25,8 @@ import torch
 from layers.sampler import SamplingStep
 from qwen35.cuda_graphs import VerifyGraphs
 from scheduler.plan import StepPlan
-from tests.test_spec_runner import (SLOTS, admit, decode_plan, make_runner, prefill_plan, prompts, spec_tokens,
-                                   verify_until)
+from tests.test_spec_runner import (SLOTS, admit, decode_plan, head_entries, make_runner, plain_tokens, prefill_plan,
+                                   prompts, spec_tokens, verify_until)
 
 GREEDY = SamplingStep()
 SAMPLED = SamplingStep(greedy_only=False, any_top_k=False, any_top_p=False)
@@ -269,3 +270,26 @@ def test_gpu_a_step_that_only_proposes_replays_a_graph(step, last_from_host):
         runs.append(propose_then_verify(runner, ps, steps, k, step, last_from_host)[:2])
     assert runs[1] == runs[0]
     assert max(n for row in runs[0][1] for n in row) > 1  # drafts accepted
+
+
+@pytest.mark.gpu
+def test_gpu_plain_steps_write_the_heads_kv_from_the_graph_tails():
+    """Plain decode steps of an engine that speculates, replayed from the decode graphs (the head's KV written in
+    their sampling tails, runner.head_kv), leave the head's cache entries of the same steps queued eagerly (bf16;
+    greedy, the same tokens)."""
+    ps, steps = prompts(3), 6
+    graphed, eager = gpu_runner(2, seqs=4), gpu_runner(2, seqs=4)
+    assert graphed.graphs is not None and graphed.graphs.tails
+    eager.graphs = None
+    out = []
+    for runner in (eager, graphed):
+        admit(runner, [(0.0, 0, 1.0)] * 3, [61, 62, 63])
+        out.append(plain_tokens(runner, ps, steps))
+    assert out[0] == out[1]
+    for cache in ("k_cache", "v_cache"):
+        for i, p in enumerate(ps):
+            positions = range(len(p), len(p) + steps - 1)  # the decode steps' (their next tokens known)
+            want = head_entries(eager, cache, i, positions).float()
+            assert want.abs().sum() > 0
+            torch.testing.assert_close(head_entries(graphed, cache, i, positions).float(), want, rtol=2e-2,
+                                       atol=2e-2)
