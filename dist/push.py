@@ -41,8 +41,9 @@ except ImportError:  # pragma: no cover
     triton = None
     tl = None
 
-MAX_ROWS = 64       # rows of the decode steps that push (every graph-captured batch; the GEMVs and down + combine
-                    # push from their epilogues up to their own row limits, push_ after the GEMMs past them)
+MAX_ROWS = 256      # rows of the steps that push: decode steps (every graph-captured batch, up to 64) and verify
+                    # steps (k + 1 rows a sequence, up to 64 x 4); the GEMVs and down + combine push from their
+                    # epilogues up to their own row limits, push_ after the GEMMs past them
 CLEAR_BLOCK = 1024  # elements per program step when emptying a slot
 
 

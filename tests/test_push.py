@@ -61,6 +61,17 @@ def push_from_every_rank(boxes, produce):
     return pushed
 
 
+def test_the_runners_inbox_takes_its_verify_steps_rows():
+    """A runner's inbox (qwen35/runner.py push_rows) holds the rows of its verify steps, k + 1 a sequence, so that
+    their boundaries push too (up to push.MAX_ROWS: batch 64 at k = 3), and a plain decode step's without
+    speculation."""
+    from qwen35.runner import push_rows
+    assert push_rows(64, 0) == 64 and push_rows(64, 1) == 128 and push_rows(64, 3) == push.MAX_ROWS == 256
+    assert push_rows(8, 3) == 32 and push_rows(256, 3) == push.MAX_ROWS
+    _, boxes = inboxes(2, 2, push_rows(16, 2), 8)
+    assert boxes[0].takes((16 * 3, 8), torch.float32) and not boxes[0].takes((16 * 3 + 1, 8), torch.float32)
+
+
 @pytest.mark.parametrize("world,rows", [(1, 1), (2, 2), (3, 5), (4, 1), (8, 3)])
 def test_push_then_pull_add_norm(world, rows):
     H = 48
@@ -202,6 +213,32 @@ def test_moe_combine_pushes(world, T):
         push.end_step(b)
     assert all(all_empty(buf) for buf in bufs)
 
+
+
+def test_moe_past_the_decode_kernels_pushes():
+    """The MoE block at more tokens than its decode kernels take (layers/moe/block.py moe_fast: the grouped path, as
+    a verify step of batch 64 x (k + 1) rows runs it) pushes its partial sums too, from the combine's epilogue:
+    every rank's boundary sum is the rank-order sum of each rank's unpushed output, exact (fp32). Before, it
+    returned them for an all-reduce, and the MTP head's forward of such rows pushed one boundary only."""
+    from layers.moe import block as moe_block
+    from layers.moe.tiles import DECODE_MAX_T
+    from tests.test_kernels_moe import make_weights
+    world, T, H = 2, DECODE_MAX_T + 1, 32
+    bufs, boxes = inboxes(world, 3, T, H)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(T, H, generator=gen)
+    router = torch.randn(5, H, generator=gen) * 0.3  # 4 experts and the shared gate
+    ws = [make_weights(2, H, 16, 8, 2 * r, gen) for r in range(world)]  # rank r: experts 2r, 2r + 1
+    pushed = push_from_every_rank(boxes, lambda r: moe_block.moe_fast(x, router, 2, ws[r], partial=True))
+    total = rank_order_sum([moe_block.moe_fast(x, router, 2, w) for w in ws])
+    for r in range(world):
+        assert isinstance(pushed[r], push.Pushed) and pushed[r].slot == 0
+        assert torch.equal(push.consume(pushed[r]), total)
+    second = [push.push_(torch.zeros(T, H), boxes[r]) for r in range(world)]
+    assert all(torch.equal(push.consume(p), torch.zeros(T, H)) for p in second)
+    for b in boxes:
+        push.end_step(b)
+    assert all(all_empty(buf) for buf in bufs)
 
 def test_what_the_inbox_does_not_take():
     _, boxes = inboxes(2, 1, 4, 32)
@@ -423,7 +460,7 @@ def _gpu_worker(rank, world, port, out_file):
             if not all(torch.equal(p, parts[0]) for p in parts):
                 errors.append(f"{tag}: ranks differ")
 
-    for rows in (1, 2, 8, 32, 64, 2, 1):  # (after 64 rows, fewer: a forward empties the rows it filled)
+    for rows in (1, 2, 8, 32, 64, 256, 2, 1):  # (after 256 rows, fewer: a forward empties the rows it filled)
         y = torch.randn(rows, K, generator=gen, device="cuda").to(torch.bfloat16)
         residual = torch.randn(rows, H, generator=shared, device="cuda").to(torch.bfloat16)
         check(f"eager {rows} rows", y, residual, step(y, residual))
@@ -449,7 +486,7 @@ def _gpu_worker(rank, world, port, out_file):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (symmetric memory between devices)")
 def test_gpu_push_pull_two_ranks(tmp_path):
     """Two GPUs, real symmetric memory: a GEMV pushing and a GEMV pulling with the norm folded in, push_ and the pull
-    + norm kernel; eager at 1, 2, 8, 32 and 64 rows (then fewer again) and replayed from a CUDA graph over new data; identical on both ranks."""
+    + norm kernel; eager at 1, 2, 8, 32, 64 and 256 rows (then fewer again) and replayed from a CUDA graph over new data; identical on both ranks."""
     from tests.hf_reference import free_port
     out_file = str(tmp_path / "errors.pt")
     mp.start_processes(_gpu_worker, args=(2, free_port(), out_file), nprocs=2, join=True, start_method="spawn")

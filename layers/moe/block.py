@@ -58,11 +58,11 @@ def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights
              partial: bool = False) -> torch.Tensor | push.Pushed:
     """moe_torch without host syncs: decode_path up to DECODE_MAX_T tokens, else the router GEMM, route_fast and
     experts_fast (the chunked layout and the grouped kernels). partial: where the inbox takes the output (TP > 1,
-    decode sizes), it is pushed to every rank (dist/push.py) and a Pushed is returned."""
+    decode and verify sizes), it is pushed to every rank (dist/push.py) and a Pushed is returned."""
     if x.shape[0] <= DECODE_MAX_T:
         return decode_path(x, router, top_k, w, partial=partial)
     x = computed(x)
-    return experts_fast(x, *route_fast(router_logits_fast(x, router), top_k), w)
+    return experts_fast(x, *route_fast(router_logits_fast(x, router), top_k), w, partial=partial)
 
 
 def decode_path(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,

@@ -60,13 +60,14 @@ def experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sha
 
 
 def experts_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared_gate: torch.Tensor,
-                 w: ExpertWeights) -> torch.Tensor:
-    """experts_torch with no host sync: align_fast, then the grouped kernels (see the module docstring)."""
+                 w: ExpertWeights, partial: bool = False) -> torch.Tensor | push.Pushed:
+    """experts_torch with no host sync: align_fast, then the grouped kernels (see the module docstring). partial:
+    the combine pushes where the inbox takes the output (a verify step's rows, past the decode kernels')."""
     if x.shape[0] == 0:
         return torch.empty_like(x)
     cfg = config_for(x, w)
     layout = align_fast(ids, w.start, w.gate_up.shape[0], cfg["BLOCK_M"])
-    return experts_on_layout(x.contiguous(), w, layout, ids, weights, shared_gate, cfg)
+    return experts_on_layout(x.contiguous(), w, layout, ids, weights, shared_gate, cfg, partial=partial)
 
 
 def experts_on_layout(x: torch.Tensor, w: ExpertWeights, layout: Layout, ids: torch.Tensor, weights: torch.Tensor,
