@@ -190,6 +190,20 @@ def test_rows_kernel_pushes(world, rows):
         assert all(all_empty(buf) for buf in bufs)
 
 
+def ends_a_forward_of_two(bufs, boxes, pushed, total):
+    """Every rank's first boundary (pushed, slot 0) sums to `total` exactly; a second boundary of zeros, pushed by
+    push_, empties the first, and end_step the second: every inbox is empty after."""
+    T, H = total.shape
+    for r, box in enumerate(boxes):
+        assert isinstance(pushed[r], push.Pushed) and pushed[r].slot == 0
+        assert torch.equal(push.consume(pushed[r]), total)
+    second = [push.push_(torch.zeros(T, H), box) for box in boxes]
+    assert all(torch.equal(push.consume(p), torch.zeros(T, H)) for p in second)
+    for b in boxes:
+        push.end_step(b)
+    assert all(all_empty(buf) for buf in bufs)
+
+
 @pytest.mark.parametrize("world,T", [(2, 1), (3, 5)])
 def test_moe_combine_pushes(world, T):
     """The MoE's combine (layers/moe/grouped.py) pushing from its epilogue: every rank's combined rows go to every
@@ -204,15 +218,7 @@ def test_moe_combine_pushes(world, T):
     inverse[1] = -1  # another rank's expert: adds nothing
     pushed = push_from_every_rank(boxes, lambda r: combine_fast(ys[r], inverse, T, partial=True))
     total = rank_order_sum([combine_torch(y, inverse, T) for y in ys])
-    for r in range(world):
-        assert isinstance(pushed[r], push.Pushed) and pushed[r].slot == 0
-        assert torch.equal(push.consume(pushed[r]), total)
-    second = [push.push_(torch.zeros(T, H), boxes[r]) for r in range(world)]
-    assert all(torch.equal(push.consume(p), torch.zeros(T, H)) for p in second)
-    for b in boxes:
-        push.end_step(b)
-    assert all(all_empty(buf) for buf in bufs)
-
+    ends_a_forward_of_two(bufs, boxes, pushed, total)
 
 
 def test_moe_past_the_decode_kernels_pushes():
@@ -231,14 +237,7 @@ def test_moe_past_the_decode_kernels_pushes():
     ws = [make_weights(2, H, 16, 8, 2 * r, gen) for r in range(world)]  # rank r: experts 2r, 2r + 1
     pushed = push_from_every_rank(boxes, lambda r: moe_block.moe_fast(x, router, 2, ws[r], partial=True))
     total = rank_order_sum([moe_block.moe_fast(x, router, 2, w) for w in ws])
-    for r in range(world):
-        assert isinstance(pushed[r], push.Pushed) and pushed[r].slot == 0
-        assert torch.equal(push.consume(pushed[r]), total)
-    second = [push.push_(torch.zeros(T, H), boxes[r]) for r in range(world)]
-    assert all(torch.equal(push.consume(p), torch.zeros(T, H)) for p in second)
-    for b in boxes:
-        push.end_step(b)
-    assert all(all_empty(buf) for buf in bufs)
+    ends_a_forward_of_two(bufs, boxes, pushed, total)
 
 def test_what_the_inbox_does_not_take():
     _, boxes = inboxes(2, 1, 4, 32)
