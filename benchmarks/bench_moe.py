@@ -12,9 +12,9 @@ graph-captured); "graph ms" is the fast path replayed from a CUDA graph, as deco
 path must move (the distinct local experts hit, the shared expert and router weights, activations in and out) over
 the graph time; the floor of a decode MoE layer is those bytes at the GPU's copy bandwidth.
 
-Then the prefill layout table (T = 1024..16384, us from a CUDA graph): the one-program align_serial (the path
-before the chunked kernels) against align_chunked's three launches at several chunk sizes (moe.ALIGN_CHUNK is the
-default).
+Then the layout table (T = 128..16384, us from a CUDA graph): the one-program align_serial (the path at
+moe.ALIGN_SERIAL_MAX_T tokens and below) against align_chunked's three launches at several chunk sizes
+(moe.ALIGN_CHUNK is the default); T = 128 and 256 are verify steps of batch 64 at k = 1 and 3.
 
 Then the decode tables (batches 1..64, us per layer from a CUDA graph; launches per layer counted eagerly with
 torch.profiler, memcpy/memset excluded):
@@ -45,7 +45,7 @@ from qwen35.synth import PRESETS
 
 DECODE = [1, 2, 4, 8, 16, 32, 64]
 PREFILL = [512, 2048, 8192]
-LAYOUT = [1024, 4096, 8192, 16384]
+LAYOUT = [128, 256, 1024, 4096, 8192, 16384]
 CHUNKS = sorted({512, 1024, 2048, moe.ALIGN_CHUNK})
 
 
