@@ -105,7 +105,7 @@ def rows_for(layer: Layer, T: int, gen: torch.Generator) -> list[dict]:
 
 
 def layout_row(layer: Layer, T: int, gen: torch.Generator) -> dict:
-    """The prefill layout of T tokens routed from random inputs: one program vs the chunked kernels."""
+    """The sorted layout of T tokens routed from random inputs: one program vs the chunked kernels."""
     x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     ids = moe.route_fast(F.linear(x, layer.router), layer.top_k)[0]
     w = layer.w
@@ -168,7 +168,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="time rank 0 of this tensor-parallel degree")
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--decode-only", action="store_true", help="only the decode tables")
-    only.add_argument("--layout-only", action="store_true", help="only the prefill layout table")
+    only.add_argument("--layout-only", action="store_true", help="only the layout table")
     ap.add_argument("--out", help="also write the rows as JSON here")
     args = ap.parse_args()
     cfg = model_config()
@@ -185,7 +185,7 @@ def main() -> None:
                 gbs = f"{r['gb_s']:7.0f}" if r["gb_s"] else f"{'':>7}"
                 print(f"{r['op']:<8} {T:>6} {r['torch_ms']:9.3f} {r['fast_ms']:8.3f} {r['graph_ms']:9.3f} {gbs}")
     if not args.decode_only:
-        print(f"\nprefill layout, us from a CUDA graph: one program (align_serial) vs align_chunked's three launches "
+        print(f"\nlayout, us from a CUDA graph: one program (align_serial) vs align_chunked's three launches "
               f"at {len(CHUNKS)} chunk sizes (moe.ALIGN_CHUNK = {moe.ALIGN_CHUNK})")
         print(f"{'batch':>6} {'BLOCK_M':>7} {'serial':>8} " + " ".join(f"{'chunk ' + str(c):>10}" for c in CHUNKS)
               + f" {'speedup':>8}")  # serial / the default chunk
