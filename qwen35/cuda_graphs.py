@@ -32,6 +32,7 @@ import torch
 from dist import parallel
 from layers.forward_batch import ForwardBatch
 from layers.sampler import SamplingStep
+from qwen35.mtp import write_kv
 
 log = logging.getLogger("qwen35.graphs")
 
@@ -177,7 +178,7 @@ class DecodeGraphs:
     def capture_tails(self, sample, feed, ring: list[torch.Tensor] | None) -> None:
         """A tail graph per graph size, mode and ring half: sample(logits, slots, step) -> tokens and feed(tokens,
         slots, slot_tokens, host) are the engine's sampler and the runner's feed, then, with an MTP head, the head's
-        KV at the rows' positions (runner.head_kv); ring the host's halves (rank 0) or None. Every rank captures a
+        KV at the rows' positions (write_head_kv); ring the host's halves (rank 0) or None. Every rank captures a
         tail per half (one way on every rank, keyed the same; where no ring is given, both halves' tails feed the
         device only)."""
         t0 = time.time()
@@ -193,9 +194,8 @@ class DecodeGraphs:
                     logits = runner.model.compute_logits(hidden, gather="none")
                     tokens = sample(logits, slots, step)
                     feed(tokens, slots, runner.slot_tokens, ring[half][:b] if ring else None)
-                    if runner.model.mtp is not None:  # the head's KV at the rows' positions (runner.head_kv)
-                        rows = decode_batch(runner, *self.rows[:, :b])
-                        runner.head_kv(rows.positions, rows.slot_mapping, hidden, tokens)
+                    if runner.model.mtp is not None:
+                        self.write_head_kv(b, hidden, tokens)
                     return tokens
 
                 tail(0)  # warm-up outside the graph (lazy inits, compiles): on the scratch slot's state
@@ -209,6 +209,13 @@ class DecodeGraphs:
         parallel.barrier()
         if parallel.is_driver():
             log.info("captured %d sampling tail graphs in %.1f s", len(self.tails), time.time() - t0)
+
+    def write_head_kv(self, n: int, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The MTP head's KV at the positions of the graph's first n rows (a decode step's, one a sequence: hidden
+        [n, H] its post-norm hidden, tokens [n] what it sampled), as qwen35/mtp.py write_kv: in the sampling tails,
+        and after a replay whose sampling no tail holds."""
+        rows = decode_batch(self.runner, *self.rows[:, :n])
+        write_kv(self.runner.model, rows.positions, rows.slot_mapping, hidden, tokens)
 
     def run_tail(self, n: int, mode: str, half: int | None) -> torch.Tensor:
         """After run() of an n-row batch: its tail for `mode` and ring `half` (None: a rank without a ring, whose

@@ -61,6 +61,10 @@ class MTPHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, FULL_ATTENTION, rotary, dtype=dtype, device=device)])
         self.norm = RMSNorm(H, eps, **norm)
 
+    def fc_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's input [N, H]: fc over [the normed embeddings, the normed hidden states] (forward's arguments)."""
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+
     @property
     def attn(self):
         """The attention layer, whose k_cache / v_cache the runner allocates as for a main attention layer."""
@@ -70,7 +74,7 @@ class MTPHead(nn.Module):
         """embeds [N, H]: embeddings of each row's next token; hidden [N, H]: post-final-norm hidden states (the main
         model's, or the head's own); batch: the rows' positions and KV metadata. Returns the post-`mtp.norm` hidden
         [N, H], whole on every rank."""
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        x = self.fc_input(embeds, hidden)
         push.begin_step()  # (a forward of its own: under TP its 2 boundaries may go by push, dist/push.py)
         x, residual = self.layers[0](x, None, batch)
         out = self.norm.all_reduce_add(x, residual)[0]
@@ -130,9 +134,8 @@ def write_kv(model: Qwen35Model, positions: torch.Tensor, slot_mapping: torch.Te
     runner writes it on every step of an engine that speculates and does not propose, so that drafts after a
     stretch of plain steps (auto at k = 0, prompt chunks that sample nothing) attend to the entries of every
     position before them."""
-    mtp = model.mtp
-    x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(model.embed_tokens(ids)), mtp.pre_fc_norm_hidden(hidden)], dim=-1))
-    layer = mtp.layers[0]
+    layer = model.mtp.layers[0]
+    x = model.mtp.fc_input(model.embed_tokens(ids), hidden)
     layer.self_attn.write_kv(layer.input_layernorm(x), positions, slot_mapping)
 
 

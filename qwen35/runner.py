@@ -20,7 +20,7 @@ slot its last emitted token and moves its draw counter on by the tokens emitted,
 accepted (`accepted`: a verify step planned before the host has read them, plan.spec_behind, starts that much past
 the host's positions). Any step with draft_k > 0 then proposes draft_k
 drafts for the rows it sampled (qwen35/mtp.py propose) into the slots' buffers; any other step of a runner with the
-head writes the head's KV at its positions (head_kv), so that drafts attend to every position before them. All of it queued on every rank, no host
+head writes the head's KV at its positions (qwen35/mtp.py write_kv), so that drafts attend to every position before them. All of it queued on every rank, no host
 sync. With CUDA graphs, a verify step that proposes as many drafts as it verifies (the steady state) replays a graph of
 the whole step (cuda_graphs.VerifyGraphs), and so does a pure-decode step that proposes without verifying (a verify
 step of none, one token a row: a prompt's last token, which the prefix cache's split makes a decode row, or auto's
@@ -423,7 +423,7 @@ class ModelRunner:
         A verify step (plan.spec_k) returns [n, spec_k + 1] instead: each row's emitted tokens, then -1
         (verify_step), into host_view(half, n, spec_k + 1); a step with plan.draft_k also proposes drafts for its
         sampled rows (module docstring); with an MTP head, any other step writes the head's KV at its positions
-        (head_kv)."""
+        (qwen35/mtp.py write_kv)."""
         self._check_spec(plan)
         if plan.spec_k or self._proposes_only(plan, sampling):
             if not plan.spec_k:
@@ -442,7 +442,7 @@ class ModelRunner:
         elif not self.logit_slots.numel():
             if self.model.mtp is not None and batch is not None:  # prompt chunks that sample nothing
                 empty = batch.logits_indices[:0]
-                self.head_kv(batch.positions, batch.slot_mapping, hidden, next_ids(batch, empty, empty))
+                write_kv(self.model, batch.positions, batch.slot_mapping, hidden, next_ids(batch, empty, empty))
             return None
         logits = self.model.compute_logits(hidden if batch is None else hidden[batch.logits_indices], gather="none")
         tokens = self.sampler.sample(logits, self.logit_slots, sampling)
@@ -452,11 +452,10 @@ class ModelRunner:
             self._propose(batch, hidden, tokens, batch.logits_indices, plan.draft_k, sampling)
         elif self.model.mtp is not None:
             if batch is None:  # a decode graph ran the forward, its rows in graphs.rows (one a sequence)
-                rows = decode_batch(self, *self.graphs.rows[:, :len(tokens)])
-                self.head_kv(rows.positions, rows.slot_mapping, hidden, tokens)
+                self.graphs.write_head_kv(len(tokens), hidden, tokens)
             else:
-                self.head_kv(batch.positions, batch.slot_mapping, hidden,
-                              next_ids(batch, tokens, batch.logits_indices))
+                write_kv(self.model, batch.positions, batch.slot_mapping, hidden,
+                         next_ids(batch, tokens, batch.logits_indices))
         return tokens
 
     # ---------------------------------------------------------------- speculative decoding
@@ -515,14 +514,6 @@ class ModelRunner:
         if d.logits is not None:
             self.draft_buffers(d.logits.shape[-1])[0][rows, :k] = d.logits
             self.draft_lse[rows, :k] = d.lse
-
-    def head_kv(self, positions: torch.Tensor, slot_mapping: torch.Tensor, hidden: torch.Tensor,
-                 ids: torch.Tensor) -> None:
-        """The MTP head's KV at a step's positions where the step proposes nothing (qwen35/mtp.py write_kv: entry p
-        from the row's next token `ids` and its hidden): every step of a runner with a head writes the head's
-        entries at its positions, the steps that propose through the catch-up, so that drafts attend to every
-        position before them."""
-        write_kv(self.model, positions, slot_mapping, hidden, ids)
 
     def draft_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows of the draft buffers that `slots` use: a running sequence's slot its own, the scratch slot (padded
@@ -620,7 +611,7 @@ class ModelRunner:
         if draft_k:
             self._propose(batch, hidden, last, last_rows, draft_k, sampling)
         else:  # (auto back at k = 0: the head's KV at the accepted positions all the same)
-            self.head_kv(batch.positions, batch.slot_mapping, hidden, next_ids(batch, last, last_rows))
+            write_kv(self.model, batch.positions, batch.slot_mapping, hidden, next_ids(batch, last, last_rows))
         return verdict.tokens
 
     def draft_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
