@@ -124,6 +124,8 @@ class DecodeGraphs:
         # the rows of the step, [3, max_num_seqs] (decode_batch): written by one copy per step, padded rows included
         self.rows = self._padded_rows().to(runner.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # size -> the batch its graph built from the rows (positions, KV slots: static, valid after each replay)
+        self.batches: dict[int, ForwardBatch] = {}
         # (size, mode, ring half) -> (graph, its tokens [size]); captured once the engine's sampler exists
         self.tails: dict[tuple[int, str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.size = 0  # the graph size run() picked last
@@ -140,8 +142,9 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = model(decode_batch(runner, *self.rows[:, :b]))
-            self.graphs[b] = (graph, out)
+                batch = decode_batch(runner, *self.rows[:, :b])
+                out = model(batch)
+            self.graphs[b], self.batches[b] = (graph, out), batch
         self._size_for = [min(s for s in self.graphs if s >= n) for n in range(max(self.graphs) + 1)]
         torch.cuda.synchronize()
         parallel.barrier()
@@ -195,7 +198,7 @@ class DecodeGraphs:
                     tokens = sample(logits, slots, step)
                     feed(tokens, slots, runner.slot_tokens, ring[half][:b] if ring else None)
                     if runner.model.mtp is not None:
-                        self.write_head_kv(b, hidden, tokens)
+                        self.write_head_kv(b, b, hidden, tokens)
                     return tokens
 
                 tail(0)  # warm-up outside the graph (lazy inits, compiles): on the scratch slot's state
@@ -210,12 +213,13 @@ class DecodeGraphs:
         if parallel.is_driver():
             log.info("captured %d sampling tail graphs in %.1f s", len(self.tails), time.time() - t0)
 
-    def write_head_kv(self, n: int, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The MTP head's KV at the positions of the graph's first n rows (a decode step's, one a sequence: hidden
-        [n, H] its post-norm hidden, tokens [n] what it sampled), as qwen35/mtp.py write_kv: in the sampling tails,
-        and after a replay whose sampling no tail holds."""
-        rows = decode_batch(self.runner, *self.rows[:, :n])
-        write_kv(self.runner.model, rows.positions, rows.slot_mapping, hidden, tokens)
+    def write_head_kv(self, size: int, n: int, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The MTP head's KV at the positions of the first n rows of the graph of `size` rows, just replayed (a
+        decode step's, one a sequence: hidden [n, H] its post-norm hidden, tokens [n] what it sampled), as
+        qwen35/mtp.py write_kv: in the sampling tails, and after a replay whose sampling no tail holds. The positions
+        and KV slots are the ones that graph computed (its captured batch), not worked out again."""
+        batch = self.batches[size]
+        write_kv(self.runner.model, batch.positions[:n], batch.slot_mapping[:n], hidden, tokens)
 
     def run_tail(self, n: int, mode: str, half: int | None) -> torch.Tensor:
         """After run() of an n-row batch: its tail for `mode` and ring `half` (None: a rank without a ring, whose

@@ -452,7 +452,7 @@ class ModelRunner:
             self._propose(batch, hidden, tokens, batch.logits_indices, plan.draft_k, sampling)
         elif self.model.mtp is not None:
             if batch is None:  # a decode graph ran the forward, its rows in graphs.rows (one a sequence)
-                self.graphs.write_head_kv(len(tokens), hidden, tokens)
+                self.graphs.write_head_kv(self.graphs.size, len(tokens), hidden, tokens)
             else:
                 write_kv(self.model, batch.positions, batch.slot_mapping, hidden,
                          next_ids(batch, tokens, batch.logits_indices))
