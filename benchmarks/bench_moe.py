@@ -13,8 +13,8 @@ path must move (the distinct local experts hit, the shared expert and router wei
 the graph time; the floor of a decode MoE layer is those bytes at the GPU's copy bandwidth.
 
 Then the layout table (T = 128..16384, us from a CUDA graph): the one-program align_serial (the path at
-moe.ALIGN_SERIAL_MAX_T tokens and below) against align_chunked's three launches at several chunk sizes
-(moe.ALIGN_CHUNK is the default); T = 128 and 256 are verify steps of batch 64 at k = 1 and 3.
+moe.ALIGN_SERIAL_MAX_T tokens and below) against align_chunked's three launches at several chunk sizes (the
+default: moe.align_chunk, by moe.ALIGN_CHUNKS); T = 128, 192 and 256 are verify steps of batch 64 at k = 1, 2, 3.
 
 Then the decode tables (batches 1..64, us per layer from a CUDA graph; launches per layer counted eagerly with
 torch.profiler, memcpy/memset excluded):
@@ -45,8 +45,8 @@ from qwen35.synth import PRESETS
 
 DECODE = [1, 2, 4, 8, 16, 32, 64]
 PREFILL = [512, 2048, 8192]
-LAYOUT = [128, 256, 1024, 4096, 8192, 16384]
-CHUNKS = sorted({512, 1024, 2048, moe.ALIGN_CHUNK})
+LAYOUT = [128, 192, 256, 512, 1024, 2048, 4096, 8192, 16384]
+CHUNKS = (128, 256, 512, 1024, 2048)
 
 
 def model_config() -> ModelConfig:
@@ -186,15 +186,16 @@ def main() -> None:
                 print(f"{r['op']:<8} {T:>6} {r['torch_ms']:9.3f} {r['fast_ms']:8.3f} {r['graph_ms']:9.3f} {gbs}")
     if not args.decode_only:
         print(f"\nlayout, us from a CUDA graph: one program (align_serial) vs align_chunked's three launches "
-              f"at {len(CHUNKS)} chunk sizes (moe.ALIGN_CHUNK = {moe.ALIGN_CHUNK})")
+              f"at {len(CHUNKS)} chunk sizes (the default: moe.align_chunk)")
         print(f"{'batch':>6} {'BLOCK_M':>7} {'serial':>8} " + " ".join(f"{'chunk ' + str(c):>10}" for c in CHUNKS)
-              + f" {'speedup':>8}")  # serial / the default chunk
+              + f" {'default':>8} {'speedup':>8}")  # serial / the default chunk
         for T in LAYOUT:
             r = layout_row(layer, T, gen)
             layout.append(r)
+            default = moe.align_chunk(T * layer.top_k)
             print(f"{T:>6} {r['block_m']:>7} {r['serial_us']:8.1f} "
                   + " ".join(f"{r[f'chunk{c}_us']:10.1f}" for c in CHUNKS)
-                  + f" {r['serial_us'] / r[f'chunk{moe.ALIGN_CHUNK}_us']:7.1f}x")
+                  + f" {default:>8} {r['serial_us'] / r[f'chunk{default}_us']:7.1f}x")
     if not args.layout_only:
         rate = copy_rate(torch.device("cuda"))
         for T in DECODE:

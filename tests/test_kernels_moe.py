@@ -159,7 +159,8 @@ CHUNKED_CASES = [  # T, E, k, start, num_local, block_m, chunk (pairs per progra
     (70, 8, 2, 4, 4, 16, 16, "low"),       # no pair on this rank: every group empty, shared rows only
     (70, 8, 2, 5, 1, 16, 16, "any"),       # one local expert
     (150, 256, 8, 0, 256, 16, 64, "any"),  # TP=1's 256 bins: 16 chunks per offsets step, so 19 take two
-    (129, 32, 4, 0, 32, 64, None, "any"),  # the default chunk: one program of 516 -> 1024 pairs
+    (129, 32, 4, 0, 32, 64, None, "any"),  # the default chunk (ALIGN_CHUNKS): 516 pairs in 5 chunks of 128
+    (128, 256, 8, 0, 256, 16, None, "any"),  # a verify step of batch 64 at k = 1 at TP=1: 8 chunks of 128
 ]
 
 
@@ -455,7 +456,7 @@ BLOCK_CASES = [  # T, E, k, H, I, I_s, start, num_local
     (37, 8, 2, 32, 16, 16, 2, 4),     # three token blocks
     (64, 16, 4, 32, 16, 16, 0, 16),   # DECODE_MAX_T
     (65, 8, 2, 32, 16, 16, 4, 4),     # just past it: the grouped path with route_fast and the chunked layout
-    (130, 16, 4, 32, 16, 8, 4, 8),    # 520 pairs in 9 chunks of 64 (ALIGN_CHUNK made small here)
+    (130, 16, 4, 32, 16, 8, 4, 8),    # 520 pairs in 9 chunks of 64 (ALIGN_CHUNKS made small here)
 ]
 
 
@@ -465,7 +466,7 @@ def test_moe_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, monkeypatch
     one-program align up to DECODE_MAX_T, the chunked layout above) and, where they apply, the decode paths it did not
     take (the layout's with the other down+combine choice; the layout's or the GEMV one; the scan path with either
     down step), against moe_torch."""
-    monkeypatch.setattr(moe_layout, "ALIGN_CHUNK", 64)  # several chunks at interpreter sizes
+    monkeypatch.setattr(moe_layout, "ALIGN_CHUNKS", ((float("inf"), 64),))  # several chunks at interpreter sizes
     gen = torch.Generator().manual_seed(T + E)
     w = make_weights(num_local, H, I, I_s, start, gen)
     x = torch.randn(T, H, generator=gen)

@@ -23,7 +23,7 @@ so one GEMM gives the logits [T, E + 1] (column E is the shared gate's). Two imp
     block.py    moe_torch, moe_fast (which kernels, by T) and the SparseMoE module
 
 The package re-exports its files' public names (`from layers import moe; moe.route_fast`); a test that patches a
-module-level name patches the file that reads it (layers.moe.layout.ALIGN_CHUNK).
+module-level name patches the file that reads it (layers.moe.layout.ALIGN_CHUNKS).
 
 The choices depend on shapes only, at power-of-two boundaries: a decode batch padded for a CUDA graph never crosses
 the next power of two, so the padded batch takes the same kernels and gives the same bits as the batch run eagerly.
@@ -38,8 +38,8 @@ from layers.moe.gemv import (GemvAct, down_combine_fast, down_combine_torch, gat
                              pair_rows_torch)
 from layers.moe.grouped import (combine_fast, combine_torch, down_fast, down_torch, experts_fast, experts_on_layout,
                                 experts_torch, gate_up_fast, gate_up_torch)
-from layers.moe.layout import (ALIGN_CHUNK, ALIGN_SERIAL_MAX_T, Layout, align_chunked, align_fast, align_serial,
-                               align_torch, max_rows)
+from layers.moe.layout import (ALIGN_CHUNKS, ALIGN_SERIAL_MAX_T, Layout, align_chunk, align_chunked, align_fast,
+                               align_serial, align_torch, max_rows)
 from layers.moe.routing import (ROUTER_GEMV_MAX_T, ROUTER_PAD_ROWS, padded_router_gemm, route_fast, route_torch,
                                 router_logits_fast, router_logits_torch)
 from layers.moe.scan import (SCAN_DOWN_TILE, SCAN_GATE_UP_TILE, down_scan_fast, down_scan_torch, gate_up_scan_fast,
@@ -52,8 +52,8 @@ __all__ = ["SparseMoE", "decode_path", "moe_fast", "moe_torch", "ExpertWeights",
            "SCAN_DOWN_TILE", "SCAN_GATE_UP_TILE", "down_scan_fast", "down_scan_torch", "gate_up_scan_fast",
            "gate_up_scan_torch",
            "combine_fast", "combine_torch", "down_fast", "down_torch", "experts_fast", "experts_on_layout",
-           "experts_torch", "gate_up_fast", "gate_up_torch", "ALIGN_CHUNK", "ALIGN_SERIAL_MAX_T", "Layout",
-           "align_chunked", "align_fast", "align_serial", "align_torch", "max_rows", "ROUTER_GEMV_MAX_T",
+           "experts_torch", "gate_up_fast", "gate_up_torch", "ALIGN_CHUNKS", "ALIGN_SERIAL_MAX_T", "Layout",
+           "align_chunk", "align_chunked", "align_fast", "align_serial", "align_torch", "max_rows", "ROUTER_GEMV_MAX_T",
            "ROUTER_PAD_ROWS", "padded_router_gemm", "route_fast", "route_torch", "router_logits_fast",
            "router_logits_torch", "CONFIG_FILE", "DECODE_MAX_T", "DOWN_COMBINE_MAX_T", "DOWN_COMBINE_TILE",
            "GEMV_MAX_T", "GEMV_TILE", "config_for", "config_key", "default_config", "moe_config", "token_buckets"]

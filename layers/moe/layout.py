@@ -26,8 +26,12 @@ from layers.moe.tiles import DECODE_MAX_T
 
 ALIGN_SERIAL_MAX_T = DECODE_MAX_T  # align_fast: one program (_align_kernel) at or below, whose serial loops over the
                                    # pairs cost 0.41 ms at T = 8192 (1x H200); the chunked kernels above
-ALIGN_CHUNK = 1024       # pairs per program of the chunked layout (untuned): fewer, larger chunks shorten the one
-                         # program's scan over [chunks, experts]; more, smaller ones spread the sorts over more SMs
+# Pairs per program of the chunked layout, by the call's pairs: (at most this many pairs, chunk). Fewer, larger
+# chunks shorten the one program's scan over [chunks, experts]; more, smaller ones spread the sorts over more SMs.
+# From `python -m benchmarks.bench_moe --layout-only` (1x and 2x H200, TP=1 and 2, 2026-11-30): 8-16 chunks are
+# best to 1,024 tokens at top-8, 32-128 beyond; with 1,024-pair chunks everywhere a verify step of 128-256 tokens
+# paid 12.7 us a layer against 6.4-6.9 at 128 (`2026-11-30_layout_h200x2.json`).
+ALIGN_CHUNKS = ((2048, 128), (4096, 256), (32768, 512), (float("inf"), 1024))
 
 
 class Layout(NamedTuple):
@@ -90,7 +94,7 @@ def align_serial(ids: torch.Tensor, start: int, num_local: int, block_m: int) ->
 
 
 def align_chunked(ids: torch.Tensor, start: int, num_local: int, block_m: int, chunk: int | None = None) -> Layout:
-    """The layout in three launches over chunks of `chunk` pairs (a power of two; ALIGN_CHUNK by default), equal to
+    """The layout in three launches over chunks of `chunk` pairs (a power of two; align_chunk's by default), equal to
     align_torch's entry for entry (a group's pairs in pair order) and with no atomics:
 
         _align_count_kernel    a program per chunk: its pairs per local expert -> counts [chunks, bins]
@@ -99,10 +103,9 @@ def align_chunked(ids: torch.Tensor, start: int, num_local: int, block_m: int, c
         _align_scatter_kernel  a program per chunk: its pairs sorted by (expert, pair); the j-th goes to row
                                offs[e] + base[chunk, e] + j
 
-    The grid and the scratch ([chunks, bins] twice) follow from T alone. Fewer pairs than ALIGN_CHUNK make one
-    chunk of their number rounded up to a power of two (at top-8 past ALIGN_SERIAL_MAX_T, ALIGN_CHUNK already)."""
+    The grid and the scratch ([chunks, bins] twice) follow from T alone."""
     T, k = ids.shape
-    chunk = chunk or min(ALIGN_CHUNK, triton.next_power_of_2(max(16, T * k)))
+    chunk = chunk or align_chunk(T * k)
     layout = _empty_layout(T, k, num_local, block_m, ids.device)
     bins = max(2, triton.next_power_of_2(num_local))  # no scan over a length-1 axis
     chunks = max(1, triton.cdiv(T * k, chunk))
@@ -117,6 +120,13 @@ def align_chunked(ids: torch.Tensor, start: int, num_local: int, block_m: int, c
     _align_scatter_kernel[(chunks,)](ids, layout.sorted_pairs, layout.inverse, base, offs, T, start, num_local,
                                      TOP_K=k, BINS=bins, CHUNK=chunk, num_warps=4, **pdl())
     return layout
+
+
+def align_chunk(pairs: int) -> int:
+    """align_chunked's default chunk for `pairs` pairs: ALIGN_CHUNKS' entry, or the pairs rounded up to a power of
+    two where fewer (one chunk)."""
+    chunk = next(c for most, c in ALIGN_CHUNKS if pairs <= most)
+    return min(chunk, triton.next_power_of_2(max(16, pairs)))
 
 
 def max_rows(T: int, top_k: int, num_local: int, block_m: int) -> int:
