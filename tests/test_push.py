@@ -239,6 +239,7 @@ def test_moe_past_the_decode_kernels_pushes():
     total = rank_order_sum([moe_block.moe_fast(x, router, 2, w) for w in ws])
     ends_a_forward_of_two(bufs, boxes, pushed, total)
 
+
 def test_what_the_inbox_does_not_take():
     _, boxes = inboxes(2, 1, 4, 32)
     box = boxes[0]
@@ -485,7 +486,8 @@ def _gpu_worker(rank, world, port, out_file):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (symmetric memory between devices)")
 def test_gpu_push_pull_two_ranks(tmp_path):
     """Two GPUs, real symmetric memory: a GEMV pushing and a GEMV pulling with the norm folded in, push_ and the pull
-    + norm kernel; eager at 1, 2, 8, 32, 64 and 256 rows (then fewer again) and replayed from a CUDA graph over new data; identical on both ranks."""
+    + norm kernel; eager at 1, 2, 8, 32, 64 and 256 rows (then fewer again) and replayed from a CUDA graph over new
+    data; identical on both ranks."""
     from tests.hf_reference import free_port
     out_file = str(tmp_path / "errors.pt")
     mp.start_processes(_gpu_worker, args=(2, free_port(), out_file), nprocs=2, join=True, start_method="spawn")

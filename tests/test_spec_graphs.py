@@ -275,8 +275,8 @@ def test_gpu_a_step_that_only_proposes_replays_a_graph(step, last_from_host):
 @pytest.mark.gpu
 def test_gpu_plain_steps_write_the_heads_kv_from_the_graph_tails():
     """Plain decode steps of an engine that speculates, replayed from the decode graphs (the head's KV written in
-    their sampling tails, DecodeGraphs.write_head_kv), leave the head's cache entries of the same steps queued eagerly (bf16;
-    greedy, the same tokens)."""
+    their sampling tails, DecodeGraphs.write_head_kv), leave the head's cache entries of the same steps queued
+    eagerly (bf16; greedy, the same tokens)."""
     ps, steps = prompts(3), 6
     graphed, eager = gpu_runner(2, seqs=4), gpu_runner(2, seqs=4)
     assert graphed.graphs is not None and graphed.graphs.tails
