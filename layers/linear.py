@@ -18,7 +18,8 @@ those ranges through a lazy checkpoint slice, so a rank never touches bytes it d
                   program per column block and row, so each program pays the norm for its one row.
                   Past GEMV_MAX_M rows, up to ROWS_MAX_M (3-16: small decode batches, verify steps), weights up to
                   ROWS_MAX_BYTES go to the rows kernel (rows_gemm: tl.dot over the rows, K in pipelined steps), which
-                  runs level with cuBLAS or ahead and pushes a boundary's partial sums from its epilogue.
+                  runs level with cuBLAS or ahead and pushes a boundary's partial sums from its epilogue (those up to
+                  ROWS_PUSH_MAX_M rows: one launch where cuBLAS needs a push launch after it).
                   `gated` (the dense MLP's gate_up, mlp.mlp_fast): both kernels end in SwiGLU's silu(gate) * up
                   (activation.silu_mul_sums), each program summing its columns' gate rows and up rows, so at decode
                   sizes one launch gives the MLP's activation (past them F.linear, then silu_mul_fast's launch).
@@ -83,6 +84,15 @@ FOLD_MAX_M = 16  # rows up to which a layer boundary leaves its norm to the GEMV
 ROWS_MAX_M = 16
 ROWS_MAX_BYTES = 64 << 20
 ROWS_TILES = ((2048, 16, 512, 4), (8192, 32, 512, 4), (None, 64, 256, 3))
+# A boundary's partial sums (linear_fast(partial=True) where the inbox takes them: the out projections at TP > 1) go
+# to the rows kernel up to ROWS_PUSH_MAX_M rows, pushed from its epilogue: past ROWS_MAX_M cuBLAS is no faster on them
+# and needs push_'s launch after it (1.5-1.9 us + ~0.4 of gap a boundary in the TP=2 profile at batch 32 / 64). Past
+# ROWS_MAX_M rows the K step is ROWS_WIDE_K (the x tile doubles): `bench_linear`'s rows sweep, 1x H200, 2026-11-30,
+# out projections (2,048 columns), L2-cold weights, us, rows kernel (16 x 256 x 4) against cuBLAS: TP=2 24 / 32 / 64
+# rows 5.68 / 5.65 / 6.07 against 5.95 / 5.88 / 6.01 (512-wide steps: 5.99 / 6.03 at 24 / 32); TP=4 3.95 / 4.19
+# against 4.89 / 4.58 at 32 / 64.
+ROWS_PUSH_MAX_M = 64
+ROWS_WIDE_K = 256
 ROWS_CONFIG = {"block_n": 0, "block_k": 0, "stages": 0, "warps": 4}
 
 # skinny_gemm's threshold (rows of the input) and launch settings, likewise. block_n: output columns per program (the
@@ -229,7 +239,8 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
         and (bias is None or (bias.dtype == weight.dtype and bias.stride(0) == 1))
     if not (0 < M <= max_rows and K <= GEMV_MAX_K and kernels_take):
         x = x if norm is None else norm.tensor()
-        if kernels_take and max_rows < M <= ROWS_MAX_M and N * K * weight.element_size() <= ROWS_MAX_BYTES:
+        rows_max = ROWS_PUSH_MAX_M if box is not None else ROWS_MAX_M
+        if kernels_take and max_rows < M <= rows_max and N * K * weight.element_size() <= ROWS_MAX_BYTES:
             return rows_gemm(x, weight, bias, box, gated=gated)
         y = F.linear(x, weight, bias)
         y = silu_mul_fast(y) if gated else y
@@ -354,9 +365,12 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], N)
 
 
-def rows_tile(N: int) -> tuple[int, int, int]:
-    """rows_gemm's (block_n, block_k, stages) for N output columns: ROWS_TILES's row, ROWS_CONFIG's where set."""
+def rows_tile(N: int, M: int = 1) -> tuple[int, int, int]:
+    """rows_gemm's (block_n, block_k, stages) for N output columns and M rows: ROWS_TILES's row (the K step at most
+    ROWS_WIDE_K past ROWS_MAX_M rows), ROWS_CONFIG's where set."""
     block_n, block_k, stages = next(t[1:] for t in ROWS_TILES if t[0] is None or N <= t[0])
+    if M > ROWS_MAX_M:
+        block_k = min(block_k, ROWS_WIDE_K)
     cfg = ROWS_CONFIG
     return cfg["block_n"] or block_n, cfg["block_k"] or block_k, cfg["stages"] or stages
 
@@ -364,16 +378,19 @@ def rows_tile(N: int) -> tuple[int, int, int]:
 def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
               box: push.Inbox | None = None, gated: bool = False) -> torch.Tensor | Pushed:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype by the rows kernel, for 1..ROWS_MAX_M rows of a
-    weight with contiguous rows (linear_fast takes it from GEMV_MAX_M + 1 rows up to ROWS_MAX_M where the weight is
-    at most ROWS_MAX_BYTES); with `box`, this rank's partial sums of a boundary, pushed from the epilogue (a Pushed
-    returned); gated (a dense MLP's gate_up, as linear_fast's): silu(gate) * up [..., N / 2] from the epilogue."""
+    weight with contiguous rows, 1..ROWS_PUSH_MAX_M with `box` (linear_fast takes it from GEMV_MAX_M + 1 rows up to
+    those where the weight is at most ROWS_MAX_BYTES); with `box`, this rank's partial sums of a boundary, pushed
+    from the epilogue (a Pushed returned); gated (a dense MLP's gate_up, as linear_fast's): silu(gate) * up
+    [..., N / 2] from the epilogue."""
     M, N, K = _gemm_shape(x, weight)
-    if not 0 < M <= ROWS_MAX_M or weight.stride(1) != 1 or x.dtype != weight.dtype:
+    rows_max = ROWS_PUSH_MAX_M if box is not None else ROWS_MAX_M
+    if not 0 < M <= rows_max or weight.stride(1) != 1 or x.dtype != weight.dtype:
         raise ValueError(f"rows_gemm: {M} rows of {x.dtype} against {tuple(weight.shape)} {weight.dtype} "
-                         f"(stride {weight.stride()}); it takes 1..{ROWS_MAX_M} rows, one dtype, contiguous rows")
+                         f"(stride {weight.stride()}); it takes 1..{rows_max} rows "
+                         f"({'pushed' if box is not None else 'not pushed'}), one dtype, contiguous rows")
     cols = _output_columns(N, gated)
     x2, y = _rows_and_output(x, M, cols, K)
-    block_n, block_k, stages = rows_tile(N)
+    block_n, block_k, stages = rows_tile(N, M)
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     block_n = _cpu_columns(N, block_n, block_k, x.device)
     block_cols = _columns_per_program(block_n, gated, 16)  # (tl.dot's least N)

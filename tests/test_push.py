@@ -155,12 +155,16 @@ def test_gated_gemv_pulls(world, rows):
         assert torch.equal(y, silu_mul_fast(linear_fast(pending.out, gate_up)))
 
 
-@pytest.mark.parametrize("world,rows", [(2, 3), (3, 8), (2, 16)])
-def test_rows_kernel_pushes(world, rows):
+@pytest.mark.parametrize("world,rows", [(2, 3), (3, 8), (2, 16), (2, 40), (3, 64)])
+def test_rows_kernel_pushes(world, rows, monkeypatch):
     """Past the GEMV's rows the out projection runs the rows kernel (layers/linear.py rows_gemm), which pushes from
-    its epilogue: every rank's consume is the rank-order sum of the same kernel's unpushed outputs, exactly; as the
-    first boundary of a forward its slot is emptied by the next producer (push_), as the second it empties the
-    first's, and end_step its own."""
+    its epilogue (up to ROWS_PUSH_MAX_M rows: past ROWS_MAX_M only pushing): every rank's consume is the rank-order
+    sum of the same kernel's unpushed outputs, exactly; as the first boundary of a forward its slot is emptied by
+    the next producer (push_), as the second it empties the first's, and end_step its own."""
+    from layers import linear as lin
+    assert rows <= lin.ROWS_PUSH_MAX_M
+    if rows > lin.ROWS_MAX_M:  # (unpushed, those rows take F.linear: the reference is the rows kernel's own sums)
+        monkeypatch.setattr(lin, "ROWS_MAX_M", rows)
     K, H = 24, 40
     bufs, boxes = inboxes(world, 4, rows, H)
     gen = torch.Generator().manual_seed(rows)
@@ -238,6 +242,33 @@ def test_moe_past_the_decode_kernels_pushes():
     pushed = push_from_every_rank(boxes, lambda r: moe_block.moe_fast(x, router, 2, ws[r], partial=True))
     total = rank_order_sum([moe_block.moe_fast(x, router, 2, w) for w in ws])
     ends_a_forward_of_two(bufs, boxes, pushed, total)
+
+
+def test_rows_kernel_row_limits():
+    """rows_gemm takes up to ROWS_MAX_M rows, up to ROWS_PUSH_MAX_M where it pushes, and names the limit past them;
+    linear_fast pushes through it up to ROWS_PUSH_MAX_M rows (the rank-order sum of its rows, within fp32 tolerance
+    of F.linear), and past them pushes F.linear's bits (push_)."""
+    from layers import linear as lin
+    M = lin.ROWS_PUSH_MAX_M
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(M + 1, 8, generator=gen), torch.randn(32, 8, generator=gen)
+    with pytest.raises(ValueError, match=f"1..{lin.ROWS_MAX_M} rows \\(not pushed\\)"):
+        lin.rows_gemm(x[:lin.ROWS_MAX_M + 1], w)
+    pushed = []
+    for rows in (M, M + 1):  # (a forward's boundaries all have one row count: an inbox each)
+        box = inboxes(1, 2, M + 1, 32)[1][0]
+        push.install(box)
+        try:
+            push.begin_step()
+            if rows > M:
+                with pytest.raises(ValueError, match=f"1..{M} rows \\(pushed\\)"):
+                    lin.rows_gemm(x[:rows], w, box=box)
+            pushed.append(linear_fast(x[:rows], w, partial=True))
+        finally:
+            push.install(None)
+    assert all(isinstance(p, push.Pushed) for p in pushed)
+    assert max_diff(push.consume(pushed[0]), torch.nn.functional.linear(x[:M], w)) <= 1e-5
+    assert torch.equal(push.consume(pushed[1]), torch.nn.functional.linear(x, w))
 
 
 def test_what_the_inbox_does_not_take():
@@ -552,8 +583,8 @@ def test_push_pull_kernels_compile_for_hopper():
 
 def test_rows_kernel_compiles_for_hopper():
     """The rows kernel (layers/linear.py rows_gemm) as linear_fast launches it at 3-16 rows, plain with a bias and
-    pushing a boundary's partial sums (and emptying the slot before), compiles for sm_90 in bf16, and so does every
-    tile of ROWS_TILES, each within Hopper's 227 KB of shared memory."""
+    pushing a boundary's partial sums (and emptying the slot before), and at 64 rows pushing, compiles for sm_90 in
+    bf16, and so does every tile of ROWS_TILES at 16 and 64 rows, each within Hopper's 227 KB of shared memory."""
     import json
 
     from layers import linear as lin
@@ -562,25 +593,27 @@ def test_rows_kernel_compiles_for_hopper():
     if not hopper_backend_available():
         pytest.skip("this Triton has no NVIDIA backend to compile with")
     H, K, world, dt = 64, 1024, 2, torch.bfloat16
-    _, boxes = inboxes(world, 4, 8, H, dt)
     with recorded() as launches, use_kernels("fast"):
         linear_fast(torch.randn(5, K, dtype=dt), torch.randn(H, K, dtype=dt), torch.randn(H, dtype=dt))
-        push.install(boxes[0])
-        try:
-            push.begin_step()
-            push.push_(torch.randn(8, H, dtype=dt))
-            linear_fast(torch.randn(8, K, dtype=dt), torch.randn(H, K, dtype=dt), partial=True)  # (slot 1)
-        finally:
-            push.install(None)
-            boxes[0].next_slot = 0
+        for rows in (8, lin.ROWS_PUSH_MAX_M):
+            box = inboxes(world, 4, rows, H, dt)[1][0]
+            push.install(box)
+            try:
+                push.begin_step()
+                push.push_(torch.randn(rows, H, dtype=dt))
+                linear_fast(torch.randn(rows, K, dtype=dt), torch.randn(H, K, dtype=dt), partial=True)  # (slot 1)
+            finally:
+                push.install(None)
     rows = [e for e in launches if e["name"] == "_rows_kernel"]
-    assert len(rows) == 2
-    for _, block_n, block_k, stages in lin.ROWS_TILES:  # every tile of the table
-        entry = json.loads(json.dumps(rows[1]))
-        entry["constexprs"].update(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages)
-        launches.append(entry)
-        # and within an sm_90 block's shared memory as the GPU's compiler lays it out (stages - 1 buffers of the 16
-        # rows' and the weight's K step: 64 x 512 x 4 stages asked 245,760 bytes on an H200, 2026-11-28; the CPU's
-        # compile does not pipeline the same way, so the sum is checked here)
-        assert (stages - 1) * (16 + block_n) * block_k * 2 <= 232448
+    assert len(rows) == 3 and [r["constexprs"]["BLOCK_M"] for r in rows] == [16, 16, 64]
+    for launch, M in ((rows[1], 16), (rows[2], 64)):
+        for n, _, _, _ in lin.ROWS_TILES:  # every tile of the table, at the rows it takes them
+            block_n, block_k, stages = lin.rows_tile(n or 1 << 20, M)
+            entry = json.loads(json.dumps(launch))
+            entry["constexprs"].update(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages)
+            launches.append(entry)
+            # and within an sm_90 block's shared memory as the GPU's compiler lays it out (stages - 1 buffers of the
+            # rows' and the weight's K step: 64 x 512 x 4 stages asked 245,760 bytes at 16 rows on an H200,
+            # 2026-11-28; the CPU's compile does not pipeline the same way, so the sum is checked here)
+            assert (stages - 1) * (M + block_n) * block_k * 2 <= 232448
     assert compile_all(launches) == []
