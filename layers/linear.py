@@ -85,13 +85,14 @@ ROWS_MAX_M = 16
 ROWS_MAX_BYTES = 64 << 20
 ROWS_TILES = ((2048, 16, 512, 4), (8192, 32, 512, 4), (None, 64, 256, 3))
 # A boundary's partial sums (linear_fast(partial=True) where the inbox takes them: the out projections at TP > 1) go
-# to the rows kernel up to ROWS_PUSH_MAX_M rows, pushed from its epilogue: past ROWS_MAX_M cuBLAS is no faster on them
-# and needs push_'s launch after it (1.5-1.9 us + ~0.4 of gap a boundary in the TP=2 profile at batch 32 / 64). Past
-# ROWS_MAX_M rows the K step is ROWS_WIDE_K (the x tile doubles): `bench_linear`'s rows sweep, 1x H200, 2026-11-30,
-# out projections (2,048 columns), L2-cold weights, us, rows kernel (16 x 256 x 4) against cuBLAS: TP=2 24 / 32 / 64
-# rows 5.68 / 5.65 / 6.07 against 5.95 / 5.88 / 6.01 (512-wide steps: 5.99 / 6.03 at 24 / 32); TP=4 3.95 / 4.19
-# against 4.89 / 4.58 at 32 / 64.
-ROWS_PUSH_MAX_M = 64
+# to the rows kernel up to ROWS_PUSH_MAX_M rows, pushed from its epilogue, where cuBLAS needs push_'s launch after it
+# (1.5-1.9 us + ~0.4 of gap a boundary in the TP=2 profile at batch 32 / 64). Past ROWS_MAX_M rows the K step is
+# ROWS_WIDE_K (the x tile doubles). A rows sweep (1x H200, 2026-11-30, out projections of 2,048 columns, L2-cold
+# weights, us, rows kernel 16 x 256 x 4 against cuBLAS): TP=2 5.68 / 5.65 / 6.07 against 5.95 / 5.88 / 6.01 at 24 /
+# 32 / 64 rows (512-wide steps 5.99 / 6.03 at 24 / 32); TP=4 3.95 / 4.19 against 4.89 / 4.58 at 32 / 64. The TP=2
+# decode record with it up to 64 rows (2x H200, one call against 81903f1): 7.390 / 8.337 / 9.921 / 10.915 -> 7.277 /
+# 8.234 / 9.981 / 10.967 ms at batch 24 / 32 / 48 / 64, so 32.
+ROWS_PUSH_MAX_M = 32
 ROWS_WIDE_K = 256
 ROWS_CONFIG = {"block_n": 0, "block_k": 0, "stages": 0, "warps": 4}
 

@@ -197,7 +197,7 @@ def test_rows_kernel_tiles_from_shape():
     assert lin.rows_tile(16384) == (64, 256, 3)
     # past ROWS_MAX_M rows (pushing only) the K step is at most ROWS_WIDE_K: the x tile is twice or four times as big
     assert lin.rows_tile(2048, lin.ROWS_MAX_M) == (16, 512, 4)
-    assert lin.rows_tile(2048, lin.ROWS_MAX_M + 1) == (16, lin.ROWS_WIDE_K, 4) == lin.rows_tile(2048, 64)
+    assert lin.rows_tile(2048, lin.ROWS_MAX_M + 1) == (16, lin.ROWS_WIDE_K, 4) == lin.rows_tile(2048, 32)
 
 
 def test_rows_kernel_limits(monkeypatch):
