@@ -193,8 +193,8 @@ def test_rows_kernel_block_settings(block_n, block_k, stages, monkeypatch):
 
 
 def test_rows_kernel_tiles_from_shape():
-    assert [lin.rows_tile(n)[0] for n in (257, 2048, 2304, 3088, 8192, 16384)] == [16, 16, 32, 32, 32, 64]
-    assert lin.rows_tile(16384) == (64, 256, 3)
+    assert [lin.rows_tile(n)[0] for n in (257, 2048, 2304, 3088, 4608, 8192, 16384)] == [16, 16, 32, 32, 64, 64, 64]
+    assert lin.rows_tile(6176) == (64, 256, 4) and lin.rows_tile(16384) == (64, 256, 3)
     # past ROWS_MAX_M rows (pushing only) the K step is at most ROWS_WIDE_K: the x tile is twice or four times as big
     assert lin.rows_tile(2048, lin.ROWS_MAX_M) == (16, 512, 4)
     assert lin.rows_tile(2048, lin.ROWS_MAX_M + 1) == (16, lin.ROWS_WIDE_K, 4) == lin.rows_tile(2048, 32)
