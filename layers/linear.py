@@ -244,8 +244,7 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
         and (bias is None or (bias.dtype == weight.dtype and bias.stride(0) == 1))
     if not (0 < M <= max_rows and K <= GEMV_MAX_K and kernels_take):
         x = x if norm is None else norm.tensor()
-        rows_max = ROWS_PUSH_MAX_M if box is not None else ROWS_MAX_M
-        if kernels_take and max_rows < M <= rows_max and N * K * weight.element_size() <= ROWS_MAX_BYTES:
+        if kernels_take and max_rows < M <= rows_limit(box) and N * K * weight.element_size() <= ROWS_MAX_BYTES:
             return rows_gemm(x, weight, bias, box, gated=gated)
         y = F.linear(x, weight, bias)
         y = silu_mul_fast(y) if gated else y
@@ -370,6 +369,12 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], N)
 
 
+def rows_limit(box: push.Inbox | None) -> int:
+    """The most rows the rows kernel takes: ROWS_PUSH_MAX_M where it pushes a boundary's partial sums into `box`,
+    else ROWS_MAX_M."""
+    return ROWS_PUSH_MAX_M if box is not None else ROWS_MAX_M
+
+
 def rows_tile(N: int, M: int = 1) -> tuple[int, int, int]:
     """rows_gemm's (block_n, block_k, stages) for N output columns and M rows: ROWS_TILES's row (the K step at most
     ROWS_WIDE_K past ROWS_MAX_M rows), ROWS_CONFIG's where set."""
@@ -388,7 +393,7 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     from the epilogue (a Pushed returned); gated (a dense MLP's gate_up, as linear_fast's): silu(gate) * up
     [..., N / 2] from the epilogue."""
     M, N, K = _gemm_shape(x, weight)
-    rows_max = ROWS_PUSH_MAX_M if box is not None else ROWS_MAX_M
+    rows_max = rows_limit(box)
     if not 0 < M <= rows_max or weight.stride(1) != 1 or x.dtype != weight.dtype:
         raise ValueError(f"rows_gemm: {M} rows of {x.dtype} against {tuple(weight.shape)} {weight.dtype} "
                          f"(stride {weight.stride()}); it takes 1..{rows_max} rows "
