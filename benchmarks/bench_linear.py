@@ -11,7 +11,8 @@ they do not stay in L2, as in a decode step, which streams ~6 GB: a single weigh
 (50 MB) and flatters whichever kernel reads it. Prints microseconds per call and the weight-read rate (TB/s) of
 cuBLAS, the GEMV (its rows tiled in each program), the GEMV's row grid (linear_fast's rows_in_grid: a program per
 column block and row, the weight re-read per row, from L2 but the first; the MoE router's path at 3-16 rows), the
-rows kernel (rows_gemm, linear_fast's past 2 rows) and, for the router and gdn_out, the skinny kernel. --model
+rows kernel (rows_gemm, linear_fast's past 2 rows; past ROWS_MAX_M, up to ROWS_PUSH_MAX_M, as it runs pushing a
+boundary but storing plainly) and, for the router and gdn_out, the skinny kernel. --model
 llama-1b (a dense preset) takes that model's projections instead. --sweep times GEMV_CONFIG's tile and warps per
 shape at each row count and prints the best three; --rows-sweep the rows kernel's tiles past 2 rows. --norm
 times, for the shapes that read a layer norm (the mixers' input projections, the router) at every row count, the
@@ -21,6 +22,7 @@ RMSNorm.boundary), tiled and as a row grid past 2 rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
@@ -98,15 +100,29 @@ def norm_then_gemv(weights: list[torch.Tensor], M: int, K: int, sweep: bool) -> 
     return {k: round(v, 2) for k, v in out.items()}
 
 
+@contextlib.contextmanager
+def rows_taken():
+    """rows_gemm takes up to ROWS_PUSH_MAX_M rows unpushed (past ROWS_MAX_M it takes them only pushing a boundary:
+    the same kernel and tiles but for the epilogue's stores)."""
+    saved = linear.rows_limit
+    linear.rows_limit = lambda box: linear.ROWS_PUSH_MAX_M
+    try:
+        yield
+    finally:
+        linear.rows_limit = saved
+
+
 def rows_sweep(weights: list[torch.Tensor], x: torch.Tensor) -> list:
     """The best three of rows_gemm's settings (block_n, block_k, warps, stages) at these rows (ROWS_CONFIG over
-    ROWS_TILES)."""
-    K = x.shape[-1]
+    ROWS_TILES), of those within Hopper's shared memory."""
+    M = x.shape[0]
     saved, results = dict(linear.ROWS_CONFIG), []
-    for bn, bk, w, st in [(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (256, 512) for st in (3, 4)]:
+    grid = [(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)]
+    for bn, bk, w, st in [g for g in grid if (g[3] - 1) * (max(16, M) + g[0]) * g[1] * 2 <= 232448]:
         linear.ROWS_CONFIG.update(block_n=bn, block_k=bk, warps=w, stages=st)
         try:
-            results.append((round(us_per_call(linear.rows_gemm, weights, x), 2), (bn, bk, w, st)))
+            with rows_taken():
+                results.append((round(us_per_call(linear.rows_gemm, weights, x), 2), (bn, bk, w, st)))
         except Exception as e:  # out of shared memory and the like
             print(f"    {(bn, bk, w, st)}: {type(e).__name__}")
     linear.ROWS_CONFIG.update(saved)
@@ -143,7 +159,8 @@ def main():
             grid = lambda x, w: linear.linear_fast(x, w, gemv_rows=M, rows_in_grid=True)  # noqa: E731
             t_grid = us_per_call(grid, weights, x) if M > 1 else float("nan")
             t_skinny = us_per_call(linear.skinny_gemm, weights, x) if name in ("router", "gdn_out") else float("nan")
-            t_rows = us_per_call(linear.rows_gemm, weights, x) if M > 1 else float("nan")
+            with rows_taken():
+                t_rows = us_per_call(linear.rows_gemm, weights, x) if 1 < M <= linear.ROWS_PUSH_MAX_M else float("nan")
             print(f"{name:<10}{f'{N} x {K}':>14}{M:>4}{t_cublas:>11.1f}{rate(t_cublas):>6.2f}{t_gemv:>9.1f}"
                   f"{rate(t_gemv):>6.2f}{t_grid:>9.1f}{rate(t_grid):>6.2f}{t_skinny:>11.1f}{rate(t_skinny):>6.2f}"
                   f"{t_rows:>9.1f}{rate(t_rows):>6.2f}", flush=True)

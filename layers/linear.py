@@ -81,7 +81,8 @@ FOLD_MAX_M = 16  # rows up to which a layer boundary leaves its norm to the GEMV
 # columns, up to N: (block_n, block_k, stages), the best of the sweep (16 at 2,048 columns, 32 at 2,304-3,088, 64 with
 # 256-wide steps 3 deep at 16,384; 64 x 512 x 4 stages needs 240 KB of shared memory, over Hopper's 227). The TP=2 input
 # projections (4,608 and 6,176 columns) were not in that sweep and took 32 x 512 x 4 at 10.3-11.4 us; a sweep of
-# them (1x H200, 2026-11-30, 4 / 8 / 16 rows, L2 cold) has 64 x 256 x 4 best: DeltaNet input 8.5-8.7 us (cuBLAS
+# them (1x H200, 2026-11-30, 4 / 8 / 16 rows, L2 cold; bench_linear's timing in a scratch script, now `--tp 2 --rows
+# 4,8,16 --rows-sweep`) has 64 x 256 x 4 best: DeltaNet input 8.5-8.7 us (cuBLAS
 # 9.7-9.9), attention qkv 7.3-7.4 (7.5-7.8), so 64 x 256 x 4 from 3,089 to 8,192 columns. (At TP=1's 9,216 and
 # 12,352 columns 32 x 128 x 4 led 64 x 256 x 3 by 0.5-0.8 us there; not measured in a step, not taken.) ROWS_CONFIG
 # overrides them where set (the sweep's knobs).
@@ -92,10 +93,10 @@ ROWS_TILES = ((2048, 16, 512, 4), (3088, 32, 512, 4), (8192, 64, 256, 4), (None,
 # to the rows kernel up to ROWS_PUSH_MAX_M rows, pushed from its epilogue, where cuBLAS needs push_'s launch after it
 # (1.5-1.9 us + ~0.4 of gap a boundary in the TP=2 profile at batch 32 / 64). Past ROWS_MAX_M rows the K step is
 # ROWS_WIDE_K (the x tile doubles). A rows sweep (1x H200, 2026-11-30, out projections of 2,048 columns, L2-cold
-# weights, us, rows kernel 16 x 256 x 4 against cuBLAS): TP=2 5.68 / 5.65 / 6.07 against 5.95 / 5.88 / 6.01 at 24 /
-# 32 / 64 rows (512-wide steps 5.99 / 6.03 at 24 / 32); TP=4 3.95 / 4.19 against 4.89 / 4.58 at 32 / 64. The TP=2
-# decode record with it up to 64 rows (2x H200, one call against 81903f1): 7.390 / 8.337 / 9.921 / 10.915 -> 7.277 /
-# 8.234 / 9.981 / 10.967 ms at batch 24 / 32 / 48 / 64, so 32.
+# weights, us, rows kernel 16 x 256 x 4 against cuBLAS; now `bench_linear --rows 24,32 --rows-sweep`): TP=2 5.68 /
+# 5.65 / 6.07 against 5.95 / 5.88 / 6.01 at 24 / 32 / 64 rows (512-wide steps 5.99 / 6.03 at 24 / 32); TP=4 3.95 /
+# 4.19 against 4.89 / 4.58 at 32 / 64. The TP=2 decode record with it up to 64 rows (2x H200, one call against
+# 81903f1): 7.390 / 8.337 / 9.921 / 10.915 -> 7.277 / 8.234 / 9.981 / 10.967 ms at batch 24 / 32 / 48 / 64, so 32.
 ROWS_PUSH_MAX_M = 32
 ROWS_WIDE_K = 256
 ROWS_CONFIG = {"block_n": 0, "block_k": 0, "stages": 0, "warps": 4}
