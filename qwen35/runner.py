@@ -21,10 +21,11 @@ accepted (`accepted`: a verify step planned before the host has read them, plan.
 the host's positions). Any step with draft_k > 0 then proposes draft_k drafts for the rows it sampled
 (qwen35/mtp.py propose) into the slots' buffers; any other step of a runner with the head writes the head's KV at
 its positions (qwen35/mtp.py write_kv), so that drafts attend to every position before them. All of it queued on
-every rank, no host sync. With CUDA graphs, a verify step that proposes as many drafts as it verifies (the steady state) replays a graph of
-the whole step (cuda_graphs.VerifyGraphs), and so does a pure-decode step that proposes without verifying (a verify
-step of none, one token a row: a prompt's last token, which the prefix cache's split makes a decode row, or auto's
-k back from 0); other verify steps, and other steps that propose (prefill chunks), run eagerly.
+every rank, no host sync. With CUDA graphs, a verify step that proposes as many drafts as it verifies (the steady
+state) replays a graph of the whole step (cuda_graphs.VerifyGraphs), and so does a pure-decode step that proposes
+without verifying (a verify step of none, one token a row: a prompt's last token, which the prefix cache's split
+makes a decode row, or auto's k back from 0); other verify steps, and other steps that propose (prefill chunks), run
+eagerly.
 """
 from __future__ import annotations
 
