@@ -83,12 +83,14 @@ FOLD_MAX_M = 16  # rows up to which a layer boundary leaves its norm to the GEMV
 # projections (4,608 and 6,176 columns) were not in that sweep and took 32 x 512 x 4 at 10.3-11.4 us; a sweep of
 # them (1x H200, 2026-11-30, 4 / 8 / 16 rows, L2 cold; bench_linear's timing in a scratch script, now `--tp 2 --rows
 # 4,8,16 --rows-sweep`) has 64 x 256 x 4 best: DeltaNet input 8.5-8.7 us (cuBLAS
-# 9.7-9.9), attention qkv 7.3-7.4 (7.5-7.8), so 64 x 256 x 4 from 3,089 to 8,192 columns. (At TP=1's 9,216 and
-# 12,352 columns 32 x 128 x 4 led 64 x 256 x 3 by 0.5-0.8 us there; not measured in a step, not taken.) ROWS_CONFIG
-# overrides them where set (the sweep's knobs).
+# 9.7-9.9), attention qkv 7.3-7.4 (7.5-7.8), so 64 x 256 x 4 from 3,089 to 8,192 columns. At TP=1's 9,216 and 12,352
+# columns 32 x 128 x 4 led 64 x 256 x 3 by 0.5-0.8 us there: TP=1 decode 3.675 / 4.184 / 6.091 / 7.887 / 9.311 ->
+# 3.650 / 4.163 / 6.068 / 7.854 / 9.283 ms at batch 3 / 4 / 8 / 12 / 16 (one 1x H200 call, 2026-11-30,
+# 2026-11-30_record_h200_tp1_rows_tile12352{,_base}.json), so it to 12,352. ROWS_CONFIG overrides them where set (the
+# sweep's knobs).
 ROWS_MAX_M = 16
 ROWS_MAX_BYTES = 64 << 20
-ROWS_TILES = ((2048, 16, 512, 4), (3088, 32, 512, 4), (8192, 64, 256, 4), (None, 64, 256, 3))
+ROWS_TILES = ((2048, 16, 512, 4), (3088, 32, 512, 4), (8192, 64, 256, 4), (12352, 32, 128, 4), (None, 64, 256, 3))
 # A boundary's partial sums (linear_fast(partial=True) where the inbox takes them: the out projections at TP > 1) go
 # to the rows kernel up to ROWS_PUSH_MAX_M rows, pushed from its epilogue, where cuBLAS needs push_'s launch after it
 # (1.5-1.9 us + ~0.4 of gap a boundary in the TP=2 profile at batch 32 / 64). Past ROWS_MAX_M rows the K step is
