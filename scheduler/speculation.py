@@ -17,9 +17,13 @@ batch's step would otherwise outweigh all before it and flip k on its noise) at 
 drafted, the evidence before it kept by exp(-d / ACCEPTANCE_MEMORY) (so a batch-1 step of one draft moves a as
 little as one draft says), and a prior of PRIOR_DRAFTS drafts at ACCEPTANCE_PRIOR is always added. While auto stays
 at 0 the evidence fades by e every RETRY_STEPS steps, so that the prior comes back and speculation is tried again,
-rarely after much evidence of a low acceptance, soon after little. (An exponential average pulled back to the prior
-by 10% a plain step had sat at the break-even under random drafts: at batch 1 it verified on 83% of steps, each
-draft lowering it by 1%.)
+rarely after much evidence of a low acceptance, soon after little. Each time in a row that the evidence switched it
+off (the running acceptance below the prior), the fade takes twice as long, at most 2^RETRY_DOUBLINGS times; a running
+acceptance back at the prior resets that. (A retry adds one verify step's few drafts, and where speculation pays at a
+low acceptance the evidence fades back past the break-even within ~35 steps: drafts never accepted were verified on
+84 of 2,000 batch-1 steps with TP=2's 2026-11-30 table, 24 with the doubling. An exponential average pulled back to
+the prior by 10% a plain step had sat at the break-even under random drafts: at batch 1 it verified on 83% of steps,
+each draft lowering it by 1%.)
 
 The cost table: wall ms per step by k and batch, as `qwen35.bench --mode spec` measures them (its results JSON is a
 table: --spec-cost-table; CostTable.from_rows says how a row becomes a cost), linear between the batches measured.
@@ -50,7 +54,8 @@ ACCEPTANCE_MEMORY = 100   # drafts: a verify step of d drafts keeps exp(-d / thi
 # steps there, each flip a verify step outside the graphs (tests/test_spec_policy.py: 184 flips in 2,000 simulated
 # batch-1 steps at an acceptance of 0.6 with the TP=1 table)
 STEP_DRAFTS = 10          # the most drafts of evidence one verify step adds (a step's weight, ~10% at most)
-RETRY_STEPS = 200         # steps at k = 0 over which the evidence fades by e (module docstring)
+RETRY_STEPS = 200         # steps at k = 0 over which the evidence fades by e (module docstring), doubled for each
+RETRY_DOUBLINGS = 3       # switch-off in a row by the evidence, at most this many times (1,600 steps)
 # the placeholder (module docstring): (tokens in the step, cost relative to a batch-1 plain step)
 # (1024: the 256-512 segment continued, so that steps of up to 256 rows x (AUTO_MAX_K + 1) tokens grow as before)
 PLACEHOLDER = [(1, 1.0), (2, 1.32), (4, 1.82), (8, 2.4), (16, 3.0), (32, 3.6), (64, 4.3), (128, 5.6), (256, 8.4),
@@ -179,6 +184,7 @@ class SpecPolicy:
         self.evidence = 0.0        # drafts seen, faded (module docstring)
         self.evidence_accepted = 0.0  # of them, weighted by the acceptance that explains each step
         self.k: int | None = None  # what auto chose last
+        self.misses = 0            # switch-offs in a row by an acceptance below the prior (RETRY_DOUBLINGS)
         self.drafted = 0
         self.accepted = 0
 
@@ -200,6 +206,7 @@ class SpecPolicy:
         """Back to no evidence (the acceptance its prior) and no k chosen: what the counters say stays."""
         self.evidence = self.evidence_accepted = 0.0
         self.k = None
+        self.misses = 0
 
     def next_k(self, batch: int) -> int:
         """Drafts to propose for the next step of about `batch` rows."""
@@ -209,9 +216,11 @@ class SpecPolicy:
         best = min(range(AUTO_MAX_K + 1), key=costs.__getitem__)  # (ties: the smaller k)
         if self.k is not None and costs[self.k] * (1 - SWITCH_MARGIN) <= costs[best]:
             best = self.k  # (module docstring: k stays put unless another is clearly cheaper)
+        if best == 0 and self.k and self.acceptance < ACCEPTANCE_PRIOR:
+            self.misses += 1  # switched off by the evidence: the next retry waits twice as long
         self.k = best
         if best == 0:  # the evidence fades: the prior comes back, and speculation is tried again
-            fade = math.exp(-1 / RETRY_STEPS)
+            fade = math.exp(-1 / (RETRY_STEPS << min(self.misses, RETRY_DOUBLINGS)))
             self.evidence *= fade
             self.evidence_accepted *= fade
         return best
@@ -227,6 +236,8 @@ class SpecPolicy:
         keep = math.exp(-d / ACCEPTANCE_MEMORY)
         self.evidence = keep * self.evidence + d
         self.evidence_accepted = keep * self.evidence_accepted + d * per_draft_acceptance(accepted / drafted, k)
+        if self.acceptance >= ACCEPTANCE_PRIOR:
+            self.misses = 0
 
 
 def expected_tokens(k: int, acceptance: float) -> float:
