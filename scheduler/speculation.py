@@ -18,12 +18,12 @@ drafted, the evidence before it kept by exp(-d / ACCEPTANCE_MEMORY) (so a batch-
 little as one draft says), and a prior of PRIOR_DRAFTS drafts at ACCEPTANCE_PRIOR is always added. While auto stays
 at 0 the evidence fades by e every RETRY_STEPS steps, so that the prior comes back and speculation is tried again,
 rarely after much evidence of a low acceptance, soon after little. Each time in a row that the evidence switched it
-off (the running acceptance below the prior), the fade takes twice as long, at most 2^RETRY_DOUBLINGS times; a running
-acceptance back at the prior resets that. (A retry adds one verify step's few drafts, and where speculation pays at a
-low acceptance the evidence fades back past the break-even within ~35 steps: drafts never accepted were verified on
-84 of 2,000 batch-1 steps with TP=2's 2026-11-30 table, 24 with the doubling. An exponential average pulled back to
-the prior by 10% a plain step had sat at the break-even under random drafts: at batch 1 it verified on 83% of steps,
-each draft lowering it by 1%.)
+off (at a batch where the prior's acceptance would speculate), the fade takes twice as long, at most
+2^RETRY_DOUBLINGS times; a running acceptance back at the prior resets that. (A retry adds one verify step's few
+drafts, and where speculation pays at a low acceptance the evidence fades back past the break-even within ~35 steps:
+drafts never accepted were verified on 84 of 2,000 batch-1 steps with TP=2's 2026-11-30 table, 24 with the
+doubling. An exponential average pulled back to the prior by 10% a plain step had sat at the break-even under random
+drafts: at batch 1 it verified on 83% of steps, each draft lowering it by 1%.)
 
 The cost table: wall ms per step by k and batch, as `qwen35.bench --mode spec` measures them (its results JSON is a
 table: --spec-cost-table; CostTable.from_rows says how a row becomes a cost), linear between the batches measured.
@@ -184,7 +184,7 @@ class SpecPolicy:
         self.evidence = 0.0        # drafts seen, faded (module docstring)
         self.evidence_accepted = 0.0  # of them, weighted by the acceptance that explains each step
         self.k: int | None = None  # what auto chose last
-        self.misses = 0            # switch-offs in a row by an acceptance below the prior (RETRY_DOUBLINGS)
+        self.misses = 0            # switch-offs in a row by the evidence (RETRY_DOUBLINGS)
         self.drafted = 0
         self.accepted = 0
 
@@ -216,14 +216,19 @@ class SpecPolicy:
         best = min(range(AUTO_MAX_K + 1), key=costs.__getitem__)  # (ties: the smaller k)
         if self.k is not None and costs[self.k] * (1 - SWITCH_MARGIN) <= costs[best]:
             best = self.k  # (module docstring: k stays put unless another is clearly cheaper)
-        if best == 0 and self.k and self.acceptance < ACCEPTANCE_PRIOR:
-            self.misses += 1  # switched off by the evidence: the next retry waits twice as long
+        if best == 0 and self.k and self._pays_at_prior(batch):
+            self.misses += 1  # switched off by the evidence, not the batch: the next retry waits twice as long
         self.k = best
         if best == 0:  # the evidence fades: the prior comes back, and speculation is tried again
             fade = math.exp(-1 / (RETRY_STEPS << min(self.misses, RETRY_DOUBLINGS)))
             self.evidence *= fade
             self.evidence_accepted *= fade
         return best
+
+    def _pays_at_prior(self, batch: int) -> bool:
+        """Whether some k > 0 costs less per token than k = 0 at this batch with the prior's acceptance."""
+        off = self.table.ms_per_token(batch, 0, ACCEPTANCE_PRIOR)
+        return any(self.table.ms_per_token(batch, k, ACCEPTANCE_PRIOR) < off for k in range(1, AUTO_MAX_K + 1))
 
     def record(self, drafted: int, accepted: int, k: int) -> None:
         """A verify step of k drafts per row: `drafted` drafts that could have been accepted (a row near its end

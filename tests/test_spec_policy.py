@@ -170,3 +170,20 @@ def test_retries_wait_longer_after_each_switch_off_and_resume_when_drafts_are_ac
         k = p.next_k(1)
         assert k > 0
     assert p.misses == 0
+
+
+def test_switch_offs_by_the_batch_do_not_delay_retries():
+    """Drafts accepted a little below the prior's rate, the batch moving between 1 (speculation pays) and 8 (it does
+    not at TP=2, whatever the acceptance): auto switches off at every batch of 8, and none of those counts as a miss."""
+    import random
+    rng, p = random.Random(0), SpecPolicy("auto", CostTable.shipped("NVIDIA H200", 2, flagship_shape()))
+    ks = []
+    for step in range(400):
+        batch = 1 if (step // 20) % 2 == 0 else 8
+        k = p.next_k(batch)
+        ks.append((batch, k))
+        if k:  # each draft accepted at 0.5 while the ones before it were: below the prior, above batch 1's break-even
+            accepted = sum(next((j for j in range(k) if rng.random() >= 0.5), k) for _ in range(batch))
+            p.record(batch * k, accepted, k)
+        assert p.misses == 0, (step, p.acceptance)
+    assert {k for b, k in ks if b == 8} == {0} and all(k > 0 for b, k in ks[5:20] if b == 1)
