@@ -67,8 +67,9 @@ def gemv_candidates(op: str, quick: bool) -> list[dict]:
     tile; gate_up_gemv: act columns per (token, tile) program and H step of its [k slots, BLOCK_N, BLOCK_K] tiles
     (narrow: T * max(I, I_s) / BLOCK_N programs stream the weights; down_combine's BLOCK_K 512 takes whole rows of
     the I = 512 experts at once). The default first (--quick keeps two)."""
-    if op == "gate_up_gemv":
-        grid = dict(BLOCK_N=[4, 8, 2, 16, 1], BLOCK_K=[128, 64, 256], num_warps=[4, 8, 2], num_stages=[4, 3])
+    if op == "gate_up_gemv":  # (sum_last: summed along K after the loop, layers/moe/gemv.py)
+        grid = dict(BLOCK_N=[4, 8, 2, 16, 1], BLOCK_K=[128, 64, 256], num_warps=[4, 8, 2], num_stages=[4, 3],
+                    sum_last=[False, True])
     else:
         grid = dict(BLOCK_N=[8, 4, 16, 2], BLOCK_K=[64, 512, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
     return expand(grid, quick)

@@ -301,8 +301,8 @@ def gemv_inputs(T, E, H, gen, routed):
 
 @pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local,routed", GEMV_CASES)
 def test_gate_up_gemv_equals_torch(T, E, k, H, I, I_s, start, num_local, routed):
-    """The GEMV path's gate_up (the per-token kernel: default tile, several N tiles and H steps; the persistent
-    kernel: whole rows, several items a program, pipelined): routing bit
+    """The GEMV path's gate_up (the per-token kernel: default tile, several N tiles and H steps, summed along K a
+    step or after the loop; the persistent kernel: whole rows, several items a program, pipelined): routing bit
     for bit route_fast's (ids exactly route_torch's, weights and gate within TOL_ROUTE), each pair's row as the
     oracle's, act rows of local pairs and the shared rows within TOL; down_combine on it, and the whole path,
     against the oracles."""
@@ -311,7 +311,8 @@ def test_gate_up_gemv_equals_torch(T, E, k, H, I, I_s, start, num_local, routed)
     x, router = gemv_inputs(T, E, H, gen, routed)
     logits = F.linear(x, router)
     ref = moe.gate_up_gemv_torch(x, logits, k, w)
-    for tile in (moe.GEMV_TILE, dict(BLOCK_N=4, BLOCK_K=16, num_warps=2, num_stages=3), dict(persistent=True),
+    for tile in (moe.GEMV_TILE, dict(BLOCK_N=4, BLOCK_K=16, num_warps=2, num_stages=3),
+                 dict(BLOCK_N=4, BLOCK_K=16, num_warps=2, num_stages=3, sum_last=True), dict(persistent=True),
                  dict(persistent=True, BLOCK_N=2, num_stages=2, num_warps=2, per_sm=1)):
         fast = moe.gate_up_gemv_fast(x, logits, k, w, tile)
         assert fast.ids.dtype == torch.int32 and torch.equal(fast.ids.long(), ref.ids)
@@ -328,6 +329,35 @@ def test_gate_up_gemv_equals_torch(T, E, k, H, I, I_s, start, num_local, routed)
     assert max_diff(out, oracle) <= TOL
     want = moe.moe_torch(x, router, k, w)
     assert want.abs().max() > 0.1 and max_diff(moe.decode_path(x, router, k, w, gemv=True), want) <= TOL
+
+
+def test_gate_up_gemv_tuned_tiles_compile_for_hopper():
+    """Every tile of the tuned table's GEMV path that sums along K after its loop (sum_last, more registers) compiles
+    for sm_90 in bf16 at the 35B-A3B's shape (8 of 256 experts, H 2048), as its launch records it."""
+    import json
+
+    from layers.moe.tiles import CONFIG_FILE
+    from tests.hopper_compile import compile_all, hopper_backend_available, recorded
+    if not hopper_backend_available():
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    gen = torch.Generator().manual_seed(0)
+    w = make_weights(16, 64, 32, 32, 0, gen, torch.bfloat16)
+    x, router = gemv_inputs(2, 16, 64, gen, "any")
+    with recorded() as launches:
+        moe.gate_up_gemv_fast(x.bfloat16(), F.linear(x, router).bfloat16(), 8, w,
+                              dict(BLOCK_N=4, BLOCK_K=16, num_warps=2, num_stages=3, sum_last=True))
+    launch = next(e for e in launches if e["name"] == "_gate_up_gemv_kernel")
+    tiles = [entry["gemv"] for shapes in json.load(open(CONFIG_FILE)).values() for buckets in shapes.values()
+             for entry in buckets.values() if (entry.get("gemv") or {}).get("sum_last")]
+    assert tiles
+    variants = []
+    for tile in tiles:
+        entry = json.loads(json.dumps(launch))
+        entry["constexprs"].update(TOP_K=8, K_POW2=8, BLOCK_E=256, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
+                                   NUM_STAGES=tile["num_stages"], SUM_LAST=True)
+        entry["options"].update(num_warps=tile["num_warps"])
+        variants.append(entry)
+    assert compile_all(variants) == []
 
 
 def test_gate_up_gemv_ties_go_to_lowest_id():
@@ -787,11 +817,12 @@ def test_moe_decode_bf16_real_shapes(tp, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("tp", [1, 2, 8])
 @pytest.mark.parametrize("T", [1, 2, 4, 8])
 def test_moe_decode_gemv_bf16_real_shapes(tp, T):
     """The GEMV path against experts_torch routed on the same logits, its routing bit for bit route_fast's; the
-    same bits on a second eager run and from a CUDA graph replayed on new inputs."""
+    same bits on a second eager run and from a CUDA graph replayed on new inputs (TP=2 at 4 and 8 tokens: tiles
+    that sum along K after the loop)."""
     w, router = real_weights(tp), real_router(tp)
     gen = torch.Generator().manual_seed(T * 7 + tp)
     x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)

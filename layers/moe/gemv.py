@@ -120,7 +120,8 @@ def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Expe
             shared_inter, w.start, num_local, x.stride(0), logits.stride(0), w.gate_up.stride(0),
             w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0), TOP_K=top_k,
             K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), BLOCK_N=tile["BLOCK_N"],
-            BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], num_warps=tile["num_warps"], **pdl())
+            BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], SUM_LAST=tile.get("sum_last", False),
+            num_warps=tile["num_warps"], **pdl())
     return GemvAct(act, ids, weights, shared_gate, inverse.view(-1))
 
 
@@ -176,12 +177,20 @@ if triton is not None:
     def _gate_up_gemv_kernel(x_ptr, logits_ptr, w_ptr, sw_ptr, act_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, T, H, E, I,
                              I_s, start, num_local, sx, sl, swe, swn, sswn, sa, TOP_K: tl.constexpr,
                              K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SUM_LAST: tl.constexpr):
         """Program (token t, N tile): t's routing (route_token; every program routes, the pid_n == 0 one stores it
         and each pair's act row for the down step), then columns [n, n + BLOCK_N) of silu(x W_gate^T) * (x W_up^T)
         of its local slots as one [K_POW2, BLOCK_N, BLOCK_K] tile per H step (gate and up halves) and of the shared
         expert as another, in one loop that Triton software-pipelines (as _down_combine_kernel). Other ranks'
-        slots are masked: they read and write nothing. Rows: shared t, pair p = t * TOP_K + slot at T + p."""
+        slots are masked: they read and write nothing. Rows: shared t, pair p = t * TOP_K + slot at T + p.
+        SUM_LAST (the tile's "sum_last"): the products accumulate elementwise over the H steps and are summed along
+        K once after the loop, instead of once a step (fewer instructions a step, more registers). ncu at the TP=2
+        rank shape, T = 8 (1x H200, 2026-11-30): summed a step, DRAM at 65% of peak with 12% of warp slots active
+        and few stalls, so the issue of each step's reductions held it; summing last, 23.6 -> 20.6 us at T = 4 and
+        35.5 -> 34.1 at T = 8 (L2 cold), TP=2 decode 2.603 / 2.884 / 3.351 / 3.863 -> 2.585 / 2.876 / 3.220 / 3.821
+        ms at batch 3 / 4 / 5 / 8 (one 2x H200 call, 2026-11-30_record_h200x2_tp2_sum_last{,_base}.json). At T = 16
+        with the default tile it was slower (65.6 -> 72.2 us), and the down_combine kernel summing last was too
+        (19.0 -> 20.4 us at T = 8): a tile option, tuned per bucket (benchmarks/tune_moe.py)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
         t = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
@@ -204,19 +213,37 @@ if triton is not None:
         sgp = sw_ptr + cols.to(tl.int64)[:, None] * sswn + ks[None, :]
         sup = sw_ptr + (cols + I_s).to(tl.int64)[:, None] * sswn + ks[None, :]
         xp = x_ptr + t * sx + ks
-        acc_g = tl.zeros([K_POW2, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([K_POW2, BLOCK_N], dtype=tl.float32)
-        acc_sg = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_su = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if SUM_LAST:
+            acc_g = tl.zeros([K_POW2, BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_u = tl.zeros([K_POW2, BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_sg = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_su = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc_g = tl.zeros([K_POW2, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([K_POW2, BLOCK_N], dtype=tl.float32)
+            acc_sg = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc_su = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
             kmask = k0 + ks < H
             a = tl.load(xp + k0, mask=kmask, other=0.0).to(tl.float32)
             m = rmask[:, :, None] & kmask[None, None, :]
-            acc_g += tl.sum(tl.load(gp + k0, mask=m, other=0.0).to(tl.float32) * a[None, None, :], 2)
-            acc_u += tl.sum(tl.load(up + k0, mask=m, other=0.0).to(tl.float32) * a[None, None, :], 2)
+            g = tl.load(gp + k0, mask=m, other=0.0).to(tl.float32) * a[None, None, :]
+            u = tl.load(up + k0, mask=m, other=0.0).to(tl.float32) * a[None, None, :]
             m = smask[:, None] & kmask[None, :]
-            acc_sg += tl.sum(tl.load(sgp + k0, mask=m, other=0.0).to(tl.float32) * a[None, :], 1)
-            acc_su += tl.sum(tl.load(sup + k0, mask=m, other=0.0).to(tl.float32) * a[None, :], 1)
+            sg = tl.load(sgp + k0, mask=m, other=0.0).to(tl.float32) * a[None, :]
+            su = tl.load(sup + k0, mask=m, other=0.0).to(tl.float32) * a[None, :]
+            if SUM_LAST:
+                acc_g += g
+                acc_u += u
+                acc_sg += sg
+                acc_su += su
+            else:
+                acc_g += tl.sum(g, 2)
+                acc_u += tl.sum(u, 2)
+                acc_sg += tl.sum(sg, 1)
+                acc_su += tl.sum(su, 1)
+        if SUM_LAST:
+            acc_g, acc_u, acc_sg, acc_su = tl.sum(acc_g, 2), tl.sum(acc_u, 2), tl.sum(acc_sg, 1), tl.sum(acc_su, 1)
         dt = act_ptr.dtype.element_ty
         tl.store(act_ptr + row.to(tl.int64)[:, None] * sa + cols[None, :], silu_mul_sums(acc_g, acc_u, dt), mask=rmask)
         tl.store(act_ptr + t * sa + cols, silu_mul_sums(acc_sg, acc_su, dt), mask=smask)
