@@ -235,7 +235,9 @@ def retune_gemv(layer: Layer, T: int, entry: dict, quick: bool, gen: torch.Gener
     down = lambda tile: moe.down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, tile)  # noqa
     was_dc = (time_ms(lambda: down(entry["down_combine"]), graph=True), entry["down_combine"])
     t_dc, dc = best_tile(down, T, quick, gemv_candidates("down_combine", quick))
-    entry["gemv"], entry["down_combine"] = gemv, dc
+    # a tile the grid lacks (--quick's) stays where it is faster than the grid's best
+    entry["gemv"] = gemv if t_up < was[0] else was[1]
+    entry["down_combine"] = dc if t_dc < was_dc[0] else was_dc[1]
     print(f"  T={T:<5} gate_up_gemv {t_up * 1e3:6.1f} us {gemv} (was {was[0] * 1e3:.1f} us {was[1]})  "
           f"down_combine {t_dc * 1e3:6.1f} us {dc} (was {was_dc[0] * 1e3:.1f} us {was_dc[1]})", flush=True)
 
