@@ -235,11 +235,15 @@ def retune_gemv(layer: Layer, T: int, entry: dict, quick: bool, gen: torch.Gener
     down = lambda tile: moe.down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, tile)  # noqa
     was_dc = (time_ms(lambda: down(entry["down_combine"]), graph=True), entry["down_combine"])
     t_dc, dc = best_tile(down, T, quick, gemv_candidates("down_combine", quick))
-    # a tile the grid lacks (--quick's) stays where it is faster than the grid's best
-    entry["gemv"] = gemv if t_up < was[0] else was[1]
-    entry["down_combine"] = dc if t_dc < was_dc[0] else was_dc[1]
+    entry["gemv"], entry["down_combine"] = faster((t_up, gemv), was)[1], faster((t_dc, dc), was_dc)[1]
     print(f"  T={T:<5} gate_up_gemv {t_up * 1e3:6.1f} us {gemv} (was {was[0] * 1e3:.1f} us {was[1]})  "
           f"down_combine {t_dc * 1e3:6.1f} us {dc} (was {was_dc[0] * 1e3:.1f} us {was_dc[1]})", flush=True)
+
+
+def faster(new: tuple[float, dict], old: tuple[float, dict]) -> tuple[float, dict]:
+    """(time, tile) of the grid's best or of the tile a re-tune started from, whichever was faster: a tile the grid
+    lacks (--quick's) stays where it is faster (ties keep the old one)."""
+    return new if new[0] < old[0] else old
 
 
 def merge_tables(base: dict, tuned: list[dict]) -> dict:

@@ -1,5 +1,6 @@
 """benchmarks/tune_moe.py's table merge (the GPU tuning itself runs on a GPU only): runs of one TP each, tuned side by
-side from copies of one table, give one table with every entry each run changed and the rest as it was."""
+side from copies of one table, give one table with every entry each run changed and the rest as it was; and a
+re-tune's choice between the tile it started from and its grid's best."""
 import json
 import subprocess
 import sys
@@ -39,3 +40,10 @@ def test_merge_from_the_command_line(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(out.read_text())["NVIDIA H200"]["E256_H2048_I128"]["32"] == {"scan": {"gate_up": 1}}
+
+
+def test_retune_keeps_the_faster_of_old_and_new():
+    from benchmarks.tune_moe import faster
+    old, new = (18.7, {"BLOCK_N": 16}), (19.3, {"BLOCK_N": 8})
+    assert faster(new, old) == old and faster(old, new) == old and faster((18.0, {"BLOCK_N": 8}), old)[0] == 18.0
+    assert faster((18.7, {"BLOCK_N": 8}), old) == old  # a tie keeps what the table had
