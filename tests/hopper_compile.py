@@ -2,7 +2,7 @@
 
 The interpreter accepts some code the compiler does not (a jit function returning a dtype, for one), so a kernel
 checked only on the CPU can still fail to compile on the device. `recorded()` notes every interpreted launch's
-signature (argument types, constexpr values, warps); `compile_all` compiles each in a fresh Python process without
+signature (argument types, constexpr values, warps); `compile_all` compiles each (or a `variant` of it) in a fresh Python process without
 the interpreter, through Triton's own compiler and ptxas (no GPU needed), and returns the failures."""
 from __future__ import annotations
 
@@ -89,6 +89,15 @@ for e in json.load(sys.stdin):
         failures.append(f"{e['module']}.{e['name']} {e['constexprs']}: {type(exc).__name__}: {str(exc)[:600]}")
 print(json.dumps(failures))
 '''
+
+
+def variant(launch: dict, options: dict | None = None, **constexprs) -> dict:
+    """A copy of a recorded launch with some constexprs (and compile options, e.g. num_warps) changed: a setting the
+    CPU did not launch (a GPU shape's tile), compiled as that launch would be."""
+    entry = json.loads(json.dumps(launch))
+    entry["constexprs"].update(constexprs)
+    entry["options"].update(options or {})
+    return entry
 
 
 def compile_all(launches: list[dict], timeout: float = 900) -> list[str]:

@@ -337,7 +337,7 @@ def test_gate_up_gemv_tuned_tiles_compile_for_hopper():
     import json
 
     from layers.moe.tiles import CONFIG_FILE
-    from tests.hopper_compile import compile_all, hopper_backend_available, recorded
+    from tests.hopper_compile import compile_all, hopper_backend_available, recorded, variant
     if not hopper_backend_available():
         pytest.skip("this Triton has no NVIDIA backend to compile with")
     gen = torch.Generator().manual_seed(0)
@@ -350,14 +350,9 @@ def test_gate_up_gemv_tuned_tiles_compile_for_hopper():
     tiles = [entry["gemv"] for shapes in json.load(open(CONFIG_FILE)).values() for buckets in shapes.values()
              for entry in buckets.values() if (entry.get("gemv") or {}).get("sum_last")]
     assert tiles
-    variants = []
-    for tile in tiles:
-        entry = json.loads(json.dumps(launch))
-        entry["constexprs"].update(TOP_K=8, K_POW2=8, BLOCK_E=256, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
-                                   NUM_STAGES=tile["num_stages"], SUM_LAST=True)
-        entry["options"].update(num_warps=tile["num_warps"])
-        variants.append(entry)
-    assert compile_all(variants) == []
+    assert compile_all([variant(launch, {"num_warps": tile["num_warps"]}, TOP_K=8, K_POW2=8, BLOCK_E=256,
+                                BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"],
+                                SUM_LAST=True) for tile in tiles]) == []
 
 
 def test_gate_up_gemv_ties_go_to_lowest_id():

@@ -586,11 +586,9 @@ def test_rows_kernel_compiles_for_hopper():
     pushing a boundary's partial sums (and emptying the slot before), and at ROWS_PUSH_MAX_M rows pushing, compiles
     for sm_90 in bf16, and so does every tile of ROWS_TILES at those rows, each within Hopper's 227 KB of shared
     memory."""
-    import json
-
     from layers import linear as lin
     from layers.backend import use_kernels
-    from tests.hopper_compile import compile_all, hopper_backend_available, recorded
+    from tests.hopper_compile import compile_all, hopper_backend_available, recorded, variant
     if not hopper_backend_available():
         pytest.skip("this Triton has no NVIDIA backend to compile with")
     H, K, world, dt = 64, 1024, 2, torch.bfloat16
@@ -611,9 +609,7 @@ def test_rows_kernel_compiles_for_hopper():
     for launch, M in ((rows[1], 16), (rows[2], M)):
         for n, _, _, _ in lin.ROWS_TILES:  # every tile of the table, at the rows it takes them
             block_n, block_k, stages = lin.rows_tile(n or 1 << 20, M)
-            entry = json.loads(json.dumps(launch))
-            entry["constexprs"].update(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages)
-            launches.append(entry)
+            launches.append(variant(launch, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages))
             # and within an sm_90 block's shared memory as the GPU's compiler lays it out (stages - 1 buffers of the
             # rows' and the weight's K step: 64 x 512 x 4 stages asked 245,760 bytes at 16 rows on an H200,
             # 2026-11-28; the CPU's compile does not pipeline the same way, so the sum is checked here)
