@@ -190,8 +190,10 @@ if triton is not None:
         35.5 -> 34.1 at T = 8 (L2 cold), TP=2 decode 2.603 / 2.884 / 3.351 / 3.863 -> 2.585 / 2.876 / 3.220 / 3.821
         ms at batch 3 / 4 / 5 / 8 (one 2x H200 call, 2026-11-30_record_h200x2_tp2_sum_last{,_base}.json). At T = 16
         with the default tile it was slower (65.6 -> 72.2 us), and the down_combine kernel summing last was too
-        (19.0 -> 20.4 us at T = 8): a tile option, tuned per bucket (benchmarks/tune_moe.py; at TP=1 T = 4 / 8 and
-        TP=4 T = 8 the tuner took it too, 4-11% faster alone, not yet in a decode record)."""
+        (19.0 -> 20.4 us at T = 8): a tile option, tuned per bucket (benchmarks/tune_moe.py; also TP=1's T = 8: decode
+        5.008 / 6.077 -> 4.676 / 5.992 ms at batch 5 / 8; its T = 4 tile lost 0.6-0.8% at batch 3-4 and was not
+        kept; TP=4's T = 8 from the tuner alone). Stacking the slots' rows for tl.dot, or fetching the tiles by TMA,
+        was 1.3-3x slower (2026-11-30_moe_gemv_variants_h200.json)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
         t = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
