@@ -25,7 +25,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import pdl, prior_done, round_to, tl, triton
+from layers.backend import dot_precision, pdl, prior_done, round_to, tl, triton
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows, linear_fast, linear_torch
 from layers.norm import RMSNorm, rms_norm_torch
@@ -308,7 +308,7 @@ def paged_prefill_attention_fast(q, k_cache, v_cache, batch: ForwardBatch, scale
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), tables.stride(0), g.stride(0), g.stride(1),
         H=H, GROUP=H // n_kv, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_B=seq_tile(B),
-        HAS_GATE=gate is not None, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_GATE=gate is not None, PREC=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
     return out
 
@@ -481,7 +481,7 @@ def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: 
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0), gate.stride(0), gate.stride(1),
         GROUP=group, BLOCK_G=max(16, merge_g), MERGE_G=merge_g, D=D, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         TILE=tile, MIN_TILES=min_tiles, BLOCK_S=block_s, CHUNK=chunk, ONE_SPLIT=splits == 1,
-        HAS_GATE=has_gate, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        HAS_GATE=has_gate, PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
         **pdl())
     return out
 

@@ -114,6 +114,12 @@ def pdl() -> dict:
 _OUTGROWN: list[torch.Tensor] = []
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for operands of this dtype: fp32 models multiply in full fp32 (Triton's default would
+    be tf32); bf16/fp16 operands ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def graph_scratch(store: dict, what: str, n: int, device: torch.device, dtype: torch.dtype, least: int,
                   row: tuple[int, ...] = ()) -> torch.Tensor:
     """`store`'s buffer for `device`, of at least n rows of shape `row` (least rows when made)."""

@@ -42,7 +42,7 @@ from dist import parallel, push
 from dist.push import Pushed
 from layers import backend
 from layers.activation import silu_mul_fast, silu_mul_sums
-from layers.backend import pdl, prior_done, rms_norm_row, round_to, tl, triton
+from layers.backend import dot_precision, pdl, prior_done, rms_norm_row, round_to, tl, triton
 
 # linear_fast's GEMV: up to GEMV_MAX_M rows and GEMV_MAX_K features; a program holds BLOCK_N x next_pow2(K) <= tile
 # weight elements ("tile_1" at one row, "tile" at more; BLOCK_N a power of two, halved from the most that fits until
@@ -368,7 +368,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _skinny_gemm_kernel[(col_blocks, split)](
         x2, weight, y, partials, arrivals, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, STAGES=cfg["stages"],
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["warps"], **pdl())
+        PREC=dot_precision(x.dtype), num_warps=cfg["warps"], **pdl())
     return y.view(*x.shape[:-1], N)
 
 
@@ -412,7 +412,7 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         x2, weight, weight if bias is None else bias, y, M, cols, K, x2.stride(0), weight.stride(0), y.stride(0),
         slot, *inbox_args(box, x.device), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_cols,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, PUSH=box is not None, P=box.world if box is not None else 1,
-        STAGES=stages, PREC="ieee" if x.dtype == torch.float32 else "tf32", GATED=gated,
+        STAGES=stages, PREC=dot_precision(x.dtype), GATED=gated,
         num_warps=ROWS_CONFIG["warps"], **pdl())
     if box is not None:
         return push.Pushed(box, slot, torch.Size((*x.shape[:-1], cols)), x.dtype)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dist import push
-from layers.backend import pdl, prior_done, round_to, tl, triton
+from layers.backend import dot_precision, pdl, prior_done, round_to, tl, triton
 from layers.linear import inbox_args
 from layers.activation import silu_mul_sums, silu_mul_torch
 from layers.mlp import mlp_torch
@@ -84,11 +84,6 @@ def experts_on_layout(x: torch.Tensor, w: ExpertWeights, layout: Layout, ids: to
         return down_combine_fast(act, w, layout.inverse, ids, weights, shared_gate, cfg["down_combine"],
                                  partial=partial)
     return combine_fast(down_fast(act, w, layout, weights, shared_gate, cfg["down"]), layout.inverse, T, partial)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 models multiply in full fp32 (Triton's default would be tf32); bf16/fp16 operands ignore the setting."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _routed_rows(layout: Layout, T: int):

@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from layers.backend import pdl, prior_done, tl, triton
+from layers.backend import dot_precision, pdl, prior_done, tl, triton
 from layers.moe.experts import ExpertWeights
 from layers.moe.gemv import GemvAct, pair_rows_torch
-from layers.moe.grouped import dot_precision, down_tile, gate_up_tile
+from layers.moe.grouped import down_tile, gate_up_tile
 from layers.moe.tiles import cap_tile
 
 # untuned defaults (the tuned table names a bucket's tiles; tests and forced calls use these): a [BLOCK_M, BLOCK_K] x
