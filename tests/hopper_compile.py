@@ -2,8 +2,9 @@
 
 The interpreter accepts some code the compiler does not (a jit function returning a dtype, for one), so a kernel
 checked only on the CPU can still fail to compile on the device. `recorded()` notes every interpreted launch's
-signature (argument types, constexpr values, warps); `compile_all` compiles each (or a `variant` of it) in a fresh Python process without
-the interpreter, through Triton's own compiler and ptxas (no GPU needed), and returns the failures."""
+signature (argument types, constexpr values, warps); `compile_all` compiles each (or a `variant` of it) in a fresh
+Python process without the interpreter, through Triton's own compiler and ptxas (no GPU needed), and returns the
+failures."""
 from __future__ import annotations
 
 import contextlib
