@@ -204,16 +204,17 @@ def mixed_times(layers, cfg, batch: int, gen: torch.Generator) -> tuple[float, f
 def sweep_decode(op_args, batch: int, nbytes: int, copy: float) -> list[dict]:
     """decode_fast per launch setting at this batch, best first (the default marked *)."""
     saved = dict(dn.DECODE_CONFIG)
+    prefix = "batched_" if batch >= saved["batched_from"] else ""  # the keys this batch's launch reads
     results = []
     try:
         for block_v, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8)):
             if block_v > 32 * warps:  # over 128 fp32 state elements per thread (at dk = 128): spills
                 continue
-            dn.DECODE_CONFIG.update(block_v=block_v, warps=warps)
+            dn.DECODE_CONFIG.update({prefix + "block_v": block_v, prefix + "warps": warps})
             results.append((bench_graph(lambda: dn.decode_fast(*op_args)), {"block_v": block_v, "warps": warps}))
     finally:
         dn.DECODE_CONFIG.update(saved)
-    default = {"block_v": saved["block_v"], "warps": saved["warps"]}
+    default = {"block_v": saved[prefix + "block_v"], "warps": saved[prefix + "warps"]}
     return report_sweep("decode_fast", batch, results, default, nbytes, copy)
 
 

@@ -10,7 +10,7 @@ tails, replay rows and outputs are small).
 Each sequence accepts round(accepted * (T - 1)) drafts (counts = that + 1), the same in every layer, and has as
 many pending from the step before (the steady state). "% copy" is GB/s against a device-to-device copy measured in the
 same run. --sweep also times both ops per launch setting (value columns per program x warps; the defaults come from
-deltanet_verify.verify_launch) at every row.
+deltanet.decode_launch) at every row.
 """
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ import triton.testing
 
 from benchmarks.bench_deltanet import copy_rate_gbs, model_config
 from layers import deltanet as dn, deltanet_verify as dvf
-from layers.deltanet import replay_width
-from layers.deltanet_verify import verify_launch
+from layers.deltanet import decode_launch, replay_width
 
 WARPS = (1, 2, 4, 8)
 BLOCK_V = (16, 32, 64, 128)
@@ -82,16 +81,15 @@ def timed(layers: Layers, steps) -> tuple[float, float]:
 
 @contextlib.contextmanager
 def with_launch(setting):
-    """The DeltaNet's one-launch kernels (deltanet_verify's verify and settle, deltanet.decode_fast) take `setting`
-    (block_v, warps) whatever the rows (None: their defaults)."""
-    saved = dn.decode_launch, dvf.verify_launch
+    """The DeltaNet's one-launch kernels (deltanet_verify's and deltanet.decode_fast) take `setting` (block_v, warps)
+    whatever the rows (None: the default)."""
+    saved = dvf.decode_launch
     if setting is not None:
-        dn.decode_launch = lambda dk, dv: (min(setting[0], dv), setting[1])
-        dvf.verify_launch = lambda dk, dv, rows: (min(setting[0], dv), setting[1])
+        dn.decode_launch = dvf.decode_launch = lambda dk, dv, rows=1: (min(setting[0], dv), setting[1])
     try:
         yield
     finally:
-        dn.decode_launch, dvf.verify_launch = saved
+        dn.decode_launch = dvf.decode_launch = saved
 
 
 def main():
@@ -115,7 +113,7 @@ def main():
         layers = Layers(cfg, args.tp, L, B, T, n, gen)
         steps = layers.steps()
         dk = cfg.linear_key_head_dim
-        default = verify_launch(dk, cfg.linear_value_head_dim, B)
+        default = decode_launch(dk, cfg.linear_value_head_dim, B)
         settings = [None] + ([(bv, w) for bv, w in itertools.product(BLOCK_V, WARPS)
                               if bv * dk // (32 * w) <= 128 and (bv, w) != default] if args.sweep else [])
         for setting in settings:

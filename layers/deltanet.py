@@ -34,13 +34,15 @@ from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows, linear_fast, linear_torch, make_param
 from layers.norm import GatedRMSNorm, gated_rms_norm_torch
 
-# Launch settings of decode_fast (module level so that the benchmarks can sweep them): value columns of a head per
-# program (its fp32 state slab is [dk, block_v]) and warps, capped by slab_launch. `python -m
-# benchmarks.sweep_deltanet_kernels --decode-only --cold --batches 1,2,4,8,16,32,64` (1x H200, 2026-11-30, L2 flushed
-# before each call, the TP=1 and TP=2 shapes): 32 x 2 the best or within 0.3 us of it at every batch (a slab of 64
-# fp32 a thread, ~160 registers: 6 programs an SM), where the settings before (32 x 4 to 3 rows, 64 x 2 from 4: 230
-# registers) took 5-40% longer (TP=2 12.8 against 17.6 us at batch 8, 64.3 against 70.7 at 64).
-DECODE_CONFIG = {"block_v": 32, "warps": 2}
+# Launch settings of decode_fast (module level so that the benchmark can sweep them; the signatures stay equal).
+# block_v: value columns of a head per program (its fp32 state slab is [dk, block_v]; smaller slabs put more
+# programs in flight at small batches and more state loads in flight per SM at large ones); warps: per program,
+# capped so that every thread holds 32 slab elements or more (decode_launch). From `batched_from` rows on, the
+# batched_* values: `python -m benchmarks.bench_deltanet --sweep` (1x H200, 2026-11-26, the state slab loaded first)
+# gave 32 x 4 warps at one row (5.4 us; 64 x 2 not in the best four), the two within 0.1 us at 2 rows, and 64 x 2
+# best from 4 rows (7.8 against 8.1 us at 4, 11.1 / 13.8 at 8, 44.9 / 52.0 at 32, 82.7 / 97.1 at 64: 79% of the
+# copy rate against 67%).
+DECODE_CONFIG = {"block_v": 32, "warps": 4, "batched_from": 4, "batched_block_v": 64, "batched_warps": 2}
 
 
 # ------------------------------------------------------------------------------------------- shared torch math
@@ -190,7 +192,7 @@ def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     if B == 0:
         return y
     BK = triton.next_power_of_2(dk)
-    BV, warps = decode_launch(dk, dv)
+    BV, warps = decode_launch(dk, dv, B)
     n_split = triton.cdiv(dv, BV)
     z_off = conv_dim
     b_off = z_off + Hv * dv
@@ -238,17 +240,15 @@ def replay_args(replay: torch.Tensor | None, pending: torch.Tensor | None, like:
     return replay, pending, replay.stride(0), replay.stride(1), v_off, b_off, b_off + Hv
 
 
-def slab_launch(block_v: int, warps: int, dk: int, dv: int) -> tuple[int, int]:
-    """(value columns per program, warps) of the kernels that hold a [dk, block_v] state slab a program: the slab is
-    capped at the head, and the warps so that each thread holds at least 32 state elements."""
+def decode_launch(dk: int, dv: int, rows: int = 1) -> tuple[int, int]:
+    """(value columns per program, warps) of decode_fast for `rows` sequences from DECODE_CONFIG and the head dims:
+    the slab is capped at the head, and the warps so that each thread holds at least 32 state elements."""
+    c = DECODE_CONFIG
+    block_v, warps = (c["batched_block_v"], c["batched_warps"]) if rows >= c["batched_from"] else (c["block_v"],
+                                                                                                 c["warps"])
     BK = triton.next_power_of_2(dk)
     BV = min(block_v, triton.next_power_of_2(dv))
     return BV, max(1, min(warps, BK * BV // 1024))
-
-
-def decode_launch(dk: int, dv: int) -> tuple[int, int]:
-    """decode_fast's (value columns per program, warps): DECODE_CONFIG for these head dims (slab_launch)."""
-    return slab_launch(DECODE_CONFIG["block_v"], DECODE_CONFIG["warps"], dk, dv)
 
 
 # -------------------------------------------------------------------------------------------------- the layer

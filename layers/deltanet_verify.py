@@ -42,23 +42,9 @@ import torch
 
 from layers import backend
 from layers.backend import pdl, prior_done, round_to, tl, triton
-from layers.deltanet import (L2_EPS, _dims, conv_column, delta_rule_step, gates_torch, replay_args, replay_key_heads,
-                             replay_torch, slab_launch, split_proj, split_qkv, state_args)
+from layers.deltanet import (L2_EPS, _dims, conv_column, decode_launch, delta_rule_step, gates_torch, replay_args,
+                             replay_key_heads, replay_torch, split_proj, split_qkv, state_args)
 from layers.norm import gated_rms_norm_torch
-
-
-# Launch settings of verify_fast and settle_fast by rows (module level so that the benchmarks can sweep them): value
-# columns of a head per program and warps (slab_launch), the batched_* ones from `batched_from` rows on. They are
-# the decode's of before 2026-11-30, which `python -m benchmarks.bench_deltanet_verify --sweep` (1x H200, 2026-11-29)
-# found the best or within 1% for the verify at every batch.
-VERIFY_CONFIG = {"block_v": 32, "warps": 4, "batched_from": 4, "batched_block_v": 64, "batched_warps": 2}
-
-
-def verify_launch(dk: int, dv: int, rows: int) -> tuple[int, int]:
-    """(value columns per program, warps) of verify_fast and settle_fast for `rows` sequences: VERIFY_CONFIG."""
-    c = VERIFY_CONFIG
-    batched = "batched_" if rows >= c["batched_from"] else ""
-    return slab_launch(c[batched + "block_v"], c[batched + "warps"], dk, dv)
 
 
 class VerifyStep(NamedTuple):
@@ -156,7 +142,7 @@ def verify_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
     if not proj.shape[0]:
         return y
     B = proj.shape[0] // T
-    BV, warps = verify_launch(dk, dv, B)
+    BV, warps = decode_launch(dk, dv, B)
     n_split = triton.cdiv(dv, BV)
     rep = Hv // Hk
     z_off = conv_dim
@@ -214,7 +200,7 @@ def settle_fast(ssm_state, slots, replay, pending, A_log, dt_bias) -> None:
         return
     Hv, dk, dv = ssm_state.shape[1:]
     Hk = replay_key_heads(ssm_state, replay)
-    BV, warps = verify_launch(dk, dv, B)
+    BV, warps = decode_launch(dk, dv, B)
     n_split = triton.cdiv(dv, BV)
     _settle_kernel[(Hv * n_split, B)](
         ssm_state, slots, A_log, dt_bias, *replay_args(replay, pending, ssm_state, Hk, Hv, dk, dv),

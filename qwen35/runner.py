@@ -694,7 +694,7 @@ class ModelRunner:
         """What a verify step runs besides the kernels the prefill and decode steps compile: the decode attention
         at every variant its row counts (batch x (k + 1)) can meet, the speculative sampling passes (greedy and
         sampled drafts and verdicts: collective, as on every rank), and the DeltaNet verify and commit kernels'
-        variants (layers/deltanet_verify.py: the slab width goes by rows, verify_launch); on the scratch slot and
+        variants (layers/deltanet_verify.py: the slab width goes by rows, decode_launch); on the scratch slot and
         the scratch KV block."""
         a = self.attn_layers[0]
         rows_max = self.max_num_seqs * (self.spec_max_k + 1)
@@ -707,10 +707,10 @@ class ModelRunner:
         self._warm_up_spec_sampling(num_real_tokens)
         if not self.gdn_layers:
             return
-        from layers.deltanet_verify import VERIFY_CONFIG
+        from layers.deltanet import DECODE_CONFIG
         m, T = self.gdn_layers[0], 2  # (T is never 1 or a multiple of 16: one variant)
         width = m.conv_dim + m.num_v_heads * m.dv + 2 * m.num_v_heads
-        for rows in (1, VERIFY_CONFIG["batched_from"]):
+        for rows in (1, DECODE_CONFIG["batched_from"]):
             proj = torch.zeros(rows * T, width, dtype=self.dtype, device=self.device)
             slots = torch.full((rows,), self.scratch_slot, dtype=torch.int64, device=self.device)
             m.verify(proj, slots, T)

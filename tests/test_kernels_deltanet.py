@@ -123,6 +123,7 @@ SHAPES = [(2, 6, 12, 10, 4, 0, 1), (2, 6, 8, 8, 3, 1, 2), (4, 4, 16, 8, 2, 0, 1)
 def block_v(request, monkeypatch):
     """Value columns per decode program: 4 splits every head of the tiny shapes over programs, 32 covers them."""
     monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", request.param)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "batched_block_v", request.param)
     return request.param
 
 
@@ -161,23 +162,23 @@ def test_decode_fast_equals_torch(hk, hv, dk, dv, kernel, rank, tp, block_v, mon
 
 
 def test_decode_fast_splits_as_configured(monkeypatch):
-    """The launch settings come from DECODE_CONFIG (the decode, any rows) and VERIFY_CONFIG (the verify and settle,
-    by rows) and the head dims alone: slabs capped at the head, warps so that a thread holds >= 32 state elements."""
-    from layers import deltanet_verify as dvf
-    assert dn.slab_launch(32, 4, 128, 128) == (32, 4)
-    assert dn.slab_launch(32, 4, 12, 10) == (16, 1)
-    assert dn.slab_launch(128, 8, 128, 128) == (128, 8)
-    assert dn.slab_launch(128, 8, 128, 64) == (64, 8)
-    assert dn.slab_launch(128, 8, 16, 16) == (16, 1)
-    monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", 64)
+    """The launch settings come from DECODE_CONFIG, the rows and the head dims alone: slabs capped at the head,
+    warps so that a thread holds >= 32 state elements, the batched values from batched_from rows."""
+    monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", 32)
     monkeypatch.setitem(dn.DECODE_CONFIG, "warps", 4)
-    assert dn.decode_launch(128, 128) == (64, 4) and dn.decode_launch(128, 32) == (32, 4)
-    monkeypatch.setattr(dvf, "VERIFY_CONFIG", {"block_v": 128, "warps": 8, "batched_from": 8, "batched_block_v": 64,
-                                               "batched_warps": 2})
-    assert dvf.verify_launch(128, 128, 7) == (128, 8)
-    assert dvf.verify_launch(128, 128, 8) == (64, 2)
-    assert dvf.verify_launch(128, 32, 64) == (32, 2)
-    assert dn.decode_launch(128, 128) == (64, 4)  # (the decode's are its own)
+    assert dn.decode_launch(128, 128) == (32, 4)
+    assert dn.decode_launch(12, 10) == (16, 1)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", 128)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "warps", 8)
+    assert dn.decode_launch(128, 128) == (128, 8)
+    assert dn.decode_launch(128, 64) == (64, 8)
+    assert dn.decode_launch(16, 16) == (16, 1)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "batched_from", 8)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "batched_block_v", 64)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "batched_warps", 2)
+    assert dn.decode_launch(128, 128, 7) == (128, 8)
+    assert dn.decode_launch(128, 128, 8) == (64, 2)
+    assert dn.decode_launch(128, 32, 64) == (32, 2)
 
 
 def test_arrival_counters_grow_and_keep_old_buffers():

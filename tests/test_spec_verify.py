@@ -23,7 +23,7 @@ sequence computes what T single decode steps compute, and rollback leaves nothin
 import pytest
 import torch
 
-from layers import deltanet as dn, deltanet_verify as dvf
+from layers import deltanet as dn
 from layers.deltanet_verify import (VerifyStep, commit_fast, commit_torch, settle_fast, settle_torch, verify_fast,
                                     verify_torch)
 from tests.test_kernels_deltanet import tiny_cfg
@@ -151,8 +151,7 @@ def close(a, b):
 @pytest.mark.parametrize("block_v", [4, 64])
 def test_fast_equals_torch(dims, T, block_v, monkeypatch):
     monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", block_v)
-    monkeypatch.setitem(dvf.VERIFY_CONFIG, "block_v", block_v)
-    monkeypatch.setitem(dvf.VERIFY_CONFIG, "batched_block_v", block_v)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "batched_block_v", block_v)
     layer = make_layer(*dims)
     slots = torch.tensor([5, 1, 6])
     T2 = 5 - T if T > 1 else 3
@@ -199,7 +198,7 @@ def test_commit_fast_commits_every_layer_in_one_launch(monkeypatch):
     slots outside the batch untouched. A step out of its row, or a layer of another shape, is refused before
     anything is written."""
     from layers import deltanet_verify as dv
-    monkeypatch.setitem(dv.VERIFY_CONFIG, "block_v", 4)
+    monkeypatch.setitem(dn.DECODE_CONFIG, "block_v", 4)
     T = 2
     layers = [make_layer(1, 3, 5, 6, 4, seed=s) for s in range(3)]
     slots = torch.tensor([5, 1])
