@@ -16,7 +16,11 @@ same overhead everywhere, so no rank is made the straggler), rank 0 reports. Per
 
 A kernel that waits for its peers (the all-reduces, the pulls) counts that wait as its own time. The profiled steps
 start apart (a host barrier between them), so the first cross-GPU kernel of a step (the embedding's all-reduce)
-absorbs the ranks' launch skew, which back-to-back steps do not have: the layers' table is the figure to read. --prefill also prints the top kernels of one prefill.
+absorbs the ranks' launch skew, which back-to-back steps do not have: the layers' table is the figure to read.
+At TP > 1 every rank's replayed kernels are gathered to rank 0, which adds per kernel of a layer: its time on each
+rank and how far apart the ranks start and end it (max - min over ranks of the profiler's timestamps, which share
+the host's clock; the ranks replay the same graph, so kernel i of a step is the same kernel on every rank). A kernel
+that waits for a peer starts apart and ends together: the early rank's extra time is the wait. --prefill also prints the top kernels of one prefill.
 """
 from __future__ import annotations
 
@@ -160,6 +164,55 @@ def summarize(steps: list[list[tuple[str, str, float, float]]], kinds: dict[int,
     return result
 
 
+def cross_rank(steps: list[list[dict]], placed: list[list[tuple[str, str, float, float]]],
+               kinds: dict[int, str], device: str = "cuda") -> dict | None:
+    """Per layer kind, per kernel position (as summarize's shape): the mean time on each rank and the mean spread
+    of the ranks' starts and ends (us). steps: this rank's replayed steps' kernel events; placed: rank 0's placed
+    kernels of the same steps. None where the ranks' steps differ in kernel count (then there is no alignment)."""
+    if parallel.tp_size() == 1:
+        return None
+    counts = torch.tensor([len(s) for s in steps], dtype=torch.int64, device=device)
+    counts_all = parallel.all_gather(counts)
+    if not bool((counts_all == counts_all[0]).all()):
+        return None
+    flat = torch.tensor([[float(k["ts"]), float(k["dur"])] for s in steps for k in s], dtype=torch.float64,
+                        device=device)
+    every = parallel.all_gather(flat).cpu()  # [tp, kernels, 2]
+    if not parallel.is_driver():
+        return None
+    start, end = every[..., 0], every[..., 0] + every[..., 1]
+    rows: dict[tuple[str, int, str], list[tuple[list[float], float, float]]] = defaultdict(list)
+    i = 0
+    for step in placed:
+        seen: dict[int, int] = defaultdict(int)
+        for name, place, _, _ in step:
+            if place.startswith("L") and ":" in place:
+                layer = int(place[1:].split(":")[0])
+                rows[(kinds[layer], seen[layer], short(name))].append(
+                    (every[:, i, 1].tolist(), float(start[:, i].max() - start[:, i].min()),
+                     float(end[:, i].max() - end[:, i].min())))
+                seen[layer] += 1
+            i += 1
+    out: dict[str, list[dict]] = defaultdict(list)
+    for (kind, j, name), v in sorted(rows.items(), key=lambda kv: kv[0][:2]):
+        if len(v) < len(placed):  # (a kernel of a few layers only: summarize's shape leaves them out too)
+            continue
+        out[kind].append({"kernel": name, "us_by_rank": [statistics.mean(d[r] for d, _, _ in v)
+                                                         for r in range(len(v[0][0]))],
+                          "start_spread_us": statistics.mean(s for _, s, _ in v),
+                          "end_spread_us": statistics.mean(e for _, _, e in v)})
+    return dict(out)
+
+
+def print_cross_rank(x: dict) -> None:
+    print("--- across ranks (us: time on each rank; spread of the ranks' starts / ends)")
+    for kind, rows in x.items():
+        print(f"  {kind}")
+        for r in rows:
+            print(f"    {' / '.join(f'{u:5.1f}' for u in r['us_by_rank'])}   start {r['start_spread_us']:5.1f}  "
+                  f"end {r['end_spread_us']:5.1f}  {r['kernel']}")
+
+
 def print_summary(batch: int, s: dict) -> None:
     print(f"\n=== decode batch {batch}: step span {s['step_span_us'] / 1e3:.3f} ms, kernels busy "
           f"{s['kernels_busy_us'] / 1e3:.3f} ms, {s['kernels_per_step']} kernels")
@@ -236,6 +289,9 @@ def profile_decode(runner, batch: int, ctx: int, replays: int) -> dict:
     kinds = {i: ("deltanet" if t == LINEAR_ATTENTION else "attention") for i, t in enumerate(runner.config.layer_types)}
     out = summarize(placed, kinds)
     out.update(batch=batch, ctx=ctx, graph=runner.graphs is not None)
+    ranks = cross_rank(steps, placed, kinds)
+    if ranks is not None:
+        out["across_ranks"] = ranks
     return out
 
 
@@ -292,6 +348,8 @@ def main(argv=None):
         results["decode"].append(s)
         if parallel.is_driver():
             print_summary(b, s)
+            if "across_ranks" in s:
+                print_cross_rank(s["across_ranks"])
     if parallel.is_driver() and args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -64,3 +64,36 @@ def test_profile_mixed_host_plans():
     assert [len(t) for t in plan.token_ids] == [1, 1, 1, 100, 100]
     assert all(len(b) * 16 >= s + len(t) for b, s, t in zip(plan.block_tables, plan.start_pos, plan.token_ids))
     assert len({b for t in plan.block_tables for b in t}) == sum(map(len, plan.block_tables))  # no block shared
+
+
+def test_cross_rank_times_and_spreads(monkeypatch):
+    """Two simulated ranks replaying one step of two layers (gemv, pull): rank 1 runs each gemv 3 us longer, so
+    rank 0 starts each pull 3 us earlier and both end it together: per kernel position, each rank's time and the
+    spreads of the starts and ends. Steps of different kernel counts on the ranks give no table."""
+    import torch
+    shift = {"on": True}
+
+    def all_gather(x):  # rank 1's copy of x: its gemv 3 us longer, its pull 3 us shorter and starting 3 us later
+        if x.dtype == torch.int64:
+            return torch.stack([x, x if shift["on"] else x + 1])
+        y = x.clone()
+        y[0::2, 1] += 3.0
+        y[1::2, 0] += 3.0
+        y[1::2, 1] -= 3.0
+        return torch.stack([x, y])
+
+    monkeypatch.setattr(ps.parallel, "tp_size", lambda: 2)
+    monkeypatch.setattr(ps.parallel, "is_driver", lambda: True)
+    monkeypatch.setattr(ps.parallel, "all_gather", all_gather)
+    step = [_k("gemv", 0.0, 5.0), _k("pull", 5.0, 8.0), _k("gemv", 13.0, 5.0), _k("pull", 18.0, 8.0)]
+    placed = [[("gemv", "L0:deltanet", 5.0, 0.0), ("pull", "L0:deltanet", 8.0, 0.0),
+               ("gemv", "L1:deltanet", 5.0, 0.0), ("pull", "L1:deltanet", 8.0, 0.0)]]
+    x = ps.cross_rank([step], placed, {0: "deltanet", 1: "deltanet"}, device="cpu")
+    rows = x["deltanet"]
+    assert [r["kernel"] for r in rows] == ["gemv", "pull"]
+    assert rows[0]["us_by_rank"] == [5.0, 8.0] and rows[0]["start_spread_us"] == 0.0
+    assert rows[0]["end_spread_us"] == 3.0
+    assert rows[1]["us_by_rank"] == [8.0, 5.0] and rows[1]["start_spread_us"] == 3.0
+    assert rows[1]["end_spread_us"] == 0.0
+    shift["on"] = False
+    assert ps.cross_rank([step], placed, {0: "deltanet", 1: "deltanet"}, device="cpu") is None
