@@ -25,7 +25,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import dot_precision, pdl, prior_done, round_to, tl, triton
+from layers.backend import dot_precision, next_may_start, pdl, prior_done, round_to, tl, triton
 from layers.forward_batch import ForwardBatch
 from layers.linear import Linear, even_split, fuse_rows, linear_fast, linear_torch
 from layers.norm import RMSNorm, rms_norm_torch
@@ -481,8 +481,8 @@ def paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale: 
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0), gate.stride(0), gate.stride(1),
         GROUP=group, BLOCK_G=max(16, merge_g), MERGE_G=merge_g, D=D, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         TILE=tile, MIN_TILES=min_tiles, BLOCK_S=block_s, CHUNK=chunk, ONE_SPLIT=splits == 1,
-        HAS_GATE=has_gate, PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
-        **pdl())
+        HAS_GATE=has_gate, PREC=dot_precision(q.dtype), EARLY=backend.early_launch(B), num_warps=warps,
+        num_stages=stages, **pdl())
     return out
 
 
@@ -506,7 +506,8 @@ if triton is not None:
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MIN_TILES: tl.constexpr,
                              BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, MERGE_G: tl.constexpr,
-                             ONE_SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, PREC: tl.constexpr):
+                             ONE_SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, PREC: tl.constexpr,
+                             EARLY: tl.constexpr):
         """Program (b, kv head, split): the GROUP query heads of one KV head over one contiguous part of sequence
         b's context, TILE tokens at a time (gathered through the block table), with an online softmax in fp32.
         One split: normalise, gate and store the output. Several: store the part's normalised output and its
@@ -514,6 +515,8 @@ if triton is not None:
         last of the (b, kv head)'s programs to arrive merges the non-empty parts (_merge_splits) and resets the
         counter. No float atomics: the merge adds the parts in split order whatever the order of arrival."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
+        if EARLY:  # (backend.early_launch: the GEMV after this kernel loads its weights while it runs)
+            next_may_start()
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)

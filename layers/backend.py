@@ -25,9 +25,9 @@ except ImportError:  # pragma: no cover - environments without triton run the to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 try:  # grid dependency control (Triton >= 3.4), compiled for the GPU only: the interpreter has no such calls
-    from triton.language.extra.cuda import gdc_wait
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover
-    gdc_wait = None
+    gdc_launch_dependents = gdc_wait = None
 
 KERNELS = ("torch", "fast")
 ENV = "QWEN35_KERNELS"
@@ -91,13 +91,25 @@ ALIGN_BYTES = 16  # Triton specialises a pointer argument on 16-byte alignment
 # the stream drains: its programs load what no kernel writes (weights: the GEMV's tile), then prior_done()
 # (griddepcontrol.wait: the kernels before it have finished and their writes are visible) before they read or write
 # anything else. So its launch, its programs' start and its weight loads overlap the last one's tail and memory
-# flush. No kernel lets the next launch early (griddepcontrol.launch_dependents): a kernel launched while the one
-# before still ran placed its programs on the SMs free at that moment, and the MoE kernels at 8 tokens ran 2-3x
-# longer (TP=4 batch 8 2.99 -> 3.45 ms); launched as the last programs exit, it costs nothing anywhere. One 2x H200
-# call (2026-11-28): TP=2 2.03 / 2.41 -> 1.94 / 2.32 ms at batch 1 / 2, TP=1 2.60 / 3.29 -> 2.44 / 3.15, batch 4-16
-# unchanged (`results/2026-11-28_record_h200x2_tp{1,2}_pdl*.json`). Every Triton kernel of layers/ follows the rule
-# (dist/'s run in plain stream order); the interpreter runs prior_done as a no-op. QWEN35_PDL=0 launches without it.
+# flush. A kernel lets the next launch early (griddepcontrol.launch_dependents, next_may_start) only where
+# early_launch says: a kernel launched while the one before still ran placed its programs on the SMs free at that
+# moment, and the MoE kernels at 8 tokens ran 2-3x longer (TP=4 batch 8 2.99 -> 3.45 ms); launched as the last
+# programs exit, it costs nothing anywhere. One 2x H200 call (2026-11-28): TP=2 2.03 / 2.41 -> 1.94 / 2.32 ms at
+# batch 1 / 2, TP=1 2.60 / 3.29 -> 2.44 / 3.15, batch 4-16 unchanged (`results/2026-11-28_record_h200x2_tp{1,2}_pdl*
+# .json`). Every Triton kernel of layers/ follows the rule (dist/'s run in plain stream order); the interpreter runs
+# prior_done and next_may_start as no-ops. QWEN35_PDL=0 launches without it.
 PDL_ENV = "QWEN35_PDL"
+
+
+def early_launch(rows: int) -> bool:
+    """Whether a kernel of `rows` rows whose next kernel is a GEMV (the DeltaNet and attention decode, the MoE's
+    down + combine, the GEMV that pushes a boundary) lets that GEMV launch as soon as its own programs have waited
+    (next_may_start), so the GEMV's programs load their weights while this kernel runs: at one row and TP > 1. The
+    GEMV's input comes from a peer's push there, and its weights stream while its pull waits: TP=2 1.939 -> 1.853 ms
+    at batch 1 (one 2x H200 call, 2026-11-29, `results/archive/2026-11-29_record_h200x2_tp{1,2}_pdl_trigger*.json`);
+    at batch 2-16 (the MoE's grids take every SM) and at TP=1 (nothing to wait for) it lost 1-3%."""
+    from dist import parallel
+    return rows == 1 and bool(pdl()) and parallel.tp_size() > 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,11 +243,22 @@ if triton is not None:
         def prior_done():
             """(the interpreter runs launches one after another: nothing to wait for)"""
             pass
+
+        @triton.jit
+        def next_may_start():
+            """(likewise: nothing to launch early)"""
+            pass
     else:
         @triton.jit
         def prior_done():
             """Wait until the kernels before this one in the stream have finished, their writes visible (pdl())."""
             gdc_wait()
 
+        @triton.jit
+        def next_may_start():
+            """Let the kernel after this one launch now (early_launch); its programs wait in prior_done until this
+            one has finished."""
+            gdc_launch_dependents()
+
 else:  # pragma: no cover
-    round_to = rms_norm_row = prior_done = None
+    round_to = rms_norm_row = prior_done = next_may_start = None

@@ -27,7 +27,7 @@ from torch import nn
 
 from dist import parallel
 from layers import backend
-from layers.backend import pdl, prior_done, round_to, tl, triton
+from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
 from layers.deltanet_prefill import (CHUNK, L2_EPS, causal_conv1d_varlen_fast, chunk_delta_rule_varlen_fast,
                                      chunked_gated_delta_rule, l2norm)
 from layers.forward_batch import ForwardBatch
@@ -203,7 +203,8 @@ def decode_fast(proj, conv_state, ssm_state, slots, conv_weight, A_log, dt_bias,
         proj.stride(0), *conv_state.stride(), conv_weight.stride(0), conv_weight.stride(2), *state_args(ssm_state),
         y.stride(0), Hk * dk, 2 * Hk * dk, z_off, b_off, b_off + Hv, dk ** -0.5, L2_EPS, eps,
         KERNEL=conv_weight.shape[-1], REP=rep, REP_P2=triton.next_power_of_2(rep), N_SPLIT=n_split, DK=dk, DV=dv,
-        BK=BK, BV=BV, BV_HEAD=triton.next_power_of_2(dv), REPLAY=replay is not None, num_warps=warps, **pdl())
+        BK=BK, BV=BV, BV_HEAD=triton.next_power_of_2(dv), REPLAY=replay is not None, EARLY=backend.early_launch(B),
+        num_warps=warps, **pdl())
     return y
 
 
@@ -639,7 +640,7 @@ if triton is not None:
                        k_off, v_off, z_off, b_off, a_off, scale, l2_eps, eps,
                        KERNEL: tl.constexpr, REP: tl.constexpr, REP_P2: tl.constexpr, N_SPLIT: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       BV_HEAD: tl.constexpr, REPLAY: tl.constexpr):
+                       BV_HEAD: tl.constexpr, REPLAY: tl.constexpr, EARLY: tl.constexpr):
         """Value columns [j*BV, (j+1)*BV) of value head h of sequence b, program (h * N_SPLIT + j, b):
             q, k, v = silu(conv step) of the proj row's u (q, k of qk-head h // REP, v of these columns);
             q, k = l2norm(q) * scale, l2norm(k);  g = -exp(A_log) softplus(a + dt_bias);  beta = sigmoid(b) (model
@@ -647,6 +648,8 @@ if triton is not None:
         then, by the last program of the (b, qk-head) group to arrive: the q/k tail shift and, for each of its REP
         heads, y = (o / rms(o), rounded) * w * silu(z) (gated RMSNorm, spec §2.1)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
+        if EARLY:  # (backend.early_launch: the GEMV after this kernel loads its weights while it runs)
+            next_may_start()
         pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
         h, j = pid // N_SPLIT, pid % N_SPLIT
         hk = h // REP

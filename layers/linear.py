@@ -42,7 +42,7 @@ from dist import parallel, push
 from dist.push import Pushed
 from layers import backend
 from layers.activation import silu_mul_fast, silu_mul_sums
-from layers.backend import dot_precision, pdl, prior_done, rms_norm_row, round_to, tl, triton
+from layers.backend import dot_precision, next_may_start, pdl, prior_done, rms_norm_row, round_to, tl, triton
 
 # linear_fast's GEMV: up to GEMV_MAX_M rows and GEMV_MAX_K features; a program holds BLOCK_N x next_pow2(K) <= tile
 # weight elements ("tile_1" at one row, "tile" at more; BLOCK_N a power of two, halved from the most that fits until
@@ -279,8 +279,8 @@ def linear_fast(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch
         BLOCK_M=1 if rows_in_grid else triton.next_power_of_2(M), BLOCK_N=block_cols, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
         PLAIN=norm is not None and norm.plain, PULL=pulled, PUSH=box is not None,
-        P=inbox.world if inbox is not None else 1, ROW_GRID=rows_in_grid, GATED=gated, num_warps=min(warps, 16),
-        **pdl())
+        P=inbox.world if inbox is not None else 1, ROW_GRID=rows_in_grid, GATED=gated,
+        EARLY=box is not None and backend.early_launch(M), num_warps=min(warps, 16), **pdl())
     if norm is not None:
         norm.done = True
     if box is not None:
@@ -475,7 +475,8 @@ if triton is not None:
                      pull_slot, push_slot, table, rank, region_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PLAIN: tl.constexpr, PULL: tl.constexpr,
-                     PUSH: tl.constexpr, P: tl.constexpr, ROW_GRID: tl.constexpr, GATED: tl.constexpr):
+                     PUSH: tl.constexpr, P: tl.constexpr, ROW_GRID: tl.constexpr, GATED: tl.constexpr,
+                     EARLY: tl.constexpr):
         """Columns [n0, n0 + BLOCK_N) of y = x @ w^T (+ b) for M <= BLOCK_M rows: the program loads its BLOCK_N weight
         rows whole (K <= BLOCK_K) in one go, so all of its bytes are in flight at once, then for each row sums the
         fp32 products along K and rounds once to y's dtype (the bias added in fp32 before, as cuBLAS's epilogue does).
@@ -505,6 +506,8 @@ if triton is not None:
             if GATED:
                 b_up = tl.load(b_ptr + N + n, mask=nm, other=0.0).to(tl.float32)
         prior_done()  # (backend.pdl: the weights stream while the kernel before this one drains)
+        if EARLY:  # (backend.early_launch: the GEMV after this kernel loads its weights while it runs)
+            next_may_start()
         dt = y_ptr.dtype.element_ty
         for i in tl.static_range(BLOCK_M):
             # a row grid (rows on axis 1) gives each program one row, BLOCK_M 1; otherwise m stays a constant, so

@@ -72,3 +72,19 @@ def test_on_compile_calls_back_chains_and_stops(monkeypatch):
     stop()
     knobs.runtime.jit_cache_hook(repr="_j", key=None)
     assert seen == ["_k[num_warps=4](x_ptr: *bf16)"] and earlier[-1] == "_j"
+
+
+def test_early_launch_at_one_row_past_tp1_with_pdl(monkeypatch):
+    """The kernels before a GEMV let it launch early at one row and TP > 1 only, and only where PDL is on (on the
+    CPU it never is: the interpreter runs launches in order)."""
+    from dist import parallel
+    assert not backend.early_launch(1)  # (the CPU: no PDL)
+    monkeypatch.setattr(backend, "pdl", lambda: {"launch_pdl": True})
+    monkeypatch.setattr(parallel, "tp_size", lambda: 2)
+    assert backend.early_launch(1)
+    assert not backend.early_launch(2) and not backend.early_launch(64)
+    monkeypatch.setattr(parallel, "tp_size", lambda: 1)
+    assert not backend.early_launch(1)
+    monkeypatch.setattr(parallel, "tp_size", lambda: 8)
+    monkeypatch.setattr(backend, "pdl", lambda: {})
+    assert not backend.early_launch(1)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from dist import push
 from layers import backend
-from layers.backend import pdl, prior_done, round_to, tl, triton
+from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
 from layers.linear import inbox_args
 from layers.activation import silu_mul_sums, silu_mul_torch
 from layers.moe.experts import ExpertWeights
@@ -168,7 +168,7 @@ def down_combine_fast(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor
         ids.stride(0), weights.stride(0), shared_gate.stride(0), slot, *inbox_args(box, act.device), TOP_K=k,
         K_POW2=triton.next_power_of_2(k), BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
         NUM_STAGES=tile["num_stages"], PUSH=box is not None, P=box.world if box is not None else 1,
-        num_warps=tile["num_warps"], **pdl())
+        EARLY=backend.early_launch(T), num_warps=tile["num_warps"], **pdl())
     return push.Pushed(box, slot, out.shape, out.dtype) if box is not None else out
 
 
@@ -307,7 +307,8 @@ if triton is not None:
     def _down_combine_kernel(act_ptr, w_ptr, sw_ptr, out_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, H, I, I_s, start,
                              sa, swe, swh, sswh, so, sid, srw, ssg, push_slot, table, rank, region_stride,
                              TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PUSH: tl.constexpr, P: tl.constexpr):
+                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PUSH: tl.constexpr, P: tl.constexpr,
+                             EARLY: tl.constexpr):
         """Columns [n, n + BLOCK_N) of token t's output: its k routed rows (other ranks' experts masked) as one
         [K_POW2, BLOCK_N, BLOCK_K] weight tile per K step and its shared row (row t) as another, in one loop that
         Triton software-pipelines (tl.range num_stages: NUM_STAGES - 1 steps of every expert's loads in flight;
@@ -316,6 +317,8 @@ if triton is not None:
         one, in fp32: no atomics, the same bits on every run. PUSH: the row goes into every rank's inbox instead of
         out_ptr (dist/push.py), and the programs empty the boundary before it in this rank's inbox."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
+        if EARLY:  # (backend.early_launch: the GEMV after this kernel loads its weights while it runs)
+            next_may_start()
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < H
