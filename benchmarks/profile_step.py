@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import tempfile
+import zlib
 from collections import defaultdict
 
 import torch
@@ -168,14 +169,19 @@ def cross_rank(steps: list[list[dict]], placed: list[list[tuple[str, str, float,
                kinds: dict[int, str], device: str = "cuda") -> dict | None:
     """Per layer kind, per kernel position (as summarize's shape): the mean time on each rank and the mean spread
     of the ranks' starts and ends (us). steps: this rank's replayed steps' kernel events; placed: rank 0's placed
-    kernels of the same steps. None where the ranks' steps differ in kernel count (then there is no alignment)."""
+    kernels of the same steps. Each step is compared over the kernels every rank ran (after the LM head rank 0
+    alone concatenates the gathered logits); None where those differ in name (then there is no alignment)."""
     if parallel.tp_size() == 1:
         return None
     counts = torch.tensor([len(s) for s in steps], dtype=torch.int64, device=device)
-    counts_all = parallel.all_gather(counts)
-    if not bool((counts_all == counts_all[0]).all()):
+    common = parallel.all_gather(counts).min(0).values.tolist()  # per step: the kernels every rank ran
+    kept = [s[:n] for s, n in zip(steps, common)]
+    names = torch.tensor([zlib.crc32(short(k["name"]).encode()) for s in kept for k in s], dtype=torch.int64,
+                         device=device)
+    names_all = parallel.all_gather(names)
+    if not bool((names_all == names_all[0]).all()):
         return None
-    flat = torch.tensor([[float(k["ts"]), float(k["dur"])] for s in steps for k in s], dtype=torch.float64,
+    flat = torch.tensor([[float(k["ts"]), float(k["dur"])] for s in kept for k in s], dtype=torch.float64,
                         device=device)
     every = parallel.all_gather(flat).cpu()  # [tp, kernels, 2]
     if not parallel.is_driver():
@@ -183,9 +189,9 @@ def cross_rank(steps: list[list[dict]], placed: list[list[tuple[str, str, float,
     start, end = every[..., 0], every[..., 0] + every[..., 1]
     rows: dict[tuple[str, int, str], list[tuple[list[float], float, float]]] = defaultdict(list)
     i = 0
-    for step in placed:
+    for step, n in zip(placed, common):
         seen: dict[int, int] = defaultdict(int)
-        for name, place, _, _ in step:
+        for name, place, _, _ in step[:n]:
             if place.startswith("L") and ":" in place:
                 layer = int(place[1:].split(":")[0])
                 rows[(kinds[layer], seen[layer], short(name))].append(

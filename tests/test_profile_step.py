@@ -67,15 +67,18 @@ def test_profile_mixed_host_plans():
 
 
 def test_cross_rank_times_and_spreads(monkeypatch):
-    """Two simulated ranks replaying one step of two layers (gemv, pull): rank 1 runs each gemv 3 us longer, so
-    rank 0 starts each pull 3 us earlier and both end it together: per kernel position, each rank's time and the
-    spreads of the starts and ends. Steps of different kernel counts on the ranks give no table."""
+    """Two simulated ranks replaying one step of two layers (gemv, pull), rank 0 with one more kernel at the end (the
+    logits' concatenation): rank 1 runs each gemv 3 us longer, so rank 0 starts each pull 3 us earlier and both end
+    it together: per kernel position, each rank's time and the spreads of the starts and ends, over the kernels
+    both ran. Ranks whose common kernels differ in name give no table."""
     import torch
-    shift = {"on": True}
+    other_names = {"on": False}
 
-    def all_gather(x):  # rank 1's copy of x: its gemv 3 us longer, its pull 3 us shorter and starting 3 us later
+    def all_gather(x):  # rank 1's copy: one kernel fewer; its gemv 3 us longer, its pull 3 us shorter and later
         if x.dtype == torch.int64:
-            return torch.stack([x, x if shift["on"] else x + 1])
+            if x.numel() == 1:  # the kernel counts
+                return torch.stack([x, x - 1])
+            return torch.stack([x, x + 1 if other_names["on"] else x])
         y = x.clone()
         y[0::2, 1] += 3.0
         y[1::2, 0] += 3.0
@@ -85,9 +88,10 @@ def test_cross_rank_times_and_spreads(monkeypatch):
     monkeypatch.setattr(ps.parallel, "tp_size", lambda: 2)
     monkeypatch.setattr(ps.parallel, "is_driver", lambda: True)
     monkeypatch.setattr(ps.parallel, "all_gather", all_gather)
-    step = [_k("gemv", 0.0, 5.0), _k("pull", 5.0, 8.0), _k("gemv", 13.0, 5.0), _k("pull", 18.0, 8.0)]
+    step = [_k("gemv", 0.0, 5.0), _k("pull", 5.0, 8.0), _k("gemv", 13.0, 5.0), _k("pull", 18.0, 8.0),
+            _k("cat", 30.0, 1.0)]
     placed = [[("gemv", "L0:deltanet", 5.0, 0.0), ("pull", "L0:deltanet", 8.0, 0.0),
-               ("gemv", "L1:deltanet", 5.0, 0.0), ("pull", "L1:deltanet", 8.0, 0.0)]]
+               ("gemv", "L1:deltanet", 5.0, 0.0), ("pull", "L1:deltanet", 8.0, 0.0), ("cat", "other", 1.0, 4.0)]]
     x = ps.cross_rank([step], placed, {0: "deltanet", 1: "deltanet"}, device="cpu")
     rows = x["deltanet"]
     assert [r["kernel"] for r in rows] == ["gemv", "pull"]
@@ -95,5 +99,5 @@ def test_cross_rank_times_and_spreads(monkeypatch):
     assert rows[0]["end_spread_us"] == 3.0
     assert rows[1]["us_by_rank"] == [8.0, 5.0] and rows[1]["start_spread_us"] == 3.0
     assert rows[1]["end_spread_us"] == 0.0
-    shift["on"] = False
+    other_names["on"] = True
     assert ps.cross_rank([step], placed, {0: "deltanet", 1: "deltanet"}, device="cpu") is None
