@@ -20,7 +20,8 @@ absorbs the ranks' launch skew, which back-to-back steps do not have: the layers
 At TP > 1 every rank's replayed kernels are gathered to rank 0, which adds per kernel of a layer: its time on each
 rank and how far apart the ranks start and end it (max - min over ranks of the profiler's timestamps, which share
 the host's clock; the ranks replay the same graph, so kernel i of a step is the same kernel on every rank). A kernel
-that waits for a peer starts apart and ends together: the early rank's extra time is the wait. --prefill also prints the top kernels of one prefill.
+that waits for a peer starts apart and ends together: the early rank's extra time is the wait.
+--prefill also prints the top kernels of one prefill.
 """
 from __future__ import annotations
 

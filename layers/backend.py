@@ -95,9 +95,10 @@ ALIGN_BYTES = 16  # Triton specialises a pointer argument on 16-byte alignment
 # early_launch says: a kernel launched while the one before still ran placed its programs on the SMs free at that
 # moment, and the MoE kernels at 8 tokens ran 2-3x longer (TP=4 batch 8 2.99 -> 3.45 ms); launched as the last
 # programs exit, it costs nothing anywhere. One 2x H200 call (2026-11-28): TP=2 2.03 / 2.41 -> 1.94 / 2.32 ms at
-# batch 1 / 2, TP=1 2.60 / 3.29 -> 2.44 / 3.15, batch 4-16 unchanged (`results/2026-11-28_record_h200x2_tp{1,2}_pdl*
-# .json`). Every Triton kernel of layers/ follows the rule (dist/'s run in plain stream order); the interpreter runs
-# prior_done and next_may_start as no-ops. QWEN35_PDL=0 launches without it.
+# batch 1 / 2, TP=1 2.60 / 3.29 -> 2.44 / 3.15, batch 4-16 unchanged
+# (`results/2026-11-28_record_h200x2_tp{1,2}_pdl*.json`). Every Triton kernel of layers/ follows the rule (dist/'s
+# run in plain stream order); the interpreter runs prior_done and next_may_start as no-ops. QWEN35_PDL=0 launches
+# without it.
 PDL_ENV = "QWEN35_PDL"
 
 
