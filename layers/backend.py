@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from dist import parallel
+
 try:  # Triton comes with CUDA builds of torch and installs on the CPU (interpreter); the torch path never needs it
     import triton
     import triton.language as tl
@@ -109,7 +111,6 @@ def early_launch(rows: int) -> bool:
     GEMV's input comes from a peer's push there, and its weights stream while its pull waits: TP=2 1.939 -> 1.853 ms
     at batch 1 (one 2x H200 call, 2026-11-29, `results/archive/2026-11-29_record_h200x2_tp{1,2}_pdl_trigger*.json`);
     at batch 2-16 (the MoE's grids take every SM) and at TP=1 (nothing to wait for) it lost 1-3%."""
-    from dist import parallel
     return rows == 1 and bool(pdl()) and parallel.tp_size() > 1
 
 
