@@ -108,9 +108,10 @@ def early_launch(rows: int) -> bool:
     """Whether a kernel of `rows` rows whose next kernel is a GEMV (the DeltaNet and attention decode, the MoE's
     down + combine, the GEMV that pushes a boundary) lets that GEMV launch as soon as its own programs have waited
     (next_may_start), so the GEMV's programs load their weights while this kernel runs: at one row and TP > 1. The
-    GEMV's input comes from a peer's push there, and its weights stream while its pull waits: TP=2 1.939 -> 1.853 ms
-    at batch 1 (one 2x H200 call, 2026-11-29, `results/archive/2026-11-29_record_h200x2_tp{1,2}_pdl_trigger*.json`);
-    at batch 2-16 (the MoE's grids take every SM) and at TP=1 (nothing to wait for) it lost 1-3%."""
+    GEMV's input comes from a peer's push there, and its weights stream while its pull waits: TP=2 1.936 / 2.317 /
+    2.888 -> 1.860 / 2.317 / 2.886 ms at batch 1 / 2 / 4 with this rule (one 2x H200 call, 2026-11-30,
+    `results/2026-11-30_record_h200x2_tp2_early_b1{,_base}.json`). Triggering at every batch lost 1-3% at batch 2-16
+    (the MoE's grids take every SM) and at TP=1 (nothing to wait for; 2026-11-29, `results/archive/`)."""
     return rows == 1 and bool(pdl()) and parallel.tp_size() > 1
 
 
