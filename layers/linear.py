@@ -412,7 +412,7 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         x2, weight, weight if bias is None else bias, y, M, cols, K, x2.stride(0), weight.stride(0), y.stride(0),
         slot, *inbox_args(box, x.device), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_cols,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, PUSH=box is not None, P=box.world if box is not None else 1,
-        STAGES=stages, PREC=dot_precision(x.dtype), GATED=gated,
+        STAGES=stages, PREC=dot_precision(x.dtype), GATED=gated, EVEN_K=K % block_k == 0,
         num_warps=ROWS_CONFIG["warps"], **pdl())
     if box is not None:
         return push.Pushed(box, slot, torch.Size((*x.shape[:-1], cols)), x.dtype)
@@ -546,7 +546,7 @@ if triton is not None:
     def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, push_slot, table, rank, region_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      PUSH: tl.constexpr, P: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr,
-                     GATED: tl.constexpr):
+                     GATED: tl.constexpr, EVEN_K: tl.constexpr):
         """Columns [n0, n0 + BLOCK_N) of y = x @ w^T (+ b) for M <= BLOCK_M rows: the program streams its BLOCK_N
         weight rows in BLOCK_K steps, STAGES deep, and sums over the rows on the tensor cores (tl.dot, fp32; fp32
         inputs at IEEE precision), the bias added in fp32, rounded once to y's dtype. PUSH: y is this rank's partial
@@ -562,7 +562,7 @@ if triton is not None:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # (GATED only; otherwise never touched)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
-            km = k < K
+            km = (k < K) | EVEN_K  # (EVEN_K: K a multiple of BLOCK_K, so only the loop-invariant masks remain)
             x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
             w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)

@@ -121,6 +121,7 @@ def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Expe
             w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0), TOP_K=top_k,
             K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), BLOCK_N=tile["BLOCK_N"],
             BLOCK_K=tile["BLOCK_K"], NUM_STAGES=tile["num_stages"], SUM_LAST=tile.get("sum_last", False),
+            EVEN=H % tile["BLOCK_K"] == 0 and inter == shared_inter and inter % tile["BLOCK_N"] == 0,
             num_warps=tile["num_warps"], **pdl())
     return GemvAct(act, ids, weights, shared_gate, inverse.view(-1))
 
@@ -168,7 +169,8 @@ def down_combine_fast(act: torch.Tensor, w: ExpertWeights, inverse: torch.Tensor
         ids.stride(0), weights.stride(0), shared_gate.stride(0), slot, *inbox_args(box, act.device), TOP_K=k,
         K_POW2=triton.next_power_of_2(k), BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
         NUM_STAGES=tile["num_stages"], PUSH=box is not None, P=box.world if box is not None else 1,
-        EARLY=backend.early_launch(T), num_warps=tile["num_warps"], **pdl())
+        EARLY=backend.early_launch(T), EVEN=H % tile["BLOCK_N"] == 0 and inter == w.shared_down.shape[1]
+        and inter % tile["BLOCK_K"] == 0, num_warps=tile["num_warps"], **pdl())
     return push.Pushed(box, slot, out.shape, out.dtype) if box is not None else out
 
 
@@ -177,7 +179,8 @@ if triton is not None:
     def _gate_up_gemv_kernel(x_ptr, logits_ptr, w_ptr, sw_ptr, act_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, T, H, E, I,
                              I_s, start, num_local, sx, sl, swe, swn, sswn, sa, TOP_K: tl.constexpr,
                              K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SUM_LAST: tl.constexpr):
+                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SUM_LAST: tl.constexpr,
+                             EVEN: tl.constexpr):
         """Program (token t, N tile): t's routing (route_token; every program routes, the pid_n == 0 one stores it
         and each pair's act row for the down step), then columns [n, n + BLOCK_N) of silu(x W_gate^T) * (x W_up^T)
         of its local slots as one [K_POW2, BLOCK_N, BLOCK_K] tile per H step (gate and up halves) and of the shared
@@ -207,8 +210,10 @@ if triton is not None:
         if (tl.max(local.to(tl.int32), 0) == 0) & (pid_n * BLOCK_N >= I_s):
             return  # no weight of this rank in these columns
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = local[:, None] & (cols < I)[None, :]
-        smask = cols < I_s
+        # EVEN (H a multiple of BLOCK_K, I = I_s a multiple of BLOCK_N): the limits fold away, the loads keep only
+        # `local`, which the loop does not change
+        rmask = local[:, None] & ((cols < I) | EVEN)[None, :]
+        smask = (cols < I_s) | EVEN
         ks = tl.arange(0, BLOCK_K)
         wp = w_ptr + tl.where(local, e, 0).to(tl.int64)[:, None, None] * swe + ks[None, None, :]
         gp = wp + cols.to(tl.int64)[None, :, None] * swn
@@ -227,7 +232,7 @@ if triton is not None:
             acc_sg = tl.zeros([BLOCK_N], dtype=tl.float32)
             acc_su = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
-            kmask = k0 + ks < H
+            kmask = (k0 + ks < H) | EVEN
             a = tl.load(xp + k0, mask=kmask, other=0.0).to(tl.float32)
             m = rmask[:, :, None] & kmask[None, None, :]
             g = tl.load(gp + k0, mask=m, other=0.0).to(tl.float32) * a[None, None, :]
@@ -308,7 +313,7 @@ if triton is not None:
                              sa, swe, swh, sswh, so, sid, srw, ssg, push_slot, table, rank, region_stride,
                              TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PUSH: tl.constexpr, P: tl.constexpr,
-                             EARLY: tl.constexpr):
+                             EARLY: tl.constexpr, EVEN: tl.constexpr):
         """Columns [n, n + BLOCK_N) of token t's output: its k routed rows (other ranks' experts masked) as one
         [K_POW2, BLOCK_N, BLOCK_K] weight tile per K step and its shared row (row t) as another, in one loop that
         Triton software-pipelines (tl.range num_stages: NUM_STAGES - 1 steps of every expert's loads in flight;
@@ -321,7 +326,7 @@ if triton is not None:
             next_may_start()
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < H
+        cmask = (cols < H) | EVEN  # (EVEN: H a multiple of BLOCK_N, I = I_s of BLOCK_K: the limits fold away)
         s = tl.arange(0, K_POW2)
         # the three loads side by side (ids and weights not masked by the rows: one round trip to memory, not two)
         row = tl.load(inv_ptr + t * TOP_K + s, mask=s < TOP_K, other=-1)
@@ -338,11 +343,11 @@ if triton is not None:
         acc = tl.zeros([K_POW2, BLOCK_N], dtype=tl.float32)
         acc_s = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, tl.maximum(I, I_s), BLOCK_K, num_stages=NUM_STAGES):
-            kr = valid[:, None] & (k0 + ks < I)[None, :]
+            kr = valid[:, None] & ((k0 + ks < I) | EVEN)[None, :]
             a = tl.load(ap + k0, mask=kr, other=0.0).to(tl.float32)
             w = tl.load(wp + k0, mask=kr[:, None, :] & cmask[None, :, None], other=0.0).to(tl.float32)
             acc += tl.sum(w * a[:, None, :], 2)
-            ksh = k0 + ks < I_s
+            ksh = (k0 + ks < I_s) | EVEN
             a = tl.load(sap + k0, mask=ksh, other=0.0).to(tl.float32)
             w = tl.load(swp + k0, mask=cmask[:, None] & ksh[None, :], other=0.0).to(tl.float32)
             acc_s += tl.sum(w * a[None, :], 1)
