@@ -6,7 +6,9 @@ A row (measure_row): B requests of `input_len` random prompt tokens, sampled at 
 finished is. Reported: wall ms per step (host included; the engine overlaps the host's work with the device's as in
 serving), completion tokens per sequence per step, the effective ms per emitted token, the acceptance measured in
 that run (accepted / drafted drafts that could count), and how many verify steps replayed a CUDA graph and how many
-ran eagerly. The policy's setting is the row's k while it runs.
+ran eagerly. The same over the steps while all B requests ran (`full_*`): with k > 0 the requests end at different
+steps, and the steps after the first ends run fewer rows at nearly a full step's cost, which a served batch (refilled
+as requests end) does not; the cost table takes these. The policy's setting is the row's k while it runs.
 
 measure_table: a row per batch (the verify graphs' sizes up to START_MAX_BATCH and max_num_seqs) and k (0 to
 AUTO_MAX_K) after a short warm-up row per k, then the engine as it was: the setting back, the running acceptance
@@ -52,16 +54,24 @@ def measure_row(engine: LLMEngine, batch: int, k, input_len: int, output_len: in
     drafted, accepted, steps = policy.drafted, policy.accepted, engine.num_steps
     counts = dict(engine.runner.verify_counts)
     steps -= engine.step_in_flight  # (overlap: a step queued during the prefill loop runs in the window)
+    emitted = engine.total_completion_tokens
+    full = None  # (wall s, steps, tokens) while all `batch` requests ran
     with timed():
         t0 = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
+            if full is None and len(engine.requests) < batch:
+                full = (time.perf_counter() - t0, engine.num_steps - engine.step_in_flight - steps,
+                        engine.total_completion_tokens - emitted)
         wall = time.perf_counter() - t0
     steps = max(1, engine.num_steps - steps)
     per_seq = (batch * output_len - before) / batch  # tokens each sequence emitted in the timed steps
     drafted, accepted = policy.drafted - drafted, policy.accepted - accepted
+    full_wall, full_steps, full_tokens = full if full is not None and full[1] > 0 else (wall, steps, batch * per_seq)
     return {"batch": batch, "k": k, "steps": steps, "step_ms": round(1e3 * wall / steps, 4),
             "tokens_per_step": round(per_seq / steps, 4), "ms_per_token": round(1e3 * wall / max(per_seq, 1), 4),
+            "full_steps": full_steps, "full_step_ms": round(1e3 * full_wall / full_steps, 4),
+            "full_tokens_per_step": round(full_tokens / batch / full_steps, 4),
             "drafted": drafted, "accepted": accepted,
             "verify_graph_steps": engine.runner.verify_counts["graph"] - counts["graph"],
             "verify_eager_steps": engine.runner.verify_counts["eager"] - counts["eager"],

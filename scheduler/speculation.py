@@ -118,18 +118,21 @@ class CostTable:
         """From `qwen35.bench --mode spec` rows ({"batch", "k", "step_ms"}, and where measured "tokens_per_step"
         and "acceptance"; rows of k "auto" are skipped). A row's cost is its step time as if its steps had emitted
         E(k) tokens per row at the acceptance it measured: step_ms / tokens_per_step x E(k), so that the table
-        gives back the ms per token the row measured at that acceptance (the run's end, where rows finish at
-        different steps and a verify step of few rows costs nearly a full one, included). Needs the k = 0 rows
-        (speculation off) and at least one k > 0."""
+        gives back the ms per token the row measured at that acceptance. Where a row has them, the steps while all
+        its requests ran ("full_step_ms", "full_tokens_per_step"): the cost of a step of that batch, as `auto`
+        asks it (rows without them include the run's end, where rows finish at different steps and a verify step of
+        fewer rows costs nearly a full one). Needs the k = 0 rows (speculation off) and at least one k > 0."""
         steps: dict[int, list[tuple[int, float]]] = {}
         for r in rows:
             k = r["k"]
             if not isinstance(k, int) or r["step_ms"] <= 0:
                 continue
-            cost = float(r["step_ms"])
-            if r.get("tokens_per_step"):
+            full = "full_step_ms" in r
+            cost = float(r["full_step_ms" if full else "step_ms"])
+            tokens = r.get("full_tokens_per_step" if full else "tokens_per_step")
+            if tokens:
                 a = per_draft_acceptance(r["acceptance"], k) if k and r.get("acceptance") is not None else 0.0
-                cost = cost / r["tokens_per_step"] * expected_tokens(k, a)
+                cost = cost / tokens * expected_tokens(k, a)
             steps.setdefault(k, []).append((int(r["batch"]), cost))
         if 0 not in steps or len(steps) < 2:
             raise ValueError(f"{source}: a cost table needs spec rows of k = 0 and of some k > 0 "

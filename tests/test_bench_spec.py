@@ -22,10 +22,17 @@ def test_spec_rows_measure_what_the_drafts_got(tiny_dir):
         else:  # auto: k from the (placeholder) cost table, which may say 0 at a batch
             assert (r["acceptance"] is None) == (r["drafted"] == 0)
         assert r["ms_per_token"] > 0 and r["step_ms"] > 0
+        # the steps while every request ran: all of them at k = 0 (the requests end together), fewer where drafts
+        # let some requests end first
+        assert 0 < r["full_steps"] <= r["steps"] and r["full_step_ms"] > 0 and r["full_tokens_per_step"] >= 1.0
+        if r["k"] == 0:
+            assert r["full_steps"] == r["steps"] and r["full_tokens_per_step"] == 1.0
         assert r["verify_graph_steps"] == 0  # (no CUDA graphs on the CPU)
         assert (r["verify_eager_steps"] > 0) == (r["drafted"] > 0)
     k2 = [r for r in rows if r["k"] == 2]
     assert all(r["tokens_per_step"] > 1.0 for r in k2)  # some synthetic drafts are accepted (acceptance ~0.6)
+    three = next(r for r in k2 if r["batch"] == 3)
+    assert three["full_steps"] < three["steps"]  # (three requests of 12 tokens at ~0.6: one ends before the others)
     assert 0.3 < out["acceptance"] <= 1.0
     assert (eng.overlap, eng.speculation.setting) == (overlap, setting)
     assert not eng.has_unfinished()

@@ -78,6 +78,10 @@ def test_fixed_k_and_settings(tmp_path):
     t2 = CostTable.from_rows([{"batch": 1, "k": 0, "step_ms": 2.0, "tokens_per_step": 1.0}, measured], "m")
     a = per_draft_acceptance(0.5, 2)
     assert abs(t2.ms_per_token(1, 2, a) - 4.0) < 1e-6 and t2.ms_per_token(1, 0, a) == 2.0
+    # where a row has them, the steps while all its requests ran set the cost (the run's end left out)
+    full = dict(measured, full_step_ms=5.0, full_tokens_per_step=1.75)
+    t3 = CostTable.from_rows([{"batch": 1, "k": 0, "step_ms": 2.0, "tokens_per_step": 1.0}, full], "m")
+    assert abs(t3.ms_per_token(1, 2, a) - 5.0 / 1.75) < 1e-6
     path.write_text(json.dumps({"points": [[1, 5.0]]}))
     with pytest.raises(ValueError, match="qwen35.bench --mode spec"):
         CostTable.from_json(str(path))
