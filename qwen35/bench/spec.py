@@ -9,9 +9,9 @@ tokens, sampled at temperature 1 (the temperature the synthetic acceptance is ma
 wall ms per step (host included, overlapped as in serving), tokens per sequence per step, ms per emitted token, the
 acceptance measured (nothing is assumed: the acceptance is what the drafts got), verify steps replayed and eager
 (rank 0's counts); then the steps while all B requests ran (what the cost table takes), their ms per step, tokens
-per sequence per step and ms per token against k = 0's. The engine is built once with room for the most drafts asked for; each row sets the policy's k.
-The rows make the cost table `auto` chooses by (scheduler/spec_costs.json ships them; a server measures its own at
-start where none ships: qwen35/spec_costs.py measure_table).
+per sequence per step and ms per token against k = 0's. The engine is built once with room for the most drafts asked
+for; each row sets the policy's k. The rows make the cost table `auto` chooses by (scheduler/spec_costs.json ships
+them; a server measures its own at start where none ships: qwen35/spec_costs.py measure_table).
 
 --spec-profile B:K[,B:K...] also runs those rows under torch.profiler (rank 0's kernels) and prints where a timed
 step's GPU time goes: the top kernels by time per step, with their launches per step.
@@ -67,12 +67,12 @@ def spec_rows(engine: LLMEngine, batches: list[int], ks: list, input_len: int, o
         full = r["full_step_ms"] / r["full_tokens_per_step"]
         if r["k"] == 0:
             full_base[r["batch"]] = full
+        full_vs = f"{full / full_base[r['batch']]:.4f}" if r["batch"] in full_base else "-"
         print(f"{r['batch']:5d} {str(r['k']):>5} {r['step_ms']:8.3f} {r['tokens_per_step']:9.3f} "
               f"{r['ms_per_token']:9.3f} {r['acceptance'] if r['acceptance'] is not None else '-':>7} "
               f"{r['vs_off'] if r['vs_off'] is not None else '-':>7} "
-              f"{r['verify_graph_steps']:>6}/{r['verify_eager_steps']:<5} {r['full_steps']:>5} {r['full_step_ms']:8.3f} "
-              f"{r['full_tokens_per_step']:9.3f} {full / full_base[r['batch']] if r['batch'] in full_base else '-':>7.4}",
-              flush=True)
+              f"{r['verify_graph_steps']:>6}/{r['verify_eager_steps']:<5} {r['full_steps']:>5} "
+              f"{r['full_step_ms']:8.3f} {r['full_tokens_per_step']:9.3f} {full_vs:>7}", flush=True)
 
     print(f"{'batch':>5} {'k':>5} {'step ms':>8} {'tok/step':>9} {'ms/token':>9} {'accept':>7} {'vs k=0':>7} "
           f"{'graph/eager':>12} | all rows running: {'steps':>5} {'step ms':>8} {'tok/step':>9} {'vs k=0':>7}")
