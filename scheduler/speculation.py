@@ -30,9 +30,9 @@ table: --spec-cost-table; CostTable.from_rows says how a row becomes a cost), li
 The tables measured so far ship in scheduler/spec_costs.json, each for one model, GPU kind and TP (CostTable.shipped
 picks by the model's sizes, model_shape, the device name and TP). Where none matches, a server on GPUs measures its
 own at start (qwen35/spec_costs.py measure_table; `--spec-cost-table measure` asks for it anyway); elsewhere (the
-CPU) auto falls back to PLACEHOLDER, which is NOT a measurement: a step of n tokens costing what the points below say relative to a batch-1 plain step
-(the points at 2 and 4 tokens are the ratios issue #28 quotes for steps of 2 and 4 sequences on one H200, the rest a
-guess), plus DRAFT_COST of a plain step per draft.
+CPU) auto falls back to PLACEHOLDER, which is NOT a measurement: a step of n tokens costing what the points below
+say relative to a batch-1 plain step (the points at 2 and 4 tokens are the ratios issue #28 quotes for steps of 2
+and 4 sequences on one H200, the rest a guess), plus DRAFT_COST of a plain step per draft.
 """
 from __future__ import annotations
 
