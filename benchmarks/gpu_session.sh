@@ -35,6 +35,11 @@
 #             of the decode rows and the HTTP score on one machine
 #   specserver  the HTTP workload on dummy-spec weights (acceptance 0.6) without speculation, then with
 #             --speculative-tokens SPEC_SERVER_K (default auto): throughput_spec_k{0,K}_tpN.json, one machine
+#   sideserver  two TP=1 servers side by side, A on GPU 0 and B on GPU 1 of a 2-GPU machine, each with the HTTP
+#             workload: half the wall time of running them one after the other (2026-11-30: TP=1 `auto` with two
+#             cost tables, one call). SIDE_A_ARGS / SIDE_B_ARGS their server flags (default: dummy-spec weights at
+#             acceptance 0.6, speculation off for A and auto for B), SIDE_A_TREE=.base runs A from .base/ (a
+#             before/after of a change), SIDE_MODEL (default qwen3.5-35b-a3b): throughput_side_{a,b}.json
 #   pack      everything under $OUT but the JSON files into $OUT/logs.tgz
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -186,6 +191,24 @@ for stage in "$@"; do
         grep -c "compiled a kernel after start" "$OUT/specserver_k$k.log" | sed 's/^/Triton compiles after start: /'
         ./start.sh --stop --port 8000
       done ;;
+    sideserver)
+      side() {  # side NAME GPU PORT TREE ARGS...: one TP=1 server on one GPU and the workload against it
+        local name=$1 g=$2 p=$3 tree=$4; shift 4
+        (cd "$tree" && export PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} CUDA_VISIBLE_DEVICES=$g
+         ./start.sh --port "$p" --model "${SIDE_MODEL:-qwen3.5-35b-a3b}" --tp 1 "$@" --log "$OUT/side_$name.log" \
+           --timeout 600 >/dev/null || { tail -20 "$OUT/side_$name.log"; exit 1; }
+         python3 -m benchmarks.throughput --url "http://127.0.0.1:$p" \
+           ${THROUGHPUT_ARGS:---levels 1,2,4,8,16,32,64 --num-requests 64 --ignore-eos} \
+           --device-info "$DEV, GPU $g, TP=1, side by side with another server: $*" \
+           --out "$OUT/throughput_side_$name.json" > "$OUT/side_${name}_client.log" 2>&1
+         echo "side $name: $(grep -c "compiled a kernel after start" "$OUT/side_$name.log") Triton compiles after start"
+         ./start.sh --stop --port "$p" >/dev/null)
+      }
+      spec="--load-format dummy-spec --spec-acceptance 0.6"
+      side a 0 8000 "$PWD/${SIDE_A_TREE:-.}" ${SIDE_A_ARGS:-$spec --speculative-tokens 0} &
+      side b 1 8001 "$PWD" ${SIDE_B_ARGS:-$spec --speculative-tokens auto} &
+      wait
+      for name in a b; do echo "== $name"; tail -9 "$OUT/side_${name}_client.log"; done ;;
     pack) (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz $(ls | grep -v '\.json$') \
              && ls | grep -v -e '\.json$' -e '^logs.tgz$' | xargs -r rm -rf) ;;
     *) echo "unknown stage $stage" ;;
