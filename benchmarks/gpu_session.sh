@@ -36,7 +36,7 @@
 #   specserver  the HTTP workload on dummy-spec weights (acceptance 0.6) without speculation, then with
 #             --speculative-tokens SPEC_SERVER_K (default auto): throughput_spec_k{0,K}_tpN.json, one machine
 #   sideserver  two TP=1 servers side by side, A on GPU 0 and B on GPU 1 of a 2-GPU machine, each with the HTTP
-#             workload: half the wall time of running them one after the other (2026-11-30: TP=1 `auto` with two
+#             workload: ~370 s of wall time where one after the other took ~590 (2026-11-30: TP=1 `auto` with two
 #             cost tables, one call). SIDE_A_ARGS / SIDE_B_ARGS their server flags (default: dummy-spec weights at
 #             acceptance 0.6, speculation off for A and auto for B), SIDE_A_TREE=.base runs A from .base/ (a
 #             before/after of a change), SIDE_MODEL (default qwen3.5-35b-a3b): throughput_side_{a,b}.json
