@@ -1,8 +1,7 @@
-"""The MoE GEMV path's router GEMM + gate_up at decode sizes (moe.gemv_gate_up): the router's launch and the per-token
-kernel (masked [k, BLOCK_N, BLOCK_K] tiles stepping through H; its default tile, and the tuned table's choice
-`tuned`, 0 where the table takes the sorted layout's path) against variants of the persistent one, which computes the
-router's logits itself (G programs a token, each a share of the logits, then routing once and the token's items of
-whole rows: per_sm:BLOCK_N:num_stages), at the rank shapes of TP=1, 2, 4, 8 (rank 0's experts; random weights, routing of
+"""The MoE GEMV path's gate_up at decode sizes: the per-token kernel (masked [k, BLOCK_N, BLOCK_K] tiles stepping
+through H; its default tile, and the tuned table's choice `tuned`, 0 where the table takes the sorted layout's path)
+against variants of the persistent one (G programs a token, each routing once, then the token's items of whole rows:
+per_sm:BLOCK_N:num_stages), at the rank shapes of TP=1, 2, 4, 8 (rank 0's experts; random weights, routing of
 random inputs), us per call from a CUDA graph with L2 emptied before each call (benchmarks/tune_moe.py
 cold_graph_ms: a decode step streams GBs, so its MoE weights come from HBM). `route` is the routing alone
 (route_fast, the code every gate_up program runs before it can load an expert's rows); `gate_up MB` the bytes of
@@ -47,12 +46,12 @@ def main() -> None:
         for T in args.batches:
             x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
             logits = F.linear(x, layer.router)
-            base = graph_ms(lambda: moe.gemv_gate_up(x, layer.router, layer.top_k, layer.w, moe.GEMV_TILE))
-            persistent = [graph_ms(lambda: moe.gemv_gate_up(x, layer.router, layer.top_k, layer.w,
-                                                            dict(v, BLOCK_N=v["BLOCK_N"] or None)))
+            base = graph_ms(lambda: moe.gate_up_gemv_fast(x, logits, layer.top_k, layer.w, moe.GEMV_TILE))
+            persistent = [graph_ms(lambda: moe.gate_up_gemv_fast(x, logits, layer.top_k, layer.w,
+                                                                 dict(v, BLOCK_N=v["BLOCK_N"] or None)))
                           for v in variants]
             tile = moe.config_for(x, layer.w)["gemv"]
-            tuned = graph_ms(lambda: moe.gemv_gate_up(x, layer.router, layer.top_k, layer.w, tile)) if tile else 0
+            tuned = graph_ms(lambda: moe.gate_up_gemv_fast(x, logits, layer.top_k, layer.w, tile)) if tile else 0
             route = graph_ms(lambda: moe.route_fast(logits, layer.top_k))
             g = moe.gate_up_gemv_fast(x, logits, layer.top_k, layer.w)
             hit = torch.unique(g.ids[g.inverse.view(g.ids.shape) >= 0]).numel()

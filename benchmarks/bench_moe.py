@@ -20,14 +20,13 @@ Then the decode tables (batches 1..64, us per layer from a CUDA graph; launches 
 torch.profiler, memcpy/memset excluded):
 - fused / split: decode_path (router GEMM, route_fast, align_serial, gate_up, then down + combine in one kernel
   / in two: 5 or 6); gemv: the GEMV path
-  (router GEMM, gate_up_gemv_fast with the routing in its prologue, down_combine: 3; with a persistent tile the
-  router in gate_up's launch: 2); scan_fused / scan_split: the
+  (router GEMM, gate_up_gemv_fast with the routing in its prologue, down_combine: 3); scan_fused / scan_split: the
   scan path (router GEMM, route_fast, gate_up_scan_fast, then down_combine or down_scan + combine: 4 or 5);
   "moe_fast" says which one
   moe_fast takes here (the tuned table's choice, else moe.GEMV_MAX_T and moe.DOWN_COMBINE_MAX_T);
 - the parts alone: route_fast + align_serial; router GEMM + both;
   down_combine vs down + combine vs the scan down (down_scan alone); route + align + gate_up vs the GEMV path's
-  router + gate_up (routing included) vs gate_up_scan alone;
+  gate_up (routing included) vs gate_up_scan alone;
 - floor: the layer's bytes at the copy rate measured in the same run.
 """
 from __future__ import annotations
@@ -147,7 +146,7 @@ def decode_row(layer: Layer, T: int, gen: torch.Generator, rate: float) -> dict:
         "down_combine": lambda: moe.down_combine_fast(act, w, layout.inverse, ids, weights, shared_gate,
                                                       cfg["down_combine"]),
         "layout_gate_up": lambda: moe.gate_up_fast(x, w, route_align(logits), cfg["gate_up"]),
-        "gemv_gate_up": lambda: moe.gemv_gate_up(x, router, k, w, cfg["gemv"] or moe.GEMV_TILE),  # (router incl.)
+        "gemv_gate_up": lambda: moe.gate_up_gemv_fast(x, logits, k, w, cfg["gemv"]),
         "scan_gate_up": lambda: moe.gate_up_scan_fast(x, ids, weights, shared_gate, w, scan["gate_up"]),
         "scan_down": lambda: moe.down_scan_fast(g.act, w, g.inverse, ids, weights, shared_gate, scan["down"]),
     }

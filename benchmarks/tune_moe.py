@@ -160,24 +160,21 @@ def tune_bucket(layer: Layer, T: int, quick: bool, gen: torch.Generator) -> dict
 
 def tune_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, entry: dict, t_down: float, dc: dict,
               quick: bool) -> None:
-    """The bucket's decode path, the fastest of three, each with the router GEMM:
-    - the sorted layout's: router GEMM + route + align + gate_up + the down step chosen above (t_down ms);
-    - the GEMV path: router GEMM + gate_up_gemv (routing inside), or the persistent kernel that computes the logits
-      itself, at the best tile + down_combine (tile dc): entry["gemv"];
+    """The bucket's decode path, the fastest of three (the router GEMM, common to all, left out):
+    - the sorted layout's: route + align + gate_up + the down step chosen above (t_down ms);
+    - the GEMV path: gate_up_gemv (routing inside) at its best tile + down_combine (tile dc): entry["gemv"];
     - the scan path (T >= SCAN_CANDIDATE_MIN_T): route + gate_up_scan at its best tile, then down_combine (tile dc)
       or down_scan at its best tile + combine: entry["scan"] = {"gate_up": tile, "down": tile or None}.
     The GEMV path and the scan path with down_combine keep entry["down_combine"] = dc."""
     T, k, w = x.shape[0], layer.top_k, layer.w
     num_local = w.gate_up.shape[0]
-    t_router = time_ms(lambda: moe.router_logits_fast(x, layer.router), graph=True)
-    t_layout = t_router + t_down + time_ms(lambda: moe.gate_up_fast(
+    t_layout = t_down + time_ms(lambda: moe.gate_up_fast(
         x, w, moe.align_fast(moe.route_fast(logits, k)[0], w.start, num_local, entry["BLOCK_M"]), entry["gate_up"]),
         graph=True)
-    t_up, gemv, g = best_gate_up_gemv(layer, x, quick)
+    t_up, gemv, g = best_gate_up_gemv(layer, x, logits, quick)
     t_gemv = t_up + time_ms(lambda: moe.down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, dc),
                             graph=True)
     t_scan, scan = tune_scan(layer, x, logits, dc, quick) if T >= SCAN_CANDIDATE_MIN_T else (float("inf"), None)
-    t_scan += t_router
     best = min(t_layout, t_gemv, t_scan)
     entry["gemv"] = gemv if best == t_gemv else None
     entry["scan"] = scan if best == t_scan and best < min(t_layout, t_gemv) else None
@@ -218,28 +215,28 @@ def scan_candidates(op: str, quick: bool) -> list[dict]:
     return expand(grid, quick)
 
 
-def best_gate_up_gemv(layer: Layer, x: torch.Tensor, quick: bool):
-    """(ms, tile, outputs) of the GEMV path's router GEMM + gate_up (moe.gemv_gate_up) at its best tile: the outputs
-    are what down_combine reads."""
+def best_gate_up_gemv(layer: Layer, x: torch.Tensor, logits: torch.Tensor, quick: bool):
+    """(ms, tile, outputs) of the GEMV path's gate_up at its best tile: the outputs are what down_combine reads."""
     k, w = layer.top_k, layer.w
-    # the persistent kernel (layers/moe/gemv.py, the router in its launch) competes at small T
+    # the persistent kernel (layers/moe/gemv.py) competes at small T
     persistent = persistent_candidates(quick) if x.shape[0] <= PERSISTENT_CANDIDATE_MAX_T else []
-    t, tile = best_tile(lambda cand: moe.gemv_gate_up(x, layer.router, k, w, cand), x.shape[0], quick,
+    t, tile = best_tile(lambda cand: moe.gate_up_gemv_fast(x, logits, k, w, cand), x.shape[0], quick,
                         persistent + gemv_candidates("gate_up_gemv", quick))
-    return t, tile, moe.gemv_gate_up(x, layer.router, k, w, tile)
+    return t, tile, moe.gate_up_gemv_fast(x, logits, k, w, tile)
 
 
 def retune_gemv(layer: Layer, T: int, entry: dict, quick: bool, gen: torch.Generator) -> None:
     """The GEMV path's gate_up_gemv and down_combine tiles of a bucket that takes it, the rest of its entry kept."""
     x = torch.randn(T, layer.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    logits = F.linear(x, layer.router)
     k, w = layer.top_k, layer.w
-    was = (time_ms(lambda: moe.gemv_gate_up(x, layer.router, k, w, entry["gemv"]), graph=True), entry["gemv"])
-    t_up, gemv, g = best_gate_up_gemv(layer, x, quick)
+    was = (time_ms(lambda: moe.gate_up_gemv_fast(x, logits, k, w, entry["gemv"]), graph=True), entry["gemv"])
+    t_up, gemv, g = best_gate_up_gemv(layer, x, logits, quick)
     down = lambda tile: moe.down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, tile)  # noqa
     was_dc = (time_ms(lambda: down(entry["down_combine"]), graph=True), entry["down_combine"])
     t_dc, dc = best_tile(down, T, quick, gemv_candidates("down_combine", quick))
     entry["gemv"], entry["down_combine"] = faster((t_up, gemv), was)[1], faster((t_dc, dc), was_dc)[1]
-    print(f"  T={T:<5} router + gate_up_gemv {t_up * 1e3:6.1f} us {gemv} (was {was[0] * 1e3:.1f} us {was[1]})  "
+    print(f"  T={T:<5} gate_up_gemv {t_up * 1e3:6.1f} us {gemv} (was {was[0] * 1e3:.1f} us {was[1]})  "
           f"down_combine {t_dc * 1e3:6.1f} us {dc} (was {was_dc[0] * 1e3:.1f} us {was_dc[1]})", flush=True)
 
 

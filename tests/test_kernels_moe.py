@@ -301,11 +301,11 @@ def gemv_inputs(T, E, H, gen, routed):
 
 @pytest.mark.parametrize("T,E,k,H,I,I_s,start,num_local,routed", GEMV_CASES)
 def test_gate_up_gemv_equals_torch(T, E, k, H, I, I_s, start, num_local, routed):
-    """The GEMV path's router + gate_up (moe.gemv_gate_up; the per-token kernel: default tile, several N tiles and H
-    steps, summed along K a step or after the loop; the persistent kernel, which computes the logits itself: whole
-    rows, several items a program, pipelined): the per-token kernel's routing bit for bit route_fast's, ids exactly
-    route_torch's, weights and gate within TOL_ROUTE, each pair's row as the oracle's, act rows of local pairs and
-    the shared rows within TOL; down_combine on it, and the whole path, against the oracles."""
+    """The GEMV path's gate_up (the per-token kernel: default tile, several N tiles and H steps, summed along K a
+    step or after the loop; the persistent kernel: whole rows, several items a program, pipelined): routing bit
+    for bit route_fast's (ids exactly route_torch's, weights and gate within TOL_ROUTE), each pair's row as the
+    oracle's, act rows of local pairs and the shared rows within TOL; down_combine on it, and the whole path,
+    against the oracles."""
     gen = torch.Generator().manual_seed(T * 17 + start)
     w = make_weights(num_local, H, I, I_s, start, gen)
     x, router = gemv_inputs(T, E, H, gen, routed)
@@ -314,11 +314,9 @@ def test_gate_up_gemv_equals_torch(T, E, k, H, I, I_s, start, num_local, routed)
     for tile in (moe.GEMV_TILE, dict(BLOCK_N=4, BLOCK_K=16, num_warps=2, num_stages=3),
                  dict(BLOCK_N=4, BLOCK_K=16, num_warps=2, num_stages=3, sum_last=True), dict(persistent=True),
                  dict(persistent=True, BLOCK_N=2, num_stages=2, num_warps=2, per_sm=1)):
-        fast = moe.gemv_gate_up(x, router, k, w, tile)
+        fast = moe.gate_up_gemv_fast(x, logits, k, w, tile)
         assert fast.ids.dtype == torch.int32 and torch.equal(fast.ids.long(), ref.ids)
-        if not tile.get("persistent"):  # (its logits are router_logits_fast's; the persistent kernel's its own)
-            assert all(torch.equal(a, b) for a, b in zip(fast[1:4], moe.route_fast(moe.router_logits_fast(x, router),
-                                                                                    k)))
+        assert all(torch.equal(a, b) for a, b in zip(fast[1:4], moe.route_fast(logits, k)))
         assert max_diff(fast.weights, ref.weights) <= TOL_ROUTE
         assert max_diff(fast.shared_gate, ref.shared_gate) <= TOL_ROUTE
         assert torch.equal(fast.inverse, ref.inverse)
@@ -817,18 +815,16 @@ def test_moe_decode_bf16_real_shapes(tp, T):
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("T", [1, 2, 4, 8, 16])
 def test_moe_decode_gemv_bf16_real_shapes(tp, T):
-    """The GEMV path against experts_torch routed on the same logits, the per-token kernel's routing bit for bit
-    route_fast's; the same bits on a second eager run and from a CUDA graph replayed on new inputs (every TP's tuned
-    tiles, those that sum along K after the loop among them, and the persistent kernel's, whose programs wait for
-    each other's router shares)."""
+    """The GEMV path against experts_torch routed on the same logits, its routing bit for bit route_fast's; the
+    same bits on a second eager run and from a CUDA graph replayed on new inputs (every TP's tuned tiles, those that
+    sum along K after the loop among them)."""
     w, router = real_weights(tp), real_router(tp)
     gen = torch.Generator().manual_seed(T * 7 + tp)
     x = torch.randn(T, 2048, generator=gen).to("cuda", torch.bfloat16)
     logits = moe.padded_router_gemm(x, router)
     tile = moe.moe_config(T, w.gate_up.shape[0], 2048, 512 // tp, 512 // tp, x.device)["gemv"]
-    if not (tile or {}).get("persistent"):  # (the persistent kernel routes on the logits it computes itself)
-        g = moe.gate_up_gemv_fast(x, logits, 8, w, tile)
-        assert all(torch.equal(a, b) for a, b in zip(g[1:4], moe.route_fast(logits, 8)))
+    g = moe.gate_up_gemv_fast(x, logits, 8, w, tile)
+    assert all(torch.equal(a, b) for a, b in zip(g[1:4], moe.route_fast(logits, 8)))
     ref = moe.experts_torch(x, *moe.route_torch(logits, 8), w)
     out = moe.decode_path(x, router, 8, w, gemv=True)
     assert torch.isfinite(out).all() and rel(out, ref) <= 1e-2

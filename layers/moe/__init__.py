@@ -32,10 +32,10 @@ No kernel uses floating-point atomics: every output is bitwise deterministic.
 The router GEMM, the kernels' tiles and the fp32 accumulation differ from the oracle's only in rounding; the fast
 kernels round to the model dtype where the oracle does (GEMM outputs, silu, the products with the weights).
 """
-from layers.moe.block import SparseMoE, decode_path, gemv_gate_up, moe_fast, moe_torch
+from layers.moe.block import SparseMoE, decode_path, moe_fast, moe_torch
 from layers.moe.experts import ExpertWeights, Experts
 from layers.moe.gemv import (GemvAct, down_combine_fast, down_combine_torch, gate_up_gemv_fast, gate_up_gemv_torch,
-                             gate_up_routed_fast, gate_up_routed_torch, pair_rows_torch)
+                             pair_rows_torch)
 from layers.moe.grouped import (combine_fast, combine_torch, down_fast, down_torch, experts_fast, experts_on_layout,
                                 experts_torch, gate_up_fast, gate_up_torch)
 from layers.moe.layout import (ALIGN_CHUNKS, ALIGN_SERIAL_MAX_T, Layout, align_chunk, align_chunked, align_fast,
@@ -47,9 +47,8 @@ from layers.moe.scan import (SCAN_DOWN_TILE, SCAN_GATE_UP_TILE, down_scan_fast, 
 from layers.moe.tiles import (CONFIG_FILE, DECODE_MAX_T, DOWN_COMBINE_MAX_T, DOWN_COMBINE_TILE, GEMV_MAX_T, GEMV_TILE,
                               config_for, config_key, default_config, moe_config, token_buckets)
 
-__all__ = ["SparseMoE", "decode_path", "gemv_gate_up", "moe_fast", "moe_torch", "ExpertWeights", "Experts", "GemvAct",
-           "down_combine_fast", "down_combine_torch", "gate_up_gemv_fast", "gate_up_gemv_torch",
-           "gate_up_routed_fast", "gate_up_routed_torch", "pair_rows_torch",
+__all__ = ["SparseMoE", "decode_path", "moe_fast", "moe_torch", "ExpertWeights", "Experts", "GemvAct",
+           "down_combine_fast", "down_combine_torch", "gate_up_gemv_fast", "gate_up_gemv_torch", "pair_rows_torch",
            "SCAN_DOWN_TILE", "SCAN_GATE_UP_TILE", "down_scan_fast", "down_scan_torch", "gate_up_scan_fast",
            "gate_up_scan_torch",
            "combine_fast", "combine_torch", "down_fast", "down_torch", "experts_fast", "experts_on_layout",

@@ -4,14 +4,11 @@ moe_fast picks its kernels by T alone. Prefill (T > DECODE_MAX_T) is the router 
 grouped kernels on the chunked layout (layers/moe/grouped.py): 8 dependent launches per layer, where the grouped
 kernels stream each expert's weights once for all its tokens. At decode sizes the launches, not the bytes, are the
 cost (more so at TP=8, where a rank's expert bytes shrink 8x), so decode_path runs 3 on the GEMV path (up to
-GEMV_MAX_T tokens without a table; the tuned table says per bucket), 2 where its tile is the persistent kernel's
-(1-4 tokens without a table), else 5 (or 6):
+GEMV_MAX_T tokens without a table; the tuned table says per bucket), else 5 (or 6):
 
     router GEMM           logits [T, E + 1]: the GEMV kernel, or the skinny one (router_logits_fast)
     _gate_up_gemv_kernel  (GEMV path) per (token, N tile): the token's routing and its experts' gate|up rows, then
-                          _down_combine_kernel (layers/moe/gemv.py); with a persistent tile the router GEMM and
-                          the routing in one launch (_gate_up_persistent_kernel: each program a share of the
-                          token's logits; they wait for each other, all resident, before routing)
+                          _down_combine_kernel (layers/moe/gemv.py)
     _route_kernel         one program per token
     _align_kernel         one program: the sorted layout
     _gate_up_kernel       on that layout
@@ -39,15 +36,15 @@ from torch import nn
 
 from dist import push
 from layers import backend
-from layers.linear import Linear, PendingNorm, computed, fuse_rows
+from layers.linear import Linear, computed, fuse_rows
 from layers.mlp import MLP
 from layers.moe.experts import ExpertWeights, Experts
-from layers.moe.gemv import GemvAct, down_combine_fast, gate_up_gemv_fast, gate_up_routed_fast
+from layers.moe.gemv import down_combine_fast, gate_up_gemv_fast
 from layers.moe.grouped import combine_fast, experts_fast, experts_on_layout, experts_torch
 from layers.moe.layout import align_fast
 from layers.moe.routing import ROUTER_PAD_ROWS, route_fast, route_torch, router_logits_fast, router_logits_torch
 from layers.moe.scan import down_scan_fast, gate_up_scan_fast
-from layers.moe.tiles import DECODE_MAX_T, GEMV_TILE, config_for, token_buckets
+from layers.moe.tiles import DECODE_MAX_T, config_for, token_buckets
 
 
 def moe_torch(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
@@ -85,7 +82,8 @@ def decode_path(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeig
         return torch.empty_like(computed(x))
     cfg = config_for(x, w)
     if cfg["gemv"] is not None if gemv is None else gemv:
-        g = gemv_gate_up(x, router, top_k, w, cfg["gemv"] or GEMV_TILE)
+        logits = router_logits_fast(x, router)  # first: its GEMV computes a PendingNorm x, which gate_up reads
+        g = gate_up_gemv_fast(computed(x).contiguous(), logits, top_k, w, cfg["gemv"])
         return down_combine_fast(g.act, w, g.inverse, g.ids, g.weights, g.shared_gate, cfg["down_combine"],
                                  partial=partial)
     logits = router_logits_fast(x, router)
@@ -101,17 +99,6 @@ def decode_path(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeig
         return combine_fast(y, g.inverse, x.shape[0], partial)
     layout = align_fast(ids, w.start, w.gate_up.shape[0], cfg["BLOCK_M"])
     return experts_on_layout(x, w, layout, ids, weights, shared_gate, cfg, down_combine, partial)
-
-
-def gemv_gate_up(x: torch.Tensor | PendingNorm, router: torch.Tensor, top_k: int, w: ExpertWeights,
-                 tile: dict) -> GemvAct:
-    """The GEMV path's router GEMM and gate_up: one launch for a persistent tile (gate_up_routed_fast: the router
-    and a PendingNorm x in its programs), else the router's launch (router_logits_fast, which computes a PendingNorm
-    x) and then the per-token kernel's (gate_up_gemv_fast)."""
-    if tile.get("persistent"):
-        return gate_up_routed_fast(x, router, top_k, w, tile)
-    logits = router_logits_fast(x, router)  # first: its GEMV computes a PendingNorm x, which gate_up reads
-    return gate_up_gemv_fast(computed(x).contiguous(), logits, top_k, w, tile)
 
 
 class SparseMoE(nn.Module):

@@ -3,17 +3,14 @@ bytes, are the cost (more so at TP=8, where a rank's expert bytes shrink 8x).
 
     gate_up_gemv_torch / _fast  route, then silu(x W_gate^T) * (x W_up^T) of each token's local experts and the
                                 shared expert, in one launch
-    gate_up_routed_torch / _fast  the router GEMM, then the same, in one launch (the persistent kernel)
     down_combine_torch / _fast  the down GEMVs, routing weights and the per-token sum, in one launch
 
 _gate_up_gemv_kernel  per (token, N tile): the token's routing (route_token: route_fast's bits; every program
                       routes, one stores it), then its local experts' gate|up rows as one tile and the shared
                       expert's, in one software-pipelined H loop -> act: shared row t, pair p at row T + p (other
                       ranks' pairs: -1 in the pair -> row index, rows unwritten)
-_gate_up_persistent_kernel  the router GEMM and the same act in one launch, G programs a token (all resident):
-                      each computes a share of the token's logits (with the layer norm before the MoE in its
-                      prologue), takes the shared expert's items while the other shares arrive, waits for them,
-                      routes once and takes the token's local experts' items (whole rows) in turn: at 1-8 tokens
+_gate_up_persistent_kernel  the same act from G programs a token, each routing once and taking the token's work
+                      items (whole rows of the shared expert, then of its local experts) in turn: at 1-4 tokens
 _down_combine_kernel  per (token, N tile): the token's routed experts as one tile and the shared expert's, in one
                       software-pipelined K loop (every expert's loads in flight together), each GEMV times its
                       weight, summed in fp32 in a fixed order. It reads act through the pair -> row index, so it
@@ -29,12 +26,12 @@ import torch.nn.functional as F
 
 from dist import push
 from layers import backend
-from layers.backend import next_may_start, pdl, prior_done, rms_norm_row, round_to, tl, triton
-from layers.linear import PendingNorm, computed, inbox_args
+from layers.backend import next_may_start, pdl, prior_done, round_to, tl, triton
+from layers.linear import inbox_args
 from layers.activation import silu_mul_sums, silu_mul_torch
 from layers.moe.experts import ExpertWeights
-from layers.moe.routing import route_token, route_torch, router_logits_torch
-from layers.moe.tiles import DOWN_COMBINE_TILE, GEMV_TILE, PERSISTENT_GEMV, cap_tile
+from layers.moe.routing import route_token, route_torch
+from layers.moe.tiles import DOWN_COMBINE_TILE, GEMV_TILE, cap_tile
 
 
 class GemvAct(NamedTuple):
@@ -84,82 +81,18 @@ PERSISTENT_PER_SM = 4     # the persistent gate_up's programs per SM where the t
 @functools.lru_cache(maxsize=None)
 def persistent_programs(device: torch.device, T: int, per_sm: int) -> int:
     """Programs per token of _gate_up_persistent_kernel: per_sm a SM over the T tokens, so that every program is
-    resident at once (its launch caps the registers so that per_sm fit: a token's programs wait for each other's
-    router shares). 1 on the CPU: the interpreter runs the programs one after another, so none may wait for a
-    later one."""
+    resident at once and routes once (3 on the CPU, so that tests step the programs through several items)."""
     if device.type != "cuda":
-        return 1
+        return 3
     return max(1, per_sm * backend.sm_count(device) // T)
-
-
-def gate_up_routed_torch(x: torch.Tensor | PendingNorm, router: torch.Tensor, top_k: int, w: ExpertWeights,
-                         tile: dict | None = None) -> GemvAct:
-    """The oracle of gate_up_routed_fast: router_logits_torch, then gate_up_gemv_torch (tile unused)."""
-    x = computed(x)
-    return gate_up_gemv_torch(x, router_logits_torch(x, router), top_k, w)
-
-
-def gate_up_routed_fast(x: torch.Tensor | PendingNorm, router: torch.Tensor, top_k: int, w: ExpertWeights,
-                        tile: dict | None = None) -> GemvAct:
-    """The router GEMM and gate_up_gemv_fast in one launch, the GEMV path at 1-8 tokens (a tile with "persistent":
-    per_sm, BLOCK_N, num_stages, num_warps): G programs a token (persistent_programs), each computing its share of
-    the token's router logits, then the shared expert's items while the other shares arrive, then the routing and
-    the routed items (_gate_up_persistent_kernel). A PendingNorm x (the layer boundary before the MoE) is computed
-    in every program's prologue, pulled from the inbox where it is a Pushed, as linear_fast's GEMV does; its first
-    program a token stores the norm's outputs. The router's launch and boundary it saves: TP=2 decode 1.86 -> ?
-    ms at batch 1 (see the kernel). router [E + 1, H] (router | shared gate), unit column stride."""
-    norm = x if isinstance(x, PendingNorm) and not x.done else None
-    pulled = norm is not None and isinstance(norm.x, push.Pushed)
-    rows = (norm.out if pulled else norm.x) if norm is not None else x  # (pulled: a placeholder, never read)
-    T, H = rows.shape
-    E = router.shape[0] - 1
-    num_local, two_i, _ = w.gate_up.shape
-    inter, shared_inter = two_i // 2, w.shared_gate_up.shape[0] // 2
-    ids, inverse = torch.empty(2, T, top_k, dtype=torch.int32, device=rows.device)  # one allocation
-    weights = torch.empty(T, top_k, dtype=rows.dtype, device=rows.device)
-    shared_gate = torch.empty(T, 1, dtype=rows.dtype, device=rows.device)
-    act = torch.empty(T * (top_k + 1), max(inter, shared_inter), dtype=rows.dtype, device=rows.device)
-    if T == 0:
-        return GemvAct(act, ids, weights, shared_gate, inverse.view(-1))
-    if norm is None:
-        r, r_out, nw, h, sr, eps = rows, rows, router, rows, 0, 0.0  # placeholders, never touched without NORM
-    else:
-        r = rows if norm.residual is None else norm.residual.reshape(T, H)
-        r_out = rows if norm.residual_out is None else norm.residual_out
-        nw, h, sr, eps = norm.weight, norm.out, r.stride(0), norm.eps
-    tile = tile or PERSISTENT_GEMV
-    per_sm = tile.get("per_sm", PERSISTENT_PER_SM)
-    G = persistent_programs(rows.device, T, per_sm)
-    block_h = triton.next_power_of_2(H)
-    block_n = min(triton.next_power_of_2(max(inter, shared_inter)),
-                  tile.get("BLOCK_N") or max(1, PERSISTENT_TILE // (2 * block_h)))
-    warps = tile.get("num_warps") or (8 if 2 * block_n * block_h >= PERSISTENT_TILE else 4)
-    # every program resident: registers for per_sm programs a SM (ptxas spills past them)
-    launch = dict(maxnreg=min(255, 65536 // (32 * warps * per_sm))) if rows.is_cuda else {}
-    logits = torch.empty(T, E + 1, dtype=rows.dtype, device=rows.device)
-    inbox = norm.x.inbox if pulled else None
-    _gate_up_persistent_kernel[(G, T)](
-        rows, router, logits, backend.arrival_counters(T, rows.device), w.gate_up, w.shared_gate_up, act, ids,
-        inverse, weights, shared_gate, r, r_out, nw, h, T, H, E, inter, shared_inter, w.start, num_local,
-        rows.stride(0), router.stride(0), logits.stride(0), w.gate_up.stride(0), w.gate_up.stride(1),
-        w.shared_gate_up.stride(0), act.stride(0), sr, eps, norm.x.slot if pulled else 0,
-        *inbox_args(inbox, rows.device), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
-        BLOCK_E=triton.next_power_of_2(E), BLOCK_N=block_n, BLOCK_H=block_h,
-        BLOCK_R=triton.next_power_of_2(triton.cdiv(E + 1, G)), NUM_STAGES=tile.get("num_stages", 1),
-        NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        PLAIN=norm is not None and norm.plain, PULL=pulled, P=inbox.world if inbox is not None else 1,
-        num_warps=warps, **launch, **pdl())
-    if norm is not None:
-        norm.done = True
-    return GemvAct(act, ids, weights, shared_gate, inverse.view(-1))
 
 
 def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: ExpertWeights,
                       tile: dict | None = None) -> GemvAct:
-    """gate_up_gemv_torch in one launch, a program per (token, N tile of max(I, I_s)): each routes its token
-    (route_fast's kernel code, so the same bits) and streams that token's local experts' and the shared expert's
-    gate|up rows. x [T, H] and logits [T, E + 1] with unit column stride. (A persistent tile's kernel computes the
-    logits itself: gate_up_routed_fast.)"""
+    """gate_up_gemv_torch in one launch, a program per (token, N tile of max(I, I_s)), or with a tile's "persistent"
+    G programs a token (per_sm, BLOCK_N, num_stages: its keys): each routes its token (route_fast's kernel code, so
+    the same bits) and streams that token's local experts' and the shared expert's gate|up rows. x [T, H] and
+    logits [T, E + 1] with unit column stride."""
     T, H = x.shape
     E = logits.shape[1] - 1
     num_local, two_i, _ = w.gate_up.shape
@@ -170,9 +103,17 @@ def gate_up_gemv_fast(x: torch.Tensor, logits: torch.Tensor, top_k: int, w: Expe
     shared_gate = torch.empty(T, 1, dtype=logits.dtype, device=x.device)
     act = torch.empty(T * (top_k + 1), width, dtype=x.dtype, device=x.device)
     tile = tile or GEMV_TILE
-    if tile.get("persistent"):
-        raise ValueError("gate_up_gemv_fast: a persistent tile is gate_up_routed_fast's (it computes the logits)")
-    if T:
+    if T and tile.get("persistent"):
+        block_h = triton.next_power_of_2(H)
+        block_n = min(triton.next_power_of_2(width), tile.get("BLOCK_N") or max(1, PERSISTENT_TILE // (2 * block_h)))
+        _gate_up_persistent_kernel[(persistent_programs(x.device, T, tile.get("per_sm", PERSISTENT_PER_SM)), T)](
+            x, logits, w.gate_up, w.shared_gate_up, act, ids, inverse, weights, shared_gate, T, H, E, inter,
+            shared_inter, w.start, num_local, x.stride(0), logits.stride(0), w.gate_up.stride(0),
+            w.gate_up.stride(1), w.shared_gate_up.stride(0), act.stride(0), TOP_K=top_k,
+            K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), BLOCK_N=block_n,
+            BLOCK_H=block_h, NUM_STAGES=tile.get("num_stages", 1),
+            num_warps=tile.get("num_warps") or (8 if 2 * block_n * block_h >= PERSISTENT_TILE else 4), **pdl())
+    elif T:
         tile = cap_tile(tile, triton.next_power_of_2(width), triton.next_power_of_2(H), least=2)
         _gate_up_gemv_kernel[(T, triton.cdiv(width, tile["BLOCK_N"]))](
             x, logits, w.gate_up, w.shared_gate_up, act, ids, inverse, weights, shared_gate, T, H, E, inter,
@@ -259,7 +200,7 @@ if triton is not None:
         prior_done()  # (backend.pdl: the kernels before this one have finished)
         t = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
-        ids = route_token(logits_ptr, ids_ptr, rw_ptr, sg_ptr, t, E, sl, pid_n == 0, TOP_K, K_POW2, BLOCK_E, False)
+        ids = route_token(logits_ptr, ids_ptr, rw_ptr, sg_ptr, t, E, sl, pid_n == 0, TOP_K, K_POW2, BLOCK_E)
         s = tl.arange(0, K_POW2)
         e = ids - start
         local = (s < TOP_K) & (e >= 0) & (e < num_local)
@@ -315,73 +256,43 @@ if triton is not None:
         tl.store(act_ptr + row.to(tl.int64)[:, None] * sa + cols[None, :], silu_mul_sums(acc_g, acc_u, dt), mask=rmask)
         tl.store(act_ptr + t * sa + cols, silu_mul_sums(acc_sg, acc_su, dt), mask=smask)
 
-    @triton.jit(do_not_specialize=["T", "pull_slot"])  # one compile for every batch size
-    def _gate_up_persistent_kernel(x_ptr, router_ptr, logits_ptr, count_ptr, w_ptr, sw_ptr, act_ptr, ids_ptr, inv_ptr,
-                                   rw_ptr, sg_ptr, r_ptr, ro_ptr, nw_ptr, h_ptr, T, H, E, I, I_s, start, num_local,
-                                   sx, srt, sl, swe, swn, sswn, sa, sr, eps, pull_slot, table, rank, region_stride,
-                                   TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                                   NUM_STAGES: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                                   PLAIN: tl.constexpr, PULL: tl.constexpr, P: tl.constexpr):
-        """Program (p, token t) of G per token: x's row (with NORM the layer norm of it, PULL summed from the inbox,
-        as linear.py's _gemv_kernel computes them; (0, t) stores the norm's outputs), then router rows [p * BLOCK_R,
-        (p + 1) * BLOCK_R) of the token's logits, stored, and the program counted in the token's counter (release,
-        after a CTA barrier). Then the token's work items p, p + G, ...: items [0, n_shared) are the shared expert's
-        N tiles (they need no routing, so they run while the other shares arrive); then it waits for the token's G
-        shares (every program is resident: persistent_programs), routes (route_token, the logits through L2; (0, t)
-        stores the routing and each pair's act row) and takes the N tiles of the token's local slots in slot order
-        (other ranks' slots are no items). An item is BLOCK_N whole gate rows and up rows, loaded at once; NUM_STAGES
-        > 1 keeps the next items' loads in flight. The last of the token's programs past the wait resets its
-        counter for the next launch. A grid of a program per slot and N tile, local or not, each routing, was 1.8x
-        slower; the router as its own launch before this one cost its launch and a kernel boundary. Rows as
+    @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
+    def _gate_up_persistent_kernel(x_ptr, logits_ptr, w_ptr, sw_ptr, act_ptr, ids_ptr, inv_ptr, rw_ptr, sg_ptr, T, H,
+                                   E, I, I_s, start, num_local, sx, sl, swe, swn, sswn, sa, TOP_K: tl.constexpr,
+                                   K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_H: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """Program (p, token t) of G per token takes the token's work items p, p + G, ...: items [0, n_shared) are
+        the shared expert's N tiles, done before the routing (they need none); then t's routing, once (route_token;
+        (0, t) stores it and each pair's act row), and the N tiles of the token's local slots in slot order (other
+        ranks' slots are no items). An item is BLOCK_N whole gate rows and up rows, loaded at once; NUM_STAGES > 1
+        keeps the next items' loads in flight. G programs a token, all resident, so none waits for a wave before it
+        can route (a grid of a program per slot and N tile, local or not, each routing, was 1.8x slower). Rows as
         _gate_up_gemv_kernel's."""
+        prior_done()  # (backend.pdl: the kernels before this one have finished)
         p = tl.program_id(0)
         G = tl.num_programs(0)
         t = tl.program_id(1).to(tl.int64)
         ks = tl.arange(0, BLOCK_H)
         kmask = ks < H
-        rr = p * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = rr < E + 1
-        # the router rows first: constant weights, in flight while the kernel before this one drains
-        wr = tl.load(router_ptr + rr.to(tl.int64)[:, None] * srt + ks[None, :], mask=rmask[:, None] & kmask[None, :],
-                     other=0.0)
-        prior_done()  # (backend.pdl: the kernels before this one have finished)
+        a = tl.load(x_ptr + t * sx + ks, mask=kmask, other=0.0).to(tl.float32)
         dt = act_ptr.dtype.element_ty
-        if PULL:
-            x = round_to(push.pull_sum(pull_slot, t, ks, kmask, table, rank, region_stride, H, P, dt), dt)
-        else:
-            x = tl.load(x_ptr + t * sx + ks, mask=kmask, other=0.0)
-        if NORM:
-            x = rms_norm_row(x, r_ptr + t * sr, ro_ptr + t * H, nw_ptr, h_ptr + t * H, ks, kmask,
-                             ks < tl.where(p == 0, H, 0), H, eps, HAS_RESIDUAL, PLAIN)
-        a = x.to(tl.float32)
-        tl.store(logits_ptr + t * sl + rr, tl.sum(wr.to(tl.float32) * a[None, :], 1).to(dt), mask=rmask)
-        # arrive: the barrier orders every thread's stores above before the (one-thread) release
-        tl.debug_barrier()
-        count = count_ptr + t
-        tl.atomic_add(count, 1, sem="release")
         n_shared = tl.cdiv(I_s, BLOCK_N)
         for i in tl.range(p, n_shared, G, num_stages=NUM_STAGES):
             cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
             act = _silu_rows(sw_ptr, sswn, I_s, cols, ks, kmask, a, dt)
             tl.store(act_ptr + t * sa + cols, act, mask=cols < I_s)
-        while tl.load(count, volatile=True) < G:
-            pass
-        # acquire (every share is in) and depart: the token's last program out resets the counter
-        if tl.atomic_add(count, 1, sem="acq_rel") == 2 * G - 1:
-            tl.store(count, 0)
-        ids = route_token(logits_ptr, ids_ptr, rw_ptr, sg_ptr, t, E, sl, p == 0, TOP_K, K_POW2, BLOCK_E, True)
+        ids = route_token(logits_ptr, ids_ptr, rw_ptr, sg_ptr, t, E, sl, p == 0, TOP_K, K_POW2, BLOCK_E)
         s = tl.arange(0, K_POW2)
         e = ids - start
         local = (s < TOP_K) & (e >= 0) & (e < num_local)
         tl.store(inv_ptr + t * TOP_K + s, tl.where(local, T + t * TOP_K + s, -1).to(tl.int32),
                  mask=s < tl.where(p == 0, TOP_K, 0))
-        order = tl.cumsum(local.to(tl.int32), 0) - 1  # a local slot's place among the local slots
+        rank = tl.cumsum(local.to(tl.int32), 0) - 1  # a local slot's place among the local slots
         n_tiles = tl.cdiv(I, BLOCK_N)
         total = n_shared + tl.sum(local.to(tl.int32), 0) * n_tiles
         first = p + tl.cdiv(tl.maximum(n_shared - p, 0), G) * G  # this program's first item past the shared ones
         for i in tl.range(first, total, G, num_stages=NUM_STAGES):
-            pick = local & (order == (i - n_shared) // n_tiles)
+            pick = local & (rank == (i - n_shared) // n_tiles)
             j = tl.sum(tl.where(pick, s, 0), 0)
             cols = ((i - n_shared) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
             act = _silu_rows(w_ptr + tl.sum(tl.where(pick, e, 0), 0).to(tl.int64) * swe, swn, I, cols, ks, kmask, a,

@@ -93,21 +93,20 @@ if triton is not None:
         """One token's routing (route_token)."""
         prior_done()  # (backend.pdl: the kernels before this one have finished)
         route_token(logits_ptr, ids_ptr, w_ptr, sg_ptr, tl.program_id(0).to(tl.int64), E, sl, True, TOP_K, K_POW2,
-                    BLOCK_E, False)
+                    BLOCK_E)
 
     @triton.jit
     def route_token(logits_ptr, ids_ptr, w_ptr, sg_ptr, t, E, sl, store, TOP_K: tl.constexpr,
-                    K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, CG: tl.constexpr):
+                    K_POW2: tl.constexpr, BLOCK_E: tl.constexpr):
         """route_torch for token t (its logits row sl apart), the one implementation of route_fast's and of the GEMV
         path's routing: softmax in fp32, top-k on int64 keys (the probability's bits, then the column reversed: one
         max per slot takes the largest probability, among ties the lowest id), renormalised, rounded to the model
         dtype; sigmoid of the shared gate's logit (column E). Sums by _exact_sum, so every kernel that calls this
         gives the same bits whatever its warps. Stored where `store`; returns the ids [K_POW2] (slots past TOP_K:
-        0). CG: the logits are read through L2 (other programs of this launch wrote them)."""
+        0)."""
         cols = tl.arange(0, BLOCK_E)
         row = logits_ptr + t * sl
-        logit = tl.load(row + cols, mask=cols < E, other=float("-inf"), cache_modifier=".cg" if CG else "")
-        logit = logit.to(tl.float32)
+        logit = tl.load(row + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
         num = tl.exp(logit - tl.max(logit, 0))
         p = num / _exact_sum(num)
         key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)
@@ -123,7 +122,7 @@ if triton is not None:
         smask = slot < tl.where(store, TOP_K, 0)
         tl.store(ids_ptr + t * TOP_K + slot, ids, mask=smask)
         tl.store(w_ptr + t * TOP_K + slot, (vals / _exact_sum(vals)).to(w_ptr.dtype.element_ty), mask=smask)
-        g = tl.load(row + E, cache_modifier=".cg" if CG else "").to(tl.float32)
+        g = tl.load(row + E).to(tl.float32)
         tl.store(sg_ptr + t, tl.sigmoid(g).to(sg_ptr.dtype.element_ty), mask=store)
         return ids
 
