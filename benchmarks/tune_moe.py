@@ -300,9 +300,11 @@ def main() -> None:
                     retune_gemv(layer, T, entries[str(T)], args.quick, gen)
                 continue
             entries[str(T)] = tune_bucket(layer, T, args.quick, gen)
+            with open(args.out, "w") as f:  # after each bucket, so an interrupted sweep keeps what it found
+                json.dump(table, f, indent=1, sort_keys=True)
         del layer
         torch.cuda.empty_cache()
-        with open(args.out, "w") as f:  # after each degree, so an interrupted sweep keeps what it found
+        with open(args.out, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)
     print(f"wrote {args.out}")
 
