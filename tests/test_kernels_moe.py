@@ -813,7 +813,7 @@ def test_moe_decode_bf16_real_shapes(tp, T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-@pytest.mark.parametrize("T", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("T", [1, 2, 4, 8, 16, 32])  # 32: TP=8's table takes the GEMV path there
 def test_moe_decode_gemv_bf16_real_shapes(tp, T):
     """The GEMV path against experts_torch routed on the same logits, its routing bit for bit route_fast's; the
     same bits on a second eager run and from a CUDA graph replayed on new inputs (every TP's tuned tiles, those that
