@@ -67,8 +67,9 @@ def gemv_candidates(op: str, quick: bool) -> list[dict]:
     tile; gate_up_gemv: act columns per (token, tile) program and H step of its [k slots, BLOCK_N, BLOCK_K] tiles
     (narrow: T * max(I, I_s) / BLOCK_N programs stream the weights; down_combine's BLOCK_K 512 takes whole rows of
     the I = 512 experts at once). The default first (--quick keeps two)."""
-    if op == "gate_up_gemv":  # (sum_last: summed along K after the loop, layers/moe/gemv.py)
-        grid = dict(BLOCK_N=[4, 8, 2, 16, 1], BLOCK_K=[128, 64, 256], num_warps=[4, 8, 2], num_stages=[4, 3],
+    if op == "gate_up_gemv":  # (sum_last: summed along K after the loop, layers/moe/gemv.py; the full grids at
+        # TP=8 and TP=2 took 2 warps and 1-4 columns at 4-16 tokens, 2026-11-30, so --quick tries them)
+        grid = dict(BLOCK_N=[4, 2, 8, 1, 16], BLOCK_K=[128, 64, 256], num_warps=[4, 2, 8], num_stages=[4, 3],
                     sum_last=[False, True])
     else:
         grid = dict(BLOCK_N=[8, 4, 16, 2], BLOCK_K=[64, 512, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
@@ -295,17 +296,14 @@ def main() -> None:
         print(f"{device} TP={tp}: {key}, shared intermediate {layer.w.shared_down.shape[1]}", flush=True)
         entries = table.setdefault(device, {}).setdefault(key, {})
         for T in args.batches:
-            if args.gemv_only:
-                if (entries.get(str(T)) or {}).get("gemv"):
-                    retune_gemv(layer, T, entries[str(T)], args.quick, gen)
-                continue
-            entries[str(T)] = tune_bucket(layer, T, args.quick, gen)
+            if not args.gemv_only:
+                entries[str(T)] = tune_bucket(layer, T, args.quick, gen)
+            elif (entries.get(str(T)) or {}).get("gemv"):
+                retune_gemv(layer, T, entries[str(T)], args.quick, gen)
             with open(args.out, "w") as f:  # after each bucket, so an interrupted sweep keeps what it found
                 json.dump(table, f, indent=1, sort_keys=True)
         del layer
         torch.cuda.empty_cache()
-        with open(args.out, "w") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
     print(f"wrote {args.out}")
 
 
