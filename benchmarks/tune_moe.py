@@ -16,7 +16,9 @@ for the bucket. Decode buckets are
 timed from a CUDA graph, as decode steps run (eager timing of a few-us kernel mostly measures the host's launch),
 with L2 emptied of the call's data before each call (cold_graph_ms): a decode step streams ~6 GB, so its MoE weights
 come from HBM, while a call timed over and over finds most of its 37 MB (one token's experts) still in L2 and
-rewards tiles that do not stream well.
+rewards tiles that do not stream well. A decode bucket whose entry the sweep changed is then confirmed: the old and
+the new entry timed alternately over the whole decode path, the new one kept only where it is faster beyond chance
+(confirm, holds).
 `--merge A.json B.json` writes --out's table with what each of A, B changed (one TP each, tuned side by side on
 separate GPUs: gpu_session.sh's tune stage). `--gemv-only` re-tunes just the GEMV path's two tiles (gate_up_gemv, down_combine) of the buckets that take it. The
 file keeps other GPUs' tables and other shapes' entries; this GPU's entries for the swept shapes are replaced. Triton caches compiled kernels, so a second run is mostly timing (a full
@@ -241,6 +243,40 @@ def retune_gemv(layer: Layer, T: int, entry: dict, quick: bool, gen: torch.Gener
           f"down_combine {t_dc * 1e3:6.1f} us {dc} (was {was_dc[0] * 1e3:.1f} us {was_dc[1]})", flush=True)
 
 
+CONFIRM_ROUNDS = 7  # confirm: old and new timed alternately this many times on each of CONFIRM_INPUTS inputs
+CONFIRM_INPUTS = 2
+CONFIRM_Z = 2.33    # one-sided Mann-Whitney at p ~ 0.01
+
+
+def confirm(layer: Layer, T: int, old: dict, new: dict, gen: torch.Generator) -> dict:
+    """old or new, the entry of a decode bucket the sweep changed, by timing the whole decode path (router GEMM
+    included, L2 cold) with each, alternately, on fresh inputs: new only where it `holds`. A sweep keeps the least
+    of ~200 noisy timings, so its winner is often lucky: TP=8's full grid of 2026-11-30 had buckets 1 and 2 faster by
+    1-2 us in the sweep and within the noise or slower (+2.3%) in this comparison."""
+    hidden, inter, shared = layer.hidden, layer.w.down.shape[2], layer.w.shared_down.shape[1]
+    cfgs = {name: moe.entry_config(T, entry, hidden, inter, shared) for name, entry in (("old", old), ("new", new))}
+    times = {"old": [], "new": []}
+    for _ in range(CONFIRM_INPUTS):
+        x = torch.randn(T, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+        for r in range(CONFIRM_ROUNDS):
+            for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                times[name].append(time_ms(lambda: moe.decode_path(x, layer.router, layer.top_k, layer.w,
+                                                                   cfg=cfgs[name]), graph=True))
+    keep = holds(times["new"], times["old"])
+    med = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
+    print(f"  T={T:<5} confirm: old {med['old']:.2f} us, new {med['new']:.2f} us (medians of {len(times['old'])}): "
+          f"{'new' if keep else 'old'} kept", flush=True)
+    return new if keep else old
+
+
+def holds(new: list[float], old: list[float], z: float = CONFIRM_Z) -> bool:
+    """Whether the times `new` are smaller than `old` beyond chance: a one-sided Mann-Whitney U test (normal
+    approximation, ties counted half) at z."""
+    u = sum((a < b) + 0.5 * (a == b) for a in new for b in old)
+    n, m = len(new), len(old)
+    return (u - n * m / 2) / (n * m * (n + m + 1) / 12) ** 0.5 > z
+
+
 def faster(new: tuple[float, dict], old: tuple[float, dict]) -> tuple[float, dict]:
     """(time, tile) of the grid's best or of the tile a re-tune started from, whichever was faster: a tile the grid
     lacks (--quick's) stays where it is faster (ties keep the old one)."""
@@ -296,10 +332,13 @@ def main() -> None:
         print(f"{device} TP={tp}: {key}, shared intermediate {layer.w.shared_down.shape[1]}", flush=True)
         entries = table.setdefault(device, {}).setdefault(key, {})
         for T in args.batches:
+            before = json.loads(json.dumps(entries.get(str(T))))  # (a copy: retune_gemv changes the entry in place)
             if not args.gemv_only:
                 entries[str(T)] = tune_bucket(layer, T, args.quick, gen)
             elif (entries.get(str(T)) or {}).get("gemv"):
                 retune_gemv(layer, T, entries[str(T)], args.quick, gen)
+            if before is not None and entries.get(str(T)) != before and T <= moe.DECODE_MAX_T:
+                entries[str(T)] = confirm(layer, T, before, entries[str(T)], gen)
             with open(args.out, "w") as f:  # after each bucket, so an interrupted sweep keeps what it found
                 json.dump(table, f, indent=1, sort_keys=True)
         del layer

@@ -508,6 +508,27 @@ def test_moe_fast_equals_torch(T, E, k, H, I, I_s, start, num_local, monkeypatch
             assert max_diff(moe.decode_path(x, router, k, w, down_combine, gemv=False, scan=True), want) <= TOL
 
 
+def test_decode_path_runs_the_entry_it_is_given():
+    """decode_path(cfg=entry_config(...)) runs that entry's path and tiles, not the table's (the tuner's confirm times
+    two entries this way): no GEMV or scan entry is the sorted layout (down + combine in two kernels where the entry
+    says so), bit for bit the forced call on the same default tiles; a GEMV entry the GEMV path."""
+    T, E, k, H, I, I_s, start, num_local = 3, 16, 4, 40, 24, 24, 4, 8
+    gen = torch.Generator().manual_seed(5)
+    w = make_weights(num_local, H, I, I_s, start, gen)
+    x = torch.randn(T, H, generator=gen)
+    router = torch.randn(E + 1, H, generator=gen) * 0.3
+    want = moe.moe_torch(x, router, k, w)
+    sorted_two = moe.entry_config(T, {"gemv": None, "scan": None, "down_combine": None}, H, I, I_s)
+    got = moe.decode_path(x, router, k, w, cfg=sorted_two)
+    assert torch.equal(got, moe.decode_path(x, router, k, w, down_combine=False, gemv=False, scan=False))
+    gemv = moe.entry_config(T, {"gemv": dict(moe.GEMV_TILE, BLOCK_N=8), "scan": None}, H, I, I_s)
+    assert moe.default_config(T)["gemv"] != gemv["gemv"]
+    assert max_diff(moe.decode_path(x, router, k, w, cfg=gemv), want) <= TOL
+    assert torch.equal(moe.decode_path(x, router, k, w, cfg=gemv),
+                       moe.down_combine_fast(*(lambda g: (g.act, w, g.inverse, g.ids, g.weights, g.shared_gate))(
+                           moe.gate_up_gemv_fast(x, moe.router_logits_fast(x, router), k, w, gemv["gemv"]))))
+
+
 def test_moe_fast_padding_and_repeat():
     """Rows added past the batch (graph padding: 5 tokens run as 8) leave the real rows' outputs as they were, and
     a second run gives the same bits (no atomics decide a value)."""

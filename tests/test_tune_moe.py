@@ -47,3 +47,20 @@ def test_retune_keeps_the_faster_of_old_and_new():
     old, new = (18.7, {"BLOCK_N": 16}), (19.3, {"BLOCK_N": 8})
     assert faster(new, old) == old and faster(old, new) == old and faster((18.0, {"BLOCK_N": 8}), old)[0] == 18.0
     assert faster((18.7, {"BLOCK_N": 8}), old) == old  # a tie keeps what the table had
+
+
+def test_confirm_keeps_a_new_entry_only_where_it_is_faster_beyond_chance():
+    from benchmarks.tune_moe import holds
+    # TP=8's bucket 8 on 2026-11-30 (ranges apart, us): the new entry holds
+    old = [25.8 + 0.05 * i for i in range(14)]
+    new = [24.05 + 0.045 * i for i in range(14)]
+    assert holds(new, old) and not holds(old, new)
+    # the same spread, shifted by a tenth of it: chance
+    assert not holds([t - 0.06 for t in old], old)
+    # identical timings are no gain (ties count half)
+    assert not holds(old, old)
+    # overlapping ranges but a consistent shift over many rounds: it holds
+    import random
+    rng = random.Random(0)
+    base = [rng.gauss(35.0, 1.0) for _ in range(14)]
+    assert holds([t - 2.0 for t in base], [rng.gauss(35.0, 1.0) for _ in range(14)])

@@ -45,7 +45,7 @@ from layers.moe.routing import (ROUTER_GEMV_MAX_T, ROUTER_PAD_ROWS, padded_route
 from layers.moe.scan import (SCAN_DOWN_TILE, SCAN_GATE_UP_TILE, down_scan_fast, down_scan_torch, gate_up_scan_fast,
                              gate_up_scan_torch)
 from layers.moe.tiles import (CONFIG_FILE, DECODE_MAX_T, DOWN_COMBINE_MAX_T, DOWN_COMBINE_TILE, GEMV_MAX_T, GEMV_TILE,
-                              config_for, config_key, default_config, moe_config, token_buckets)
+                              config_for, config_key, default_config, entry_config, moe_config, token_buckets)
 
 __all__ = ["SparseMoE", "decode_path", "moe_fast", "moe_torch", "ExpertWeights", "Experts", "GemvAct",
            "down_combine_fast", "down_combine_torch", "gate_up_gemv_fast", "gate_up_gemv_torch", "pair_rows_torch",
@@ -56,4 +56,5 @@ __all__ = ["SparseMoE", "decode_path", "moe_fast", "moe_torch", "ExpertWeights",
            "align_chunk", "align_chunked", "align_fast", "align_serial", "align_torch", "max_rows", "ROUTER_GEMV_MAX_T",
            "ROUTER_PAD_ROWS", "padded_router_gemm", "route_fast", "route_torch", "router_logits_fast",
            "router_logits_torch", "CONFIG_FILE", "DECODE_MAX_T", "DOWN_COMBINE_MAX_T", "DOWN_COMBINE_TILE",
-           "GEMV_MAX_T", "GEMV_TILE", "config_for", "config_key", "default_config", "moe_config", "token_buckets"]
+           "GEMV_MAX_T", "GEMV_TILE", "config_for", "config_key", "default_config", "entry_config", "moe_config",
+           "token_buckets"]

@@ -67,7 +67,7 @@ def moe_fast(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights
 
 def decode_path(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeights,
                 down_combine: bool | None = None, gemv: bool | None = None, scan: bool | None = None,
-                partial: bool = False):
+                partial: bool = False, cfg: dict | None = None):
     """moe_fast's kernels up to DECODE_MAX_T tokens, as the tile table chooses them, or as the caller forces them
     (tests and benchmarks/bench_moe.py take every path):
     - the GEMV path (gemv; by default where the config has a gemv tile): router GEMM, gate_up_gemv_fast,
@@ -77,10 +77,11 @@ def decode_path(x: torch.Tensor, router: torch.Tensor, top_k: int, w: ExpertWeig
       down_combine's where it has none; down_combine forces);
     - else the sorted layout's: router GEMM, route_fast, align_fast, experts_on_layout (down + combine in one
       kernel or two as down_combine forces or the config says).
-    The last kernel pushes where `partial` and the inbox takes the output."""
+    The last kernel pushes where `partial` and the inbox takes the output. cfg: the tiles and paths to run
+    (tiles.entry_config; a benchmark comparing two tables' entries), else the table's for this T."""
     if x.shape[0] == 0:
         return torch.empty_like(computed(x))
-    cfg = config_for(x, w)
+    cfg = cfg or config_for(x, w)
     if cfg["gemv"] is not None if gemv is None else gemv:
         logits = router_logits_fast(x, router)  # first: its GEMV computes a PendingNorm x, which gate_up reads
         g = gate_up_gemv_fast(computed(x).contiguous(), logits, top_k, w, cfg["gemv"])

@@ -47,12 +47,18 @@ def moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: in
 
 @functools.lru_cache(maxsize=None)
 def _moe_config(T: int, num_local: int, hidden: int, inter: int, shared_inter: int, device: torch.device) -> dict:
-    cfg = default_config(T)
     entries = tuned_entries(device, config_key(num_local, hidden, inter))
+    entry = {}
     if entries:
         buckets = sorted(int(b) for b in entries)
-        bucket = next((b for b in buckets if b >= T), buckets[-1])
-        cfg = {**cfg, **entries[str(bucket)]}
+        entry = entries[str(next((b for b in buckets if b >= T), buckets[-1]))]
+    return entry_config(T, entry, hidden, inter, shared_inter)
+
+
+def entry_config(T: int, entry: dict, hidden: int, inter: int, shared_inter: int) -> dict:
+    """moe_config's tiles from one table entry (default_config where it lacks a key): the table's own, or an entry
+    a benchmark compares against it (benchmarks/tune_moe.py's confirm)."""
+    cfg = {**default_config(T), **entry}
     width = triton.next_power_of_2(max(inter, shared_inter))
     return {"BLOCK_M": cfg["BLOCK_M"],
             "gate_up": cap_tile(cfg["gate_up"], width, triton.next_power_of_2(hidden)),
