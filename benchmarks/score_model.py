@@ -9,7 +9,10 @@ lets the next one in. The output lengths are the throughput run's (`meta.setting
 else drawn from the standard exp:290,1024 with --seed. What a step-time replay leaves out (prefill, HTTP, admission)
 is a per-level time: taken from --throughput's measured walls (its wall minus the replay of its own record, given by
 --fit-record, default --record) or --overhead-s for every level. With --sensitivity, the score's change when the
-step at one recorded batch size is 0.2 ms shorter. A model, not a measurement: say so wherever its figures go.
+step at one recorded batch size is 0.2 ms shorter. With --replicas R, R data-parallel engines of the record's share
+each level (the contract allows any parallelism): on the 4x H200 records of 2026-11-28, two TP=2 engines model
+300K and four TP=1 275K against one TP=4's 319K (two GPUs: two TP=1 204K, one TP=2 230K), since a level's wall is
+its longest requests' tail at small batch, where one wider engine steps faster. A model, not a measurement: say so wherever its figures go.
 """
 from __future__ import annotations
 
@@ -33,29 +36,43 @@ def step_ms(curve: list[tuple[int, float]], b: int) -> float:
     return curve[-1][1]
 
 
-def replay_s(curve: list[tuple[int, float]], lengths: list[int], c: int) -> float:
-    """Seconds of decode steps for one closed-loop level at concurrency c."""
-    queue, running, ms = list(lengths), [], 0.0
-    while queue and len(running) < c:
-        running.append(queue.pop(0))
-    while running:
-        ms += step_ms(curve, len(running))
-        running = [r - 1 for r in running if r > 1]
-        while queue and len(running) < c:
-            running.append(queue.pop(0))
-    return ms / 1e3
+def replay_s(curve: list[tuple[int, float]], lengths: list[int], c: int, replicas: int = 1) -> float:
+    """Seconds of decode steps for one closed-loop level at concurrency c, on `replicas` engines of the record's
+    (data parallel: each steps its own requests at its own batch's step time; a request is admitted, when one ends,
+    to the engine with the fewest running, the earliest in time among equals)."""
+    queue = list(lengths)
+    running = [[] for _ in range(replicas)]
+    clock = [0.0] * replicas
+
+    def admit():
+        while queue and sum(map(len, running)) < c:
+            running[min(range(replicas), key=lambda j: (len(running[j]), clock[j]))].append(queue.pop(0))
+
+    admit()
+    end = 0.0
+    while any(running):
+        i = min((j for j in range(replicas) if running[j]), key=lambda j: clock[j])  # the next step to end
+        clock[i] += step_ms(curve, len(running[i]))
+        running[i] = [r - 1 for r in running[i] if r > 1]
+        end = max(end, clock[i])
+        for j in range(replicas):  # an idle engine starts its next request no earlier than now
+            if not running[j]:
+                clock[j] = max(clock[j], clock[i])
+        admit()
+    return end / 1e3
 
 
 def curve_of(record: dict) -> list[tuple[int, float]]:
     return sorted((row["batch"], row["step_ms"]) for row in record["decode"])
 
 
-def score(curve, lengths, overhead: dict[int, float], prompt_tokens: int = PROMPT_TOKENS) -> tuple[float, dict]:
+def score(curve, lengths, overhead: dict[int, float], prompt_tokens: int = PROMPT_TOKENS,
+          replicas: int = 1) -> tuple[float, dict]:
     """(weighted score, {c: (wall s, tok/s)})."""
     tokens = prompt_tokens + sum(lengths)
     levels = {}
     for c in LEVELS:
-        wall = replay_s(curve, lengths, c) + overhead.get(c, 0.0)
+        wall = replay_s(curve, lengths, c, replicas) + overhead.get(c, 0.0)
         levels[c] = (wall, tokens / wall)
     return sum(w * levels[c][1] for c, w in LEVELS.items()), levels
 
@@ -69,6 +86,9 @@ def main() -> None:
                     "--throughput")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sensitivity", action="store_true")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="data-parallel engines of the record's, sharing each level's requests; the overhead "
+                    "fitted from --throughput (that engine alone) is taken at level c/R (c below R: c), over min(c, R)")
     args = ap.parse_args()
     with open(args.record) as f:
         curve = curve_of(json.load(f))
@@ -87,7 +107,10 @@ def main() -> None:
         prompt_tokens = run["levels"][0]["prompt_tokens"]
     else:
         lengths = output_lengths(STANDARD_OUTPUT_LEN_DIST, 64, 1024, random.Random(args.seed))
-    total, levels = score(curve, lengths, overhead, prompt_tokens)
+    R = args.replicas
+    if R > 1:  # each of min(c, R) engines admits its share of the requests at about c/R in flight (at least 1)
+        overhead = {c: overhead.get(c // R if c >= R else c, 0.0) / min(c, R) for c in LEVELS}
+    total, levels = score(curve, lengths, overhead, prompt_tokens, R)
     print(f"replay of {args.record}: steps at batch {', '.join(f'{b} {t:.3f} ms' for b, t in curve)}")
     print(f"{'c':>3} {'wall s':>8} {'overhead s':>11} {'tok/s':>9}")
     for c, (wall, tps) in levels.items():
@@ -97,7 +120,8 @@ def main() -> None:
         for i, (b, t) in enumerate(curve):
             faster = list(curve)
             faster[i] = (b, t - 0.2)
-            print(f"  batch {b:3d} 0.2 ms faster: {score(faster, lengths, overhead, prompt_tokens)[0] - total:+,.0f}")
+            print(f"  batch {b:3d} 0.2 ms faster: "
+                  f"{score(faster, lengths, overhead, prompt_tokens, R)[0] - total:+,.0f}")
 
 
 if __name__ == "__main__":

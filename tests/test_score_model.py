@@ -44,3 +44,15 @@ def test_score_weights_the_levels_and_reproduces_a_fitted_run(tmp_path, capsys, 
     monkeypatch.setattr("sys.argv", ["score_model", "--record", str(record), "--throughput", str(run)])
     score_model.main()
     assert f"modelled weighted score {total:,.0f}" in capsys.readouterr().out
+
+
+def test_replicas_step_their_own_requests_side_by_side():
+    """Two engines at c = 2: one request each, each at batch 1's step time, side by side (one engine: batch 2's);
+    at c = 1 the second engine never runs two at once, so the replay is one engine's; uneven lengths: the wall is
+    the longer engine's, and a freed engine takes the next request."""
+    curve = [(1, 2.0), (8, 10.0)]
+    assert score_model.replay_s(curve, [3, 3], 2, replicas=2) == pytest.approx(3 * 2.0 / 1e3)
+    assert score_model.replay_s(curve, [3, 3], 2) == pytest.approx(3 * (2.0 + 8.0 / 7) / 1e3)
+    assert score_model.replay_s(curve, [3, 5, 1], 1, replicas=2) == pytest.approx(score_model.replay_s(curve, [3, 5, 1], 1))
+    # engine A runs 4, engine B runs 1 then 1 then 1: walls 4 x 2.0 and 3 x 2.0
+    assert score_model.replay_s(curve, [4, 1, 1, 1], 2, replicas=2) == pytest.approx(4 * 2.0 / 1e3)
