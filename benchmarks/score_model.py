@@ -11,7 +11,7 @@ is a per-level time: taken from --throughput's measured walls (its wall minus th
 --fit-record, default --record) or --overhead-s for every level. With --sensitivity, the score's change when the
 step at one recorded batch size is 0.2 ms shorter. With --replicas R, R data-parallel engines of the record's share
 each level (the contract allows any parallelism): on the 4x H200 records of 2026-11-28, two TP=2 engines model
-300K and four TP=1 275K against one TP=4's 319K (two GPUs: two TP=1 204K, one TP=2 230K), since a level's wall is
+300K and four TP=1 277K against one TP=4's 319K (two GPUs: two TP=1 204K, one TP=2 230K), since a level's wall is
 its longest requests' tail at small batch, where one wider engine steps faster. A model, not a measurement: say so wherever its figures go.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--sensitivity", action="store_true")
     ap.add_argument("--replicas", type=int, default=1,
                     help="data-parallel engines of the record's, sharing each level's requests; the overhead "
-                    "fitted from --throughput (that engine alone) is taken at level c/R (c below R: c), over min(c, R)")
+                    "fitted from --throughput (that engine alone) over min(c, R)")
     args = ap.parse_args()
     with open(args.record) as f:
         curve = curve_of(json.load(f))
@@ -108,8 +108,8 @@ def main() -> None:
     else:
         lengths = output_lengths(STANDARD_OUTPUT_LEN_DIST, 64, 1024, random.Random(args.seed))
     R = args.replicas
-    if R > 1:  # each of min(c, R) engines admits its share of the requests at about c/R in flight (at least 1)
-        overhead = {c: overhead.get(c // R if c >= R else c, 0.0) / min(c, R) for c in LEVELS}
+    if R > 1:  # the level's prefill and HTTP time shared by the min(c, R) engines that run its requests
+        overhead = {c: overhead.get(c, 0.0) / min(c, R) for c in LEVELS}
     total, levels = score(curve, lengths, overhead, prompt_tokens, R)
     print(f"replay of {args.record}: steps at batch {', '.join(f'{b} {t:.3f} ms' for b, t in curve)}")
     print(f"{'c':>3} {'wall s':>8} {'overhead s':>11} {'tok/s':>9}")
