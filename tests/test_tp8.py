@@ -1,0 +1,93 @@
+"""The users' tensor-parallel degree, 8 ranks, on the CPU over gloo (no 8-GPU machine has run it yet).
+
+A tiny checkpoint with the release's head ratios (16 query heads over 2 KV heads: each KV head replicated on 4 ranks;
+16 DeltaNet key heads over 32 value heads: 2 and 4 a rank; every expert's and the shared expert's rows split 8 ways,
+8 a rank; the vocabulary in 8 shards) runs the engine on 8 processes. Greedy tokens equal transformers' `generate` on
+the same weights, and a seeded sampled request equals the engine's at TP=1. With the torch kernels: the fast ones
+take the same shards (the sharding is the model's, not the kernels'), and through the interpreter this engine run
+took 678 s at TP=1 alone (its 248K-column LM head and sampler each step); their collectives are tested at 8 simulated
+peers (tests/test_allreduce.py, tests/test_push.py) and their kernels at TP=8 rank shapes on the GPU.
+"""
+import json
+
+import pytest
+import torch
+
+from qwen35 import synth
+from qwen35.engine import EngineArgs, LLMEngine
+from qwen35.sampling_params import SamplingParams
+
+from hf_reference import free_port, join_ranks
+
+TP = 8
+N_NEW = 12
+PROMPTS = [[(7919 * i + 13 * j) % 248_000 for j in range(n)] for i, n in enumerate((5, 40, 17))]
+GREEDY = SamplingParams(max_tokens=N_NEW, min_tokens=N_NEW)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=N_NEW, min_tokens=N_NEW, seed=11)
+
+
+def release_ratios() -> dict:
+    """The tiny preset with the release's head counts (spec section 1) at tiny widths."""
+    raw = json.loads(json.dumps(synth.PRESETS["tiny"]))
+    raw["text_config"].update(num_attention_heads=16, num_key_value_heads=2, head_dim=16, linear_num_key_heads=16,
+                              linear_num_value_heads=32, linear_key_head_dim=8, linear_value_head_dim=8,
+                              moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return synth.write_checkpoint(str(tmp_path_factory.mktemp("tp8")), release_ratios(), seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(ckpt):
+    from transformers import Qwen3_5MoeForCausalLM
+    model = Qwen3_5MoeForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=N_NEW, min_new_tokens=N_NEW,
+                               do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+
+
+def make_engine(path: str, kernels: str, tp: int = 1) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=path, tp=tp, kernels=kernels, max_num_seqs=4, max_model_len=128,
+                                max_num_batched_tokens=64, dtype="float32", device="cpu", speculative_tokens=0))
+
+
+def generate(engine: LLMEngine) -> dict:
+    """Every prompt greedy and the first one seeded, added together; {rid: token ids}."""
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"g{i}", p, GREEDY)
+    engine.add_request("seeded", PROMPTS[0], SEEDED)
+    got = {}
+    for _ in range(200):
+        for o in engine.step():
+            got[o.request_id] = got.get(o.request_id, []) + o.token_ids
+        if not engine.has_unfinished():
+            return got
+    raise AssertionError("requests did not finish")
+
+
+def _worker(rank, port, path, kernels, out_path):
+    join_ranks(rank, TP, port, "cpu", hang_s=600)
+    from dist import parallel
+    try:
+        engine = make_engine(path, kernels, tp=TP)
+        if rank == 0:
+            got = generate(engine)
+            engine.shutdown()
+            torch.save(got, out_path)
+        else:
+            engine.run_worker_loop()
+    finally:
+        parallel.destroy()
+
+
+def test_tp8_gives_transformers_greedy_tokens_and_tp1_sampled_ones(ckpt, hf_tokens, tmp_path):
+    out = tmp_path / "tp8.pt"
+    torch.multiprocessing.spawn(_worker, args=(free_port(), ckpt, "torch", str(out)), nprocs=TP)
+    got = torch.load(out)
+    for i, want in enumerate(hf_tokens):
+        assert got[f"g{i}"] == want, f"prompt {i}"
+    tp1 = generate(make_engine(ckpt, "torch"))
+    assert got["seeded"] == tp1["seeded"] and len(got["seeded"]) == N_NEW
