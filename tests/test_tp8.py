@@ -49,16 +49,17 @@ def hf_tokens(ckpt):
                                do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
 
 
-def make_engine(path: str, kernels: str, tp: int = 1) -> LLMEngine:
+def make_engine(path: str, kernels: str, tp: int = 1, k: int = 0, **kw) -> LLMEngine:
     return LLMEngine(EngineArgs(model=path, tp=tp, kernels=kernels, max_num_seqs=4, max_model_len=128,
-                                max_num_batched_tokens=64, dtype="float32", device="cpu", speculative_tokens=0))
+                                max_num_batched_tokens=64, dtype="float32", device="cpu", speculative_tokens=k,
+                                **kw))
 
 
-def generate(engine: LLMEngine) -> dict:
+def generate(engine: LLMEngine, greedy: SamplingParams = GREEDY, seeded: SamplingParams = SEEDED) -> dict:
     """Every prompt greedy and the first one seeded, added together; {rid: token ids}."""
     for i, p in enumerate(PROMPTS):
-        engine.add_request(f"g{i}", p, GREEDY)
-    engine.add_request("seeded", PROMPTS[0], SEEDED)
+        engine.add_request(f"g{i}", p, greedy)
+    engine.add_request("seeded", PROMPTS[0], seeded)
     got = {}
     for _ in range(200):
         for o in engine.step():
@@ -68,13 +69,14 @@ def generate(engine: LLMEngine) -> dict:
     raise AssertionError("requests did not finish")
 
 
-def _worker(rank, port, path, kernels, out_path):
+def _worker(rank, port, path, kernels, out_path, k=0, kw=None, params=()):
     join_ranks(rank, TP, port, "cpu", hang_s=600)
     from dist import parallel
     try:
-        engine = make_engine(path, kernels, tp=TP)
+        engine = make_engine(path, kernels, tp=TP, k=k, **(kw or {}))
         if rank == 0:
-            got = generate(engine)
+            got = generate(engine, *params)
+            got["accepted"] = engine.stats()["spec_accepted_tokens"]
             engine.shutdown()
             torch.save(got, out_path)
         else:
@@ -91,3 +93,22 @@ def test_tp8_gives_transformers_greedy_tokens_and_tp1_sampled_ones(ckpt, hf_toke
         assert got[f"g{i}"] == want, f"prompt {i}"
     tp1 = generate(make_engine(ckpt, "torch"))
     assert got["seeded"] == tp1["seeded"] and len(got["seeded"]) == N_NEW
+
+
+def test_tp8_speculation_gives_the_tokens_of_no_speculation(ckpt, tmp_path):
+    """The MTP head at TP=8 (its attention's KV head replicated, its MoE split 8 ways) drafting 2 tokens a step on
+    the synthetic-acceptance weights (drafts accepted, so verify steps of 3 rows a request and rollbacks both run):
+    greedy tokens equal those without speculation (TP=1), and the seeded request equals TP=1's with speculation.
+    (EOS ignored rather than suppressed: no drafts are proposed while a request's stop ids are suppressed.)"""
+    params = (SamplingParams(max_tokens=N_NEW, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=N_NEW, seed=11, ignore_eos=True))
+    out = tmp_path / "tp8_spec.pt"
+    torch.multiprocessing.spawn(_worker, args=(free_port(), ckpt, "torch", str(out), 2, {"load_format": "dummy-spec"},
+                                               params), nprocs=TP)
+    got = torch.load(out)
+    assert got["accepted"] > 0
+    off = generate(make_engine(ckpt, "torch", k=0, load_format="dummy-spec"), *params)
+    for i in range(len(PROMPTS)):
+        assert got[f"g{i}"] == off[f"g{i}"] and len(off[f"g{i}"]) == N_NEW, f"prompt {i}"
+    on = generate(make_engine(ckpt, "torch", k=2, load_format="dummy-spec"), *params)
+    assert got["seeded"] == on["seeded"]
