@@ -20,7 +20,8 @@
 #   dense     issue #29: benchmarks.profile_decode_calls, then the llama-1b and llama-3b create_engine traces
 #   sweep     benchmarks.sweep_decode_attention
 #   tune      benchmarks.tune_moe, each job of TUNE_JOBS ("TP" or "TP:T,T,...", default every GPU's TP) on a GPU of
-#             its own, side by side (TUNE_ARGS, default --quick), their changes merged into $OUT/moe_configs.json
+#             its own, side by side (TUNE_ARGS, default --quick; " " for the full grid), each changed decode bucket
+#             confirmed against the table's entry, their changes merged into $OUT/moe_configs.json
 #   usetuned  copy $OUT/moe_configs.json over layers/moe_configs.json (the stages after it use the new tiles)
 #   kernels   each benchmarks/bench_<layer>.py micro-benchmark
 #   mixed     benchmarks.profile_mixed_host at TP=NGPU (MIXED_ARGS, default all 40 layers): the host's queueing time of
@@ -148,7 +149,7 @@ for stage in "$@"; do
       wait
       python3 -m benchmarks.tune_moe --merge "${tuned[@]}" --out "$OUT/moe_configs.json"
       rm -f "${tuned[@]}"
-      for f in "$OUT"/tune_tp*.log; do echo "$(basename "$f" .log)"; grep -E "gemv .*scan" "$f" | cut -c1-160; done ;;
+      for f in "$OUT"/tune_tp*.log; do echo "$(basename "$f" .log)"; grep -E "gemv .*scan|gate_up_gemv|confirm" "$f" | cut -c1-160; done ;;
     usetuned) cp "$OUT/moe_configs.json" layers/moe_configs.json && echo "layers/moe_configs.json replaced" ;;
     kernels)
       for b in benchmarks/bench_*.py; do CUDA_VISIBLE_DEVICES=0 python3 -m "benchmarks.$(basename "$b" .py)" 2>&1 | tail -30; done ;;
