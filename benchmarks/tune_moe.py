@@ -71,7 +71,7 @@ def gemv_candidates(op: str, quick: bool) -> list[dict]:
     the I = 512 experts at once). The default first (--quick keeps two)."""
     if op == "gate_up_gemv":  # (sum_last: summed along K after the loop, layers/moe/gemv.py; the full grids at
         # TP=8 and TP=2 took 2 warps and 1-4 columns at 4-16 tokens, 2026-11-30, so --quick tries them)
-        grid = dict(BLOCK_N=[4, 2, 8, 1, 16], BLOCK_K=[128, 64, 256], num_warps=[4, 2, 8], num_stages=[4, 3],
+        grid = dict(BLOCK_N=[4, 2, 8, 1, 16], BLOCK_K=[128, 64, 256], num_warps=[4, 2, 8, 1], num_stages=[4, 3],
                     sum_last=[False, True])
     else:
         grid = dict(BLOCK_N=[8, 4, 16, 2], BLOCK_K=[64, 512, 128, 32], num_warps=[4, 8], num_stages=[4, 3])
