@@ -12,7 +12,8 @@ is a per-level time: taken from --throughput's measured walls (its wall minus th
 step at one recorded batch size is 0.2 ms shorter. With --replicas R, R data-parallel engines of the record's share
 each level (the contract allows any parallelism): on the 4x H200 records of 2026-11-28, two TP=2 engines model
 300K and four TP=1 277K against one TP=4's 319K (two GPUs: two TP=1 204K, one TP=2 230K), since a level's wall is
-its longest requests' tail at small batch, where one wider engine steps faster. A model, not a measurement: say so wherever its figures go.
+its longest requests' tail at small batch, where one wider engine steps faster. A model, not a measurement: say so
+wherever its figures go.
 """
 from __future__ import annotations
 

@@ -27,9 +27,11 @@ sweep takes minutes).
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -263,7 +265,7 @@ def confirm(layer: Layer, T: int, old: dict, new: dict, gen: torch.Generator) ->
                 times[name].append(time_ms(lambda: moe.decode_path(x, layer.router, layer.top_k, layer.w,
                                                                    cfg=cfgs[name]), graph=True))
     keep = holds(times["new"], times["old"])
-    med = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
+    med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     print(f"  T={T:<5} confirm: old {med['old']:.2f} us, new {med['new']:.2f} us (medians of {len(times['old'])}): "
           f"{'new' if keep else 'old'} kept", flush=True)
     return new if keep else old
@@ -332,7 +334,7 @@ def main() -> None:
         print(f"{device} TP={tp}: {key}, shared intermediate {layer.w.shared_down.shape[1]}", flush=True)
         entries = table.setdefault(device, {}).setdefault(key, {})
         for T in args.batches:
-            before = json.loads(json.dumps(entries.get(str(T))))  # (a copy: retune_gemv changes the entry in place)
+            before = copy.deepcopy(entries.get(str(T)))  # (retune_gemv changes the entry in place)
             if not args.gemv_only:
                 entries[str(T)] = tune_bucket(layer, T, args.quick, gen)
             elif (entries.get(str(T)) or {}).get("gemv"):

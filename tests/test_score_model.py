@@ -53,6 +53,7 @@ def test_replicas_step_their_own_requests_side_by_side():
     curve = [(1, 2.0), (8, 10.0)]
     assert score_model.replay_s(curve, [3, 3], 2, replicas=2) == pytest.approx(3 * 2.0 / 1e3)
     assert score_model.replay_s(curve, [3, 3], 2) == pytest.approx(3 * (2.0 + 8.0 / 7) / 1e3)
-    assert score_model.replay_s(curve, [3, 5, 1], 1, replicas=2) == pytest.approx(score_model.replay_s(curve, [3, 5, 1], 1))
+    assert score_model.replay_s(curve, [3, 5, 1], 1, replicas=2) == pytest.approx(
+        score_model.replay_s(curve, [3, 5, 1], 1))
     # engine A runs 4, engine B runs 1 then 1 then 1: walls 4 x 2.0 and 3 x 2.0
     assert score_model.replay_s(curve, [4, 1, 1, 1], 2, replicas=2) == pytest.approx(4 * 2.0 / 1e3)

@@ -16,6 +16,7 @@ import torch
 from qwen35 import synth
 from qwen35.engine import EngineArgs, LLMEngine
 from qwen35.sampling_params import SamplingParams
+from tests.test_engine import run
 
 from hf_reference import free_port, join_ranks
 
@@ -57,16 +58,8 @@ def make_engine(path: str, kernels: str, tp: int = 1, k: int = 0, **kw) -> LLMEn
 
 def generate(engine: LLMEngine, greedy: SamplingParams = GREEDY, seeded: SamplingParams = SEEDED) -> dict:
     """Every prompt greedy and the first one seeded, added together; {rid: token ids}."""
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"g{i}", p, greedy)
-    engine.add_request("seeded", PROMPTS[0], seeded)
-    got = {}
-    for _ in range(200):
-        for o in engine.step():
-            got[o.request_id] = got.get(o.request_id, []) + o.token_ids
-        if not engine.has_unfinished():
-            return got
-    raise AssertionError("requests did not finish")
+    done, _ = run(engine, [(f"g{i}", p, greedy) for i, p in enumerate(PROMPTS)] + [("seeded", PROMPTS[0], seeded)])
+    return {rid: out[0] for rid, out in done.items()}
 
 
 def _worker(rank, port, path, kernels, out_path, k=0, kw=None, params=()):
