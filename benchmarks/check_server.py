@@ -338,12 +338,21 @@ async def check_disconnect(ctx: Ctx) -> None:
     await wait_idle(ctx, "before the test")
     before = await ctx.metric("qwen35_total_completion_tokens")
     async with ctx.http.stream("POST", "/v1/chat/completions", json={**payload, "stream": True}) as r:
-        events = 0
-        async for line in r.aiter_lines():  # leaving after a few events closes the connection
-            events += line.startswith("data: ")
-            if events == 3:
+        tokens = 0
+        async for line in r.aiter_lines():  # leaving after a few tokens closes the connection
+            if line.startswith("data: "):
+                assert line != "data: [DONE]", f"the stream ended after {tokens} tokens of {max_tokens}"
+                event = orjson.loads(line[6:])
+                assert "choices" in event, f"the streamed request failed: {line[:300]}"
+                tokens += bool(event["choices"][0]["delta"].get("content"))
+            if tokens == 3:
                 break
-        assert await ctx.metric("qwen35_num_running") == 1, "the streamed request is not running"
+        # /metrics is a snapshot taken between steps, so it may lag the stream by a step
+        running, t0 = await ctx.metric("qwen35_num_running"), time.perf_counter()
+        while running != 1 and time.perf_counter() - t0 < 5.0:
+            await asyncio.sleep(0.05)
+            running = await ctx.metric("qwen35_num_running")
+        assert running == 1, f"the streamed request is not running: qwen35_num_running {running:g}"
     await wait_idle(ctx, "after a streaming client left")
     async with httpx.AsyncClient(base_url=ctx.http.base_url, headers=ctx.http.headers, timeout=3.0) as short:
         call = asyncio.ensure_future(short.post("/v1/chat/completions", json=payload))
