@@ -89,6 +89,31 @@ def _tp_worker(rank, world, port, make_runner, path, plans, out_file, kernels):
     parallel.destroy()
 
 
+def run_tp_engine(world: int, make, drive, out_file: str, device: str = "cpu", hang_s: float | None = None,
+                  **env: str):
+    """drive(engine)'s result from an engine at TP=world on spawned ranks (gloo on the CPU, NCCL on GPUs): every
+    rank builds make() (module-level functions, or functools.partial of them, so that they reach the spawned
+    ranks); rank 0 runs drive, then shuts the engine down, which ends the other ranks' worker loops."""
+    torch.multiprocessing.spawn(_engine_rank, args=(world, free_port(), device, make, drive, out_file, hang_s, env),
+                                nprocs=world)
+    return torch.load(out_file)
+
+
+def _engine_rank(rank, world, port, device, make, drive, out_file, hang_s, env):
+    join_ranks(rank, world, port, device, hang_s, **env)
+    from dist import parallel
+    try:
+        engine = make()
+        if rank == 0:
+            result = drive(engine)
+            engine.shutdown()
+            torch.save(result, out_file)
+        else:
+            engine.run_worker_loop()
+    finally:
+        parallel.destroy()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

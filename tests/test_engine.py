@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 import textwrap
+from functools import partial
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from qwen35.tokenizer import BYTE_TO_CHAR, IncrementalDetokenizer, load_tokenize
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 
-from hf_reference import free_port, join_ranks
+from hf_reference import free_port, join_ranks, run_tp_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS = [248046, 248044]  # <|im_end|>, <|endoftext|>
@@ -506,26 +507,15 @@ def test_gpu_queueing_a_step_never_waits_for_the_device(tiny_dir):
     assert got[True] == got[False]
 
 
-def _tp_worker(rank, port, tiny_dir, cache_dir, out_path):
-    join_ranks(rank, 2, port, "cpu", QWEN35_CACHE=cache_dir)
-    from dist import parallel
-    try:
-        eng = make_engine(tiny_dir, tp=2)
-        if rank == 0:
-            reqs = [(f"r{i}", PROMPTS[i], GREEDY) for i in (0, 1, 3)] + [("seeded", PROMPTS[2], SEEDED)]
-            done, _ = run(eng, reqs, arrive_every=1)
-            eng.shutdown()
-            torch.save({k: v[0] for k, v in done.items()}, out_path)
-        else:
-            eng.run_worker_loop()
-    finally:
-        parallel.destroy()
+def tp2_tokens(engine: LLMEngine) -> dict:
+    reqs = [(f"r{i}", PROMPTS[i], GREEDY) for i in (0, 1, 3)] + [("seeded", PROMPTS[2], SEEDED)]
+    done, _ = run(engine, reqs, arrive_every=1)
+    return {k: v[0] for k, v in done.items()}
 
 
 def test_tp2_matches_tp1(engine, hf_tokens, tiny_dir, cache_dir, tmp_path):
-    out = tmp_path / "tp2.pt"
-    torch.multiprocessing.spawn(_tp_worker, args=(free_port(), tiny_dir, cache_dir, str(out)), nprocs=2)
-    got = torch.load(out)
+    got = run_tp_engine(2, partial(make_engine, tiny_dir, tp=2), tp2_tokens, str(tmp_path / "tp2.pt"),
+                        QWEN35_CACHE=cache_dir)
     for i in (0, 1, 3):
         assert got[f"r{i}"] == hf_tokens[i]
     tp1, _ = run(engine, [("seeded", PROMPTS[2], SEEDED)])

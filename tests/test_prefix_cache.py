@@ -4,11 +4,12 @@ sampling, overlapped loop and serial loop, both kernel sets), for repeated promp
 a resent conversation, chunks cut across snapshot positions, eviction by snapshot count and by KV pressure, aborts,
 and TP=2. The counters (/metrics names) say what hit."""
 import random
+from functools import partial
 
 import pytest
 import torch
 
-from hf_reference import free_port, join_ranks
+from hf_reference import run_tp_engine
 from qwen35.engine import EngineArgs, LLMEngine
 from qwen35.sampling_params import SamplingParams
 
@@ -205,27 +206,15 @@ def test_bad_flags_are_refused(tiny_dir):
         make(tiny_dir, prefix_cache_snapshots=0)
 
 
-def _tp_worker(rank, port, tiny_dir, out_path):
-    join_ranks(rank, 2, port, "cpu")
-    from dist import parallel
-    try:
-        eng = make(tiny_dir, tp=2)
-        if rank == 0:
-            got = run(eng, [(f"{kind}f{i}", p, params) for i, p in enumerate(FEW_SHOT[:3]) for kind, params in KINDS],
-                      arrive_every=6)
-            eng.shutdown()
-            torch.save({"tokens": got, "stats": eng.stats()}, out_path)
-        else:
-            eng.run_worker_loop()
-    finally:
-        parallel.destroy()
+def tokens_and_stats(engine: LLMEngine) -> dict:
+    got = run(engine, [(f"{kind}f{i}", p, params) for i, p in enumerate(FEW_SHOT[:3]) for kind, params in KINDS],
+              arrive_every=6)
+    return {"tokens": got, "stats": engine.stats()}
 
 
 def test_tp2_with_the_cache_matches(tiny_dir, expected, tmp_path):
     """At TP=2 the checkpoints and copies reach both ranks in the plan: the tokens are those of TP=1 without it."""
-    out = tmp_path / "tp2.pt"
-    torch.multiprocessing.spawn(_tp_worker, args=(free_port(), tiny_dir, str(out)), nprocs=2)
-    res = torch.load(out)
+    res = run_tp_engine(2, partial(make, tiny_dir, tp=2), tokens_and_stats, str(tmp_path / "tp2.pt"))
     assert res["tokens"] == {rid: expected[rid] for rid in res["tokens"]}
     assert res["stats"]["prefix_cache_hits"] >= 4
 

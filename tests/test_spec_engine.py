@@ -16,6 +16,7 @@ on the tiny preset, fp32, CPU, torch kernels.
   without speculation.
 """
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -158,28 +159,20 @@ def tp_requests():
             ("g2", PROMPTS[2], SamplingParams(max_tokens=9, ignore_eos=True)), ("seeded", PROMPTS[3], SEEDED)]
 
 
-def _tp_worker(rank, port, tiny_dir, cache_dir, out_path, k=2, device="cpu", kw=None):
-    from hf_reference import join_ranks
-    join_ranks(rank, 2, port, device, QWEN35_CACHE=cache_dir)
-    from dist import parallel
-    try:
-        eng = make(tiny_dir, k, tp=2, **(kw or {}))
-        if rank == 0:
-            done, _ = run(eng, tp_requests())
-            accepted = eng.stats()["spec_accepted_tokens"]
-            eng.shutdown()
-            torch.save(({rid: v[0] for rid, v in done.items()}, accepted), out_path)
-        else:
-            eng.run_worker_loop()
-    finally:
-        parallel.destroy()
+def tp_tokens_and_accepted(engine: LLMEngine) -> tuple[dict, int]:
+    done, _ = run(engine, tp_requests())
+    return {rid: v[0] for rid, v in done.items()}, engine.stats()["spec_accepted_tokens"]
+
+
+def run_tp2(tiny_dir, cache_dir, out, k=2, **kw) -> tuple[dict, int]:
+    """tp_requests' tokens and the accepted drafts at TP=2 (kw: the engine's, its device that of the ranks)."""
+    from hf_reference import run_tp_engine
+    return run_tp_engine(2, partial(make, tiny_dir, k, tp=2, **kw), tp_tokens_and_accepted, str(out),
+                         kw.get("device", "cpu"), QWEN35_CACHE=cache_dir)
 
 
 def test_tp2_matches_tp1(tiny_dir, cache_dir, tmp_path):
-    from hf_reference import free_port
-    out = tmp_path / "tp2.pt"
-    torch.multiprocessing.spawn(_tp_worker, args=(free_port(), tiny_dir, cache_dir, str(out)), nprocs=2)
-    got, accepted = torch.load(out)
+    got, accepted = run_tp2(tiny_dir, cache_dir, tmp_path / "tp2.pt")
     assert accepted > 0
     tp1, _ = run(make(tiny_dir, 2), tp_requests())
     assert got == {k: v[0] for k, v in tp1.items()}
@@ -210,14 +203,10 @@ def test_gpu_tp2_outputs_equal_speculation_off(tiny_dir, cache_dir, tmp_path):
     """TP=2 on two GPUs (NCCL, bf16, fast kernels, verify graphs with the shard passes): greedy and seeded sampled
     outputs with k = 2 equal those without speculation (the seeded row: exact in distribution only, so compared
     by length), and drafts were accepted (none without speculation)."""
-    from hf_reference import free_port
-    kw = dict(device="cuda", dtype="bfloat16", kernels="fast")
     got = {}
     for k in (0, 2):
-        out = tmp_path / f"tp2_k{k}.pt"
-        torch.multiprocessing.spawn(_tp_worker, args=(free_port(), tiny_dir, cache_dir, str(out), k, "cuda", kw),
-                                    nprocs=2)
-        got[k], accepted = torch.load(out)
+        got[k], accepted = run_tp2(tiny_dir, cache_dir, tmp_path / f"tp2_k{k}.pt", k, device="cuda",
+                                   dtype="bfloat16", kernels="fast")
         assert accepted > 0 if k else accepted == 0
     for rid in ("g0", "g2"):
         assert got[2][rid] == got[0][rid], rid

@@ -9,6 +9,7 @@ took 678 s at TP=1 alone (its 248K-column LM head and sampler each step); their 
 peers (tests/test_allreduce.py, tests/test_push.py) and their kernels at TP=8 rank shapes on the GPU.
 """
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from qwen35.engine import EngineArgs, LLMEngine
 from qwen35.sampling_params import SamplingParams
 from tests.test_engine import run
 
-from hf_reference import free_port, join_ranks
+from hf_reference import run_tp_engine
 
 TP = 8
 N_NEW = 12
@@ -62,26 +63,19 @@ def generate(engine: LLMEngine, greedy: SamplingParams = GREEDY, seeded: Samplin
     return {rid: out[0] for rid, out in done.items()}
 
 
-def _worker(rank, port, path, kernels, out_path, k=0, kw=None, params=()):
-    join_ranks(rank, TP, port, "cpu", hang_s=600)
-    from dist import parallel
-    try:
-        engine = make_engine(path, kernels, tp=TP, k=k, **(kw or {}))
-        if rank == 0:
-            got = generate(engine, *params)
-            got["accepted"] = engine.stats()["spec_accepted_tokens"]
-            engine.shutdown()
-            torch.save(got, out_path)
-        else:
-            engine.run_worker_loop()
-    finally:
-        parallel.destroy()
+def generated_and_accepted(engine: LLMEngine, params=()) -> dict:
+    got = generate(engine, *params)
+    got["accepted"] = engine.stats()["spec_accepted_tokens"]
+    return got
+
+
+def run_tp8(ckpt: str, out, k: int = 0, params=(), **kw) -> dict:
+    return run_tp_engine(TP, partial(make_engine, ckpt, "torch", tp=TP, k=k, **kw),
+                         partial(generated_and_accepted, params=params), str(out), hang_s=600)
 
 
 def test_tp8_gives_transformers_greedy_tokens_and_tp1_sampled_ones(ckpt, hf_tokens, tmp_path):
-    out = tmp_path / "tp8.pt"
-    torch.multiprocessing.spawn(_worker, args=(free_port(), ckpt, "torch", str(out)), nprocs=TP)
-    got = torch.load(out)
+    got = run_tp8(ckpt, tmp_path / "tp8.pt")
     for i, want in enumerate(hf_tokens):
         assert got[f"g{i}"] == want, f"prompt {i}"
     tp1 = generate(make_engine(ckpt, "torch"))
@@ -95,10 +89,7 @@ def test_tp8_speculation_gives_the_tokens_of_no_speculation(ckpt, tmp_path):
     (EOS ignored rather than suppressed: no drafts are proposed while a request's stop ids are suppressed.)"""
     params = (SamplingParams(max_tokens=N_NEW, ignore_eos=True),
               SamplingParams(temperature=1.0, top_p=0.9, max_tokens=N_NEW, seed=11, ignore_eos=True))
-    out = tmp_path / "tp8_spec.pt"
-    torch.multiprocessing.spawn(_worker, args=(free_port(), ckpt, "torch", str(out), 2, {"load_format": "dummy-spec"},
-                                               params), nprocs=TP)
-    got = torch.load(out)
+    got = run_tp8(ckpt, tmp_path / "tp8_spec.pt", k=2, params=params, load_format="dummy-spec")
     assert got["accepted"] > 0
     off = generate(make_engine(ckpt, "torch", k=0, load_format="dummy-spec"), *params)
     for i in range(len(PROMPTS)):
