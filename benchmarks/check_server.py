@@ -61,12 +61,16 @@ class Ctx:
         assert done, "the stream did not end with data: [DONE]"
         return r.headers, events
 
-    async def metric(self, name: str) -> float:
+    async def metrics(self, *names: str) -> tuple[float, ...]:
+        """The values of `names` from one read of /metrics (each name's line "name value")."""
         text = (await self.http.get("/metrics")).text
-        for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise AssertionError(f"/metrics has no {name}")
+        values = dict(line.split()[:2] for line in text.splitlines() if line and not line.startswith("#"))
+        missing = [name for name in names if name not in values]
+        assert not missing, f"/metrics has no {', '.join(missing)}"
+        return tuple(float(values[name]) for name in names)
+
+    async def metric(self, name: str) -> float:
+        return (await self.metrics(name))[0]
 
 
 def ok_json(r: httpx.Response) -> dict:
@@ -243,9 +247,9 @@ async def check_invocations(ctx: Ctx) -> None:
 async def check_metrics(ctx: Ctx) -> None:
     r = await ctx.http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.status_code
-    for name in ("num_running", "num_waiting", "total_prompt_tokens", "total_completion_tokens", "last_step_time_s",
-                 "kv_blocks_used", "kv_blocks_total", "state_slots_used", "state_slots_total"):
-        await ctx.metric("qwen35_" + name)
+    await ctx.metrics(*("qwen35_" + name for name in (
+        "num_running", "num_waiting", "total_prompt_tokens", "total_completion_tokens", "last_step_time_s",
+        "kv_blocks_used", "kv_blocks_total", "state_slots_used", "state_slots_total")))
 
 
 def bad_requests(ctx: Ctx) -> list[tuple[str, str, object]]:
@@ -322,12 +326,18 @@ async def check_auth(ctx: Ctx) -> None:
         assert (await bare.get("/health")).status_code == 200, "/health must not need the key"
 
 
-async def wait_idle(ctx: Ctx, when: str, timeout: float = 15.0) -> None:
-    """Wait until the server runs no request; fails after `timeout` seconds."""
+async def wait_load(ctx: Ctx, running: int, waiting: int, when: str, timeout: float) -> None:
+    """Wait until /metrics counts `running` and `waiting` requests; fails after `timeout` seconds. (/metrics is a
+    snapshot the engine takes between steps, so it may lag what a client has read by a step.)"""
     t0 = time.perf_counter()
-    while (busy := (await ctx.metric("qwen35_num_running"), await ctx.metric("qwen35_num_waiting"))) != (0, 0):
-        assert time.perf_counter() - t0 < timeout, f"{when}: (running, waiting) still {busy} after {timeout} s"
-        await asyncio.sleep(0.1)
+    while (load := await ctx.metrics("qwen35_num_running", "qwen35_num_waiting")) != (running, waiting):
+        assert time.perf_counter() - t0 < timeout, \
+            f"{when}: (running, waiting) {load} after {timeout} s, not {(running, waiting)}"
+        await asyncio.sleep(0.05)
+
+
+async def wait_idle(ctx: Ctx, when: str, timeout: float = 15.0) -> None:
+    await wait_load(ctx, 0, 0, when, timeout)
 
 
 @check
@@ -347,12 +357,7 @@ async def check_disconnect(ctx: Ctx) -> None:
                 tokens += bool(event["choices"][0]["delta"].get("content"))
             if tokens == 3:
                 break
-        # /metrics is a snapshot taken between steps, so it may lag the stream by a step
-        running, t0 = await ctx.metric("qwen35_num_running"), time.perf_counter()
-        while running != 1 and time.perf_counter() - t0 < 5.0:
-            await asyncio.sleep(0.05)
-            running = await ctx.metric("qwen35_num_running")
-        assert running == 1, f"the streamed request is not running: qwen35_num_running {running:g}"
+        await wait_load(ctx, 1, 0, "the streamed request is not running", 5.0)
     await wait_idle(ctx, "after a streaming client left")
     async with httpx.AsyncClient(base_url=ctx.http.base_url, headers=ctx.http.headers, timeout=3.0) as short:
         call = asyncio.ensure_future(short.post("/v1/chat/completions", json=payload))
