@@ -1,6 +1,7 @@
 """Tiny transformers reference models (test-only dependency) and helpers shared by the model tests."""
 from __future__ import annotations
 
+import functools
 import socket
 
 import torch
@@ -51,15 +52,6 @@ def hf_decode_logits(model, prompt: list[int], steps: list[int]) -> list[torch.T
     return out
 
 
-def run_tp(world: int, make_runner, path: str, plans, kernels: str, out_file: str) -> list[torch.Tensor]:
-    """The plans' logits at TP=world over gloo: spawned ranks, each building its runner with make_runner(path,
-    kernels=kernels) (a module-level function, so that it reaches the spawned ranks) and executing every plan."""
-    import torch.multiprocessing as mp
-    mp.start_processes(_tp_worker, args=(world, free_port(), make_runner, path, plans, out_file, kernels),
-                       nprocs=world, join=True, start_method="spawn")
-    return torch.load(out_file)
-
-
 def join_ranks(rank: int, world: int, port: int, device: str, hang_s: float | None = None, **env: str) -> None:
     """A spawned rank's start: the launcher's environment (and `env`), then the process group (device "cpu": gloo,
     one torch thread per rank, as the ranks share the machine's cores; "cuda": NCCL and this rank's GPU). With
@@ -78,40 +70,52 @@ def join_ranks(rank: int, world: int, port: int, device: str, hang_s: float | No
     parallel.init_distributed(device)
 
 
-def _tp_worker(rank, world, port, make_runner, path, plans, out_file, kernels):
+def run_ranks(world: int, work, out_file: str, device: str = "cpu", hang_s: float | None = None, **env: str):
+    """Rank 0's work() from `world` spawned ranks (join_ranks: gloo on the CPU, NCCL on GPUs). work is a
+    module-level function, or a functools.partial of one, so that it reaches the spawned ranks; every rank runs it."""
+    torch.multiprocessing.spawn(_rank, args=(world, free_port(), device, work, out_file, hang_s, env), nprocs=world)
+    return torch.load(out_file)
+
+
+def _rank(rank, world, port, device, work, out_file, hang_s, env):
+    join_ranks(rank, world, port, device, hang_s, **env)
     from dist import parallel
-    join_ranks(rank, world, port, "cpu")
-    torch.set_num_threads(1)
+    try:
+        result = work()
+        if rank == 0:
+            torch.save(result, out_file)
+    finally:
+        parallel.destroy()
+
+
+def run_tp(world: int, make_runner, path: str, plans, kernels: str, out_file: str) -> list[torch.Tensor]:
+    """The plans' logits at TP=world over gloo: each rank builds its runner with make_runner(path, kernels=kernels)
+    (a module-level function, so that it reaches the spawned ranks) and executes every plan."""
+    return run_ranks(world, functools.partial(_execute, make_runner, path, plans, kernels), out_file)
+
+
+def _execute(make_runner, path, plans, kernels):
     runner = make_runner(path, kernels=kernels)
-    results = [runner.execute(p) for p in plans]
-    if rank == 0:
-        torch.save(results, out_file)
-    parallel.destroy()
+    return [runner.execute(p) for p in plans]
 
 
 def run_tp_engine(world: int, make, drive, out_file: str, device: str = "cpu", hang_s: float | None = None,
                   **env: str):
-    """drive(engine)'s result from an engine at TP=world on spawned ranks (gloo on the CPU, NCCL on GPUs): every
-    rank builds make() (module-level functions, or functools.partial of them, so that they reach the spawned
-    ranks); rank 0 runs drive, then shuts the engine down, which ends the other ranks' worker loops."""
-    torch.multiprocessing.spawn(_engine_rank, args=(world, free_port(), device, make, drive, out_file, hang_s, env),
-                                nprocs=world)
-    return torch.load(out_file)
+    """drive(engine)'s result from an engine at TP=world on spawned ranks: every rank builds make() (module-level
+    functions, or functools.partial of them); rank 0 runs drive, then shuts the engine down, which ends the other
+    ranks' worker loops."""
+    return run_ranks(world, functools.partial(_serve, make, drive), out_file, device, hang_s, **env)
 
 
-def _engine_rank(rank, world, port, device, make, drive, out_file, hang_s, env):
-    join_ranks(rank, world, port, device, hang_s, **env)
+def _serve(make, drive):
     from dist import parallel
-    try:
-        engine = make()
-        if rank == 0:
-            result = drive(engine)
-            engine.shutdown()
-            torch.save(result, out_file)
-        else:
-            engine.run_worker_loop()
-    finally:
-        parallel.destroy()
+    engine = make()
+    if parallel.tp_rank() != 0:
+        engine.run_worker_loop()
+        return None
+    result = drive(engine)
+    engine.shutdown()
+    return result
 
 
 def free_port() -> int:

@@ -7,6 +7,7 @@ follow it two ahead, and at temperature 1 the acceptance that layers/spec_sampli
 Module-level tests: the caches (the head's KV, the main model's) are allocated here, the batches built here.
 fp32 throughout; TOL is the agreement of two computations of the same fp32 function."""
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from qwen35.config import ModelConfig
 from qwen35.model import Qwen35Model
 from qwen35.mtp import attach_mtp, catch_up, propose
 from qwen35.synth_spec import LAYER_SCALE, init_spec_weights, regular_tokens, successor_cycle
-from tests.hf_reference import free_port, join_ranks
+from tests.hf_reference import run_ranks
 
 TOL = 1e-5
 BLOCK = 16
@@ -333,17 +334,7 @@ def test_sampled_drafts_return_their_distribution(ckpts):
 
 
 # ------------------------------------------------------------------------------------------------ TP=2
-def _tp2_worker(rank, world, port, path, kernels, out_file):
-    from dist import parallel
-    join_ranks(rank, world, port, "cpu")
-    torch.set_num_threads(1)
-    with torch.inference_mode():
-        result = _drafting_run(path, kernels)
-    if rank == 0:
-        torch.save(result, out_file)
-    parallel.destroy()
-
-
+@torch.inference_mode()
 def _drafting_run(path, kernels):
     """Prefill two prompts, draft 3 tokens each (greedy, then sampled): the head's hidden, drafts and q."""
     cfg = ModelConfig.from_dir(path)
@@ -363,13 +354,8 @@ def _drafting_run(path, kernels):
 def test_tensor_parallel_2_equals_1(ckpts, tmp_path):
     """(The fast kernels' TP=2 paths are the layers', which tests/test_model.py runs; the head's fast kernels at
     TP=1: test_forward_matches_the_spec.)"""
-    import torch.multiprocessing as mp
-    with torch.inference_mode():
-        single = _drafting_run(ckpts["small"], "torch")
-    out_file = str(tmp_path / "tp2.pt")
-    mp.start_processes(_tp2_worker, args=(2, free_port(), ckpts["small"], "torch", out_file), nprocs=2,
-                       join=True, start_method="spawn")
-    tp2 = torch.load(out_file)
+    single = _drafting_run(ckpts["small"], "torch")
+    tp2 = run_ranks(2, functools.partial(_drafting_run, ckpts["small"], "torch"), str(tmp_path / "tp2.pt"))
     assert (single[0] - tp2[0]).abs().max().item() <= TOL
     assert torch.equal(single[1], tp2[1]) and torch.equal(single[2], tp2[2])
     assert (single[3] - tp2[3]).abs().max().item() <= TOL
